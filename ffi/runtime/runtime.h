@@ -1,0 +1,40 @@
+// Process-wide communication runtime: one process per GPU, NVSHMEM symmetric heap.
+//
+// Kernels never talk to NVSHMEM's host API directly; they receive a Transport
+// (peer base pointers of the symmetric buffer) so that a CUDA-peer-access or an
+// RDMA transport can replace NVSHMEM later without touching the kernels' callers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace jax_ep {
+
+// What a kernel needs to reach its peers. All pointers are device pointers.
+struct Transport {
+  int rank = -1;             // this process's PE == index along the EP mesh axis
+  int num_ranks = 0;         // PEs taking part
+  void* local = nullptr;     // this PE's symmetric buffer
+  size_t bytes = 0;          // usable bytes of the symmetric buffer (same on every PE)
+  void* const* peers = nullptr;  // device array [num_ranks]: base of PE r's symmetric buffer
+                                 // as mapped into this process (nvshmem_ptr); peers[rank] == local
+};
+
+// Returns nullptr when initialize() has not run (the FFI handlers turn that into an error).
+const Transport* transport();
+
+// Host side, called from Python through the nanobind module.
+struct InitOptions {
+  int rank = 0;
+  int num_ranks = 1;
+  int local_device = 0;          // CUDA device of this process
+  size_t buffer_bytes = 0;       // symmetric buffer size per PE
+  std::string unique_id;         // bytes of nvshmemx_uniqueid_t (from process 0)
+};
+std::string create_unique_id();                 // process 0 only
+void initialize(const InitOptions& options);    // throws std::runtime_error with a clear message
+void finalize();                                // idempotent
+bool is_initialized();
+
+}  // namespace jax_ep
