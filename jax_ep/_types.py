@@ -1,0 +1,124 @@
+"""Data types shared by the public API and every backend.
+
+The layout contract (both backends produce exactly this; the reference backend is its
+executable specification). Per device, inside ``shard_map`` over the EP axis of size R,
+with T local tokens, top-k K, E experts, L = E // R local experts, C = capacity:
+
+* ``rank_major`` (DeepEP's layout): one row per (token, destination rank) pair, a token
+  is sent once to each rank that holds any of its experts. Rows are ordered by
+  (source rank, source token index). Rows at positions >= C are dropped and counted.
+* ``expert_major`` (ready for ``jax.lax.ragged_dot``): one row per (token, k) pair whose
+  expert lives here. Rows are grouped by local expert; each group starts at
+  ``start[e] = sum_{e' < e} round_up(n[e'], alignment)`` (n = pairs for e, all sources),
+  and inside a group rows are ordered by (source rank, source token, k). Pairs whose
+  position is >= C are dropped and counted.
+
+Unused rows (padding, past the received count) have zero data, topk_idx -1, weight 0,
+and -1 in every handle array.
+
+Combine (sum in float32, fixed order, then cast to y's dtype):
+* rank_major:   out[t] = sum over ranks r ascending of w_row * y_row(t, r)
+* expert_major: out[t] = sum over k ascending of w_row * y_row(t, k)
+where w_row is the optional per-row weight (1 when not given) and dropped rows add zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+
+RANK_MAJOR = "rank_major"
+EXPERT_MAJOR = "expert_major"
+LAYOUTS = (RANK_MAJOR, EXPERT_MAJOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchConfig:
+    """Static description of one dispatch; hashable, travels as static pytree metadata."""
+
+    num_experts: int
+    num_ranks: int
+    num_tokens: int  # local tokens per rank (the same on every rank: shard_map shapes)
+    hidden: int
+    num_topk: int
+    capacity: int
+    layout: str = RANK_MAJOR
+    alignment: int = 1
+    axis_name: Any = None
+    backend: str = "reference"
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """Routing state of one dispatch, reused by combine and by both backward passes.
+
+    Arrays (per device):
+      topk_idx:   [T, K] int32  the source's global expert ids (-1 = none).
+      send_slot:  rank_major [T, R] / expert_major [T, K] int32: row index at the
+                  destination where this (token, rank) / (token, k) pair landed;
+                  -1 when nothing was sent or the row was dropped.
+      src_rank:   [C] int32  source rank of each received row (-1 = unused row).
+      src_token:  [C] int32  source token index of each received row (-1 = unused).
+      src_k:      [C] int32  expert_major: top-k slot of each row; rank_major: all -1.
+      num_received: [] int32 rows used (the largest used row index + 1).
+    """
+
+    topk_idx: jax.Array
+    send_slot: jax.Array
+    src_rank: jax.Array
+    src_token: jax.Array
+    src_k: jax.Array
+    num_received: jax.Array
+    config: DispatchConfig
+
+    def tree_flatten(self):
+        children = (self.topk_idx, self.send_slot, self.src_rank, self.src_token,
+                    self.src_k, self.num_received)
+        return children, self.config
+
+    @classmethod
+    def tree_unflatten(cls, config, children):
+        return cls(*children, config=config)
+
+
+class DispatchOutput(NamedTuple):
+    """What ``dispatch`` returns on every device.
+
+    x:            [C, H] received rows (bf16/f32), or FP8 e4m3 data when dispatching FP8.
+    x_scales:     [C, H // 128] float32 block scales for FP8, else None.
+    topk_idx:     rank_major [C, K] local expert ids (-1 = expert not here / unused row);
+                  expert_major [C] local expert id of each row (-1 = padding / unused).
+    topk_weights: same shape as topk_idx, float32 (0 where the id is -1).
+    tokens_per_expert: [L] int32 received (kept) pairs per local expert.
+    group_sizes:  [L] int32 rows per local expert group as laid out (expert_major:
+                  aligned and clipped to capacity, sums to <= C; rank_major: equal to
+                  tokens_per_expert).
+    num_received: [] int32 rows in use.
+    num_dropped:  [] int32 rows addressed to this rank that did not fit in the capacity.
+    handle:       DispatchHandle for combine and the backward passes.
+    """
+
+    x: jax.Array
+    x_scales: jax.Array | None
+    topk_idx: jax.Array
+    topk_weights: jax.Array
+    tokens_per_expert: jax.Array
+    group_sizes: jax.Array
+    num_received: jax.Array
+    num_dropped: jax.Array
+    handle: DispatchHandle
+
+
+class DispatchLayout(NamedTuple):
+    """``get_dispatch_layout`` result (DeepEP's semantics; -1 ids are ignored)."""
+
+    num_tokens_per_rank: jax.Array  # [R] int32 tokens with at least one expert on rank r
+    num_tokens_per_expert: jax.Array  # [E] int32 (token, k) pairs per global expert
+    is_token_in_rank: jax.Array  # [T, R] bool

@@ -1,0 +1,275 @@
+"""Public API: layout, dispatch and combine with their autodiff rules, backend-agnostic.
+
+Everything here runs per device inside ``jax.shard_map`` over the expert-parallel mesh axis
+whose name the caller passes. Arguments are validated at trace time; the numbers travel
+to the chosen backend (``jax_ep.reference`` or the CUDA kernels), which share one contract.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import fp8 as _fp8
+from jax_ep import reference as _reference
+from jax_ep._types import (
+    EXPERT_MAJOR,
+    LAYOUTS,
+    RANK_MAJOR,
+    DispatchConfig,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+)
+
+BACKENDS = ("auto", "reference", "cuda")
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------- backends
+
+def _cuda_module():
+    from jax_ep import _cuda  # imported lazily: needs nothing on CPU-only installs
+
+    return _cuda
+
+
+def cuda_available() -> tuple[bool, str]:
+    """Whether the CUDA backend can run here, and why not."""
+    try:
+        cuda = _cuda_module()
+    except ImportError as e:  # pragma: no cover - depends on the install
+        return False, f"jax_ep CUDA backend could not be imported: {e}"
+    return cuda.is_available()
+
+
+def _resolve_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "reference":
+        return name
+    ok, why = cuda_available()
+    if name == "cuda" and not ok:
+        raise RuntimeError(f"backend='cuda' cannot run: {why}")
+    return "cuda" if ok else "reference"
+
+
+def _backend_module(name: str):
+    return _cuda_module() if name == "cuda" else _reference
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _axis_size(axis_name) -> int:
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except (NameError, ValueError) as e:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not a bound mesh axis: call jax_ep inside "
+            "jax.shard_map over the expert-parallel axis") from e
+
+
+def _check_topk(topk_idx, num_experts, num_ranks, what="dispatch"):
+    if topk_idx.ndim != 2:
+        raise ValueError(f"{what}: topk_idx must be [tokens, top_k], got shape {topk_idx.shape}")
+    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+        raise TypeError(f"{what}: topk_idx must be an integer array, got {topk_idx.dtype}")
+    if int(num_experts) < 1:
+        raise ValueError(f"{what}: num_experts must be >= 1, got {num_experts}")
+    if num_experts % num_ranks:
+        raise ValueError(
+            f"{what}: num_experts={num_experts} is not divisible by the expert-parallel size "
+            f"{num_ranks}")
+    if not isinstance(topk_idx, jax.core.Tracer):
+        ids = np.asarray(topk_idx)
+        bad = (ids < -1) | (ids >= num_experts)
+        if bad.any():
+            raise ValueError(
+                f"{what}: topk_idx holds {int(bad.sum())} ids outside [-1, {num_experts}) "
+                f"(e.g. {int(ids[bad][0])}); -1 means 'no expert'")
+    return topk_idx.astype(jnp.int32)
+
+
+def _split_x(x):
+    """x is an array, or an FP8 pair (e4m3 data [T, H], float32 scales [T, H/128])."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError("an FP8 input is a pair (data, scales)")
+        data, scales = x
+        if data.dtype != jnp.float8_e4m3fn:
+            raise TypeError(f"FP8 data must be float8_e4m3fn, got {data.dtype}")
+        if data.ndim != 2 or data.shape[1] % _fp8.BLOCK:
+            raise ValueError(
+                f"FP8 data must be [tokens, hidden] with hidden divisible by {_fp8.BLOCK}, "
+                f"got {data.shape}")
+        want = (data.shape[0], data.shape[1] // _fp8.BLOCK)
+        if scales.shape != want or scales.dtype != jnp.float32:
+            raise ValueError(f"FP8 scales must be float32 {want}, got {scales.dtype} {scales.shape}")
+        return data, scales
+    if x.ndim != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x must be bfloat16, float16 or float32 (or an FP8 pair), got {x.dtype}")
+    return x, None
+
+
+def default_capacity(num_tokens, num_ranks, num_topk, num_local_experts, layout=RANK_MAJOR,
+                     alignment=1) -> int:
+    """The worst case: nothing is ever dropped."""
+    if layout == EXPERT_MAJOR:
+        return num_ranks * num_tokens * num_topk + num_local_experts * (alignment - 1)
+    return num_ranks * num_tokens
+
+
+# ----------------------------------------------------------------------------- layout
+
+def get_dispatch_layout(topk_idx, num_experts, *, axis_name=None, num_ranks=None,
+                        backend="auto") -> DispatchLayout:
+    """Tokens per rank, (token, k) pairs per expert and the token-in-rank mask.
+
+    Needs no communication. ``num_ranks`` defaults to the size of ``axis_name``.
+    """
+    if num_ranks is None:
+        if axis_name is None:
+            raise ValueError("get_dispatch_layout needs axis_name or num_ranks")
+        num_ranks = _axis_size(axis_name)
+    topk_idx = _check_topk(topk_idx, num_experts, num_ranks, "get_dispatch_layout")
+    module = _backend_module(_resolve_backend(backend))
+    return module.layout(topk_idx, num_experts=int(num_experts), num_ranks=int(num_ranks))
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity=None,
+             layout=RANK_MAJOR, expert_alignment=1, backend="auto") -> DispatchOutput:
+    """Send each token to the ranks holding its experts. See ``jax_ep._types`` for the layout.
+
+    Args:
+      x: [T, H] bfloat16/float16/float32 tokens, or an FP8 pair from ``quantize_fp8``.
+      topk_idx: [T, K] integer global expert ids; -1 means no expert.
+      topk_weights: [T, K] gate weights (float32 on the wire); defaults to ones.
+      num_experts: total experts E, divisible by the size R of ``axis_name``.
+      axis_name: the expert-parallel mesh axis (rank r holds experts [r*E/R, (r+1)*E/R)).
+      capacity: rows of every output (static); default: the worst case, nothing dropped.
+      layout: ``"rank_major"`` (deduplicated per rank, DeepEP's) or ``"expert_major"``.
+      expert_alignment: expert_major only: each group is padded to a multiple of this.
+      backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
+    """
+    data, scales = _split_x(x)
+    num_ranks = _axis_size(axis_name)
+    topk_idx = _check_topk(topk_idx, num_experts, num_ranks)
+    T, H = data.shape
+    if topk_idx.shape[0] != T:
+        raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens but x has {T}")
+    K = topk_idx.shape[1]
+    if topk_weights is None:
+        topk_weights = jnp.ones((T, K), jnp.float32)
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_weights shape {topk_weights.shape} must match topk_idx shape {topk_idx.shape}")
+    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if int(expert_alignment) < 1:
+        raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+    if layout == RANK_MAJOR and expert_alignment != 1:
+        raise ValueError("expert_alignment applies to layout='expert_major' only")
+    L = num_experts // num_ranks
+    if capacity is None:
+        capacity = default_capacity(T, num_ranks, K, L, layout, expert_alignment)
+    if int(capacity) < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    config = DispatchConfig(
+        num_experts=int(num_experts), num_ranks=num_ranks, num_tokens=T, hidden=H, num_topk=K,
+        capacity=int(capacity), layout=layout, alignment=int(expert_alignment),
+        axis_name=axis_name, backend=_resolve_backend(backend))
+    return _dispatch(config, data, scales, topk_idx, topk_weights.astype(jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(config, x, x_scales, topk_idx, topk_weights):
+    return _backend_module(config.backend).dispatch(x, x_scales, topk_idx, topk_weights, config)
+
+
+def _dispatch_fwd(config, x, x_scales, topk_idx, topk_weights):
+    out = _dispatch(config, x, x_scales, topk_idx, topk_weights)
+    return out, (out.handle, out.topk_idx)
+
+
+def _dispatch_bwd(config, residuals, g):
+    handle, recv_topk_idx = residuals
+    backend = _backend_module(config.backend)
+    # d x: every received row's gradient summed back onto its token (a combine).
+    if g.x.dtype == jnp.float8_e4m3fn:
+        dx = None  # quantised input: no gradient flows to FP8 data or its scales
+    else:
+        dx = backend.combine(g.x, None, handle)
+    # d topk_weights: one received entry per (token, k); route it back with a combine of
+    # float32 columns (all other contributions are exactly zero).
+    g_w = g.topk_weights.astype(jnp.float32)
+    if config.layout == EXPERT_MAJOR:
+        columns = jnp.arange(config.num_topk)[None, :] == handle.src_k[:, None]
+        g_rows = jnp.where(columns, g_w[:, None], 0.0)
+    else:
+        g_rows = jnp.where(recv_topk_idx >= 0, g_w, 0.0)
+    d_weights = backend.combine(g_rows, None, handle)
+    return dx, None, None, d_weights
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+# ----------------------------------------------------------------------------- combine
+
+def combine(y, handle: DispatchHandle, weights=None):
+    """Sum the expert outputs of each token back on its source rank, in source order.
+
+    Args:
+      y: [C, H] rows laid out as ``dispatch`` returned them (bfloat16/float16/float32).
+      handle: the ``handle`` of that dispatch.
+      weights: optional [C] per-row weights (e.g. ``out.topk_weights`` of an expert_major
+        dispatch); rows are summed unweighted when omitted.
+
+    Returns [T, H] in y's dtype: ``sum_rows w * y`` accumulated in float32 in the contract's
+    fixed order (ranks ascending for rank_major, k ascending for expert_major).
+    """
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be the DispatchHandle of a dispatch, got {type(handle)}")
+    config = handle.config
+    C = config.capacity
+    if y.ndim != 2 or y.shape[0] != C:
+        raise ValueError(f"y must be [capacity={C}, hidden], got shape {y.shape}")
+    if y.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"y must be bfloat16, float16 or float32, got {y.dtype}")
+    if weights is not None:
+        if weights.shape != (C,):
+            raise ValueError(f"weights must be [capacity={C}], got shape {weights.shape}")
+        weights = weights.astype(jnp.float32)
+    return _combine(y, weights, handle)
+
+
+@jax.custom_vjp
+def _combine(y, weights, handle):
+    return _backend_module(handle.config.backend).combine(y, weights, handle)
+
+
+def _combine_fwd(y, weights, handle):
+    return _combine(y, weights, handle), (y, weights, handle)
+
+
+def _combine_bwd(residuals, g):
+    y, weights, handle = residuals
+    # Each row's gradient is its token's output gradient (a dispatch along the same handle).
+    g_rows = _backend_module(handle.config.backend).cached_dispatch(g.astype(y.dtype), handle)
+    if weights is None:
+        return g_rows, None, None
+    dy = (g_rows.astype(jnp.float32) * weights[:, None]).astype(y.dtype)
+    d_weights = jnp.sum(g_rows.astype(jnp.float32) * y.astype(jnp.float32), axis=-1)
+    return dy, d_weights, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

@@ -1,0 +1,36 @@
+"""FP8 (e4m3) block quantisation: one float32 scale per 128 consecutive channels of a token.
+
+``x ≈ data.astype(f32) * repeat(scales, 128)``. With ``ue8m0=True`` every scale is a power of
+two (the UE8M0 format some FP8 GEMMs expect), at the cost of up to one bit of range.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+BLOCK = 128
+E4M3_MAX = 448.0
+
+
+def quantize_fp8(x, *, ue8m0: bool = False):
+    """[T, H] -> (float8_e4m3fn data [T, H], float32 scales [T, H // 128])."""
+    if x.ndim != 2 or x.shape[1] % BLOCK:
+        raise ValueError(f"quantize_fp8 needs [tokens, hidden] with hidden divisible by {BLOCK}, "
+                         f"got {x.shape}")
+    T, H = x.shape
+    blocks = x.astype(jnp.float32).reshape(T, H // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scales = jnp.maximum(amax, 1e-10) / E4M3_MAX
+    if ue8m0:
+        scales = jnp.exp2(jnp.ceil(jnp.log2(scales)))
+    data = jnp.clip(blocks / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return data.reshape(T, H), scales.astype(jnp.float32)
+
+
+def dequantize_fp8(data, scales, dtype=jnp.float32):
+    """Inverse of ``quantize_fp8`` (up to e4m3 rounding)."""
+    T, H = data.shape
+    if scales.shape != (T, H // BLOCK):
+        raise ValueError(f"scales must be {(T, H // BLOCK)}, got {scales.shape}")
+    blocks = data.astype(jnp.float32).reshape(T, H // BLOCK, BLOCK) * scales[..., None]
+    return blocks.reshape(T, H).astype(dtype)

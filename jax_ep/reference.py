@@ -1,0 +1,209 @@
+"""Pure-JAX reference backend: the executable specification of the dispatch/combine contract.
+
+Every function runs per device inside ``jax.shard_map`` over the expert-parallel axis named in
+the config. It moves data with ``jax.lax.all_to_all`` on padded ``[R, T, ...]`` buffers
+(``ragged_all_to_all`` is not implemented on XLA:CPU), then builds exactly the layout the CUDA
+kernels produce (see ``jax_ep._types``). It favours clarity over speed: every token is sent
+to every rank, masked. Sums that the contract orders are written as explicit loops so that
+the float32 accumulation order is the documented one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep._types import (
+    EXPERT_MAJOR,
+    DispatchConfig,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+)
+
+
+def _routing(topk_idx, num_experts, num_ranks):
+    """Destination rank and local expert id of every (token, k); -1 where masked or invalid."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    local_experts = num_experts // num_ranks
+    dest = jnp.where(valid, topk_idx // local_experts, -1)
+    local = jnp.where(valid, topk_idx % local_experts, -1)
+    return dest, local
+
+
+def layout(topk_idx, *, num_experts, num_ranks):
+    dest, _ = _routing(topk_idx, num_experts, num_ranks)
+    is_token_in_rank = jnp.any(dest[:, :, None] == jnp.arange(num_ranks)[None, None, :], axis=1)
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    per_expert = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, topk_idx, num_experts)].add(
+        1, mode="drop")
+    return DispatchLayout(
+        num_tokens_per_rank=jnp.sum(is_token_in_rank, axis=0, dtype=jnp.int32),
+        num_tokens_per_expert=per_expert,
+        is_token_in_rank=is_token_in_rank,
+    )
+
+
+def _exchange(a, axis_name):
+    """[R, ...] -> [R, ...]: slice r goes to rank r; slice s of the result came from rank s."""
+    return jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)
+
+
+def _to_all_ranks(a, num_ranks):
+    return jnp.broadcast_to(a[None], (num_ranks,) + a.shape)
+
+
+def _scatter_rows(values, positions, capacity, fill):
+    """out[positions[i]] = values[i]; positions == capacity (or beyond) are dropped."""
+    out = jnp.full((capacity,) + values.shape[1:], fill, values.dtype)
+    return out.at[positions].set(values, mode="drop", unique_indices=True)
+
+
+def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
+    R, T, K = config.num_ranks, config.num_tokens, config.num_topk
+    E, L, C = config.num_experts, config.num_local_experts, config.capacity
+    axis = config.axis_name
+    dest, local = _routing(topk_idx, E, R)
+    ranks = jnp.arange(R, dtype=jnp.int32)
+
+    # What every destination rank r receives from us: all tokens, with ids/weights masked to r.
+    to_r = dest[None, :, :] == ranks[:, None, None]  # [R, T, K]
+    send_local = jnp.where(to_r, local[None], -1)
+    send_weights = jnp.where(to_r, topk_weights[None].astype(jnp.float32), 0.0)
+    recv_x = _exchange(_to_all_ranks(x, R), axis)  # [R(src), T, H]
+    recv_scales = None if x_scales is None else _exchange(_to_all_ranks(x_scales, R), axis)
+    recv_local = _exchange(send_local, axis)  # [R(src), T, K]
+    recv_weights = _exchange(send_weights, axis)
+
+    if config.layout == EXPERT_MAJOR:
+        out, slot_for_src = _expert_major(recv_x, recv_scales, recv_local, recv_weights, config)
+        # Tell each source where its (t, k) pairs landed; keep the entry of the expert's rank.
+        slots = _exchange(slot_for_src, axis)  # [R(dst), T, K]
+        send_slot = jnp.take_along_axis(slots, jnp.maximum(dest, 0)[None], axis=0)[0]
+        send_slot = jnp.where(dest >= 0, send_slot, -1)
+    else:
+        out, slot_for_src = _rank_major(recv_x, recv_scales, recv_local, recv_weights, config)
+        send_slot = _exchange(slot_for_src, axis).T  # [T, R(dst)]
+
+    handle = DispatchHandle(
+        topk_idx=topk_idx,
+        send_slot=send_slot.astype(jnp.int32),
+        src_rank=out.pop("src_rank"),
+        src_token=out.pop("src_token"),
+        src_k=out.pop("src_k"),
+        num_received=out["num_received"],
+        config=config,
+    )
+    return DispatchOutput(handle=handle, **out)
+
+
+def _rank_major(recv_x, recv_scales, recv_local, recv_weights, config):
+    R, T, C, L = config.num_ranks, config.num_tokens, config.capacity, config.num_local_experts
+    has_expert_here = jnp.any(recv_local >= 0, axis=-1).reshape(R * T)  # rows in (src, token) order
+    position = jnp.cumsum(has_expert_here, dtype=jnp.int32) - 1
+    kept = has_expert_here & (position < C)
+    target = jnp.where(kept, position, C)
+    src_rank = jnp.repeat(jnp.arange(R, dtype=jnp.int32), T)
+    src_token = jnp.tile(jnp.arange(T, dtype=jnp.int32), R)
+    topk_idx = _scatter_rows(recv_local.reshape(R * T, -1), target, C, -1)
+    per_expert = jnp.sum(topk_idx[:, :, None] == jnp.arange(L)[None, None, :], axis=(0, 1),
+                         dtype=jnp.int32)
+    out = dict(
+        x=_scatter_rows(recv_x.reshape((R * T,) + recv_x.shape[2:]), target, C, 0),
+        x_scales=None if recv_scales is None else _scatter_rows(
+            recv_scales.reshape(R * T, -1), target, C, 0),
+        topk_idx=topk_idx,
+        topk_weights=_scatter_rows(recv_weights.reshape(R * T, -1), target, C, 0),
+        tokens_per_expert=per_expert,
+        group_sizes=per_expert,
+        num_received=jnp.sum(kept, dtype=jnp.int32),
+        num_dropped=jnp.sum(has_expert_here & ~kept, dtype=jnp.int32),
+        src_rank=_scatter_rows(src_rank, target, C, -1),
+        src_token=_scatter_rows(src_token, target, C, -1),
+        src_k=jnp.full((C,), -1, jnp.int32),
+    )
+    return out, jnp.where(kept, position, -1).reshape(R, T)
+
+
+def _expert_major(recv_x, recv_scales, recv_local, recv_weights, config):
+    R, T, K, C, L = (config.num_ranks, config.num_tokens, config.num_topk, config.capacity,
+                     config.num_local_experts)
+    align = config.alignment
+    n = R * T * K
+    expert = recv_local.reshape(n)  # pairs in (src, token, k) order
+    valid = expert >= 0
+    key = jnp.where(valid, expert, L)
+    pairs_per_expert = jnp.zeros((L + 1,), jnp.int32).at[key].add(1)[:L]
+    aligned = (pairs_per_expert + align - 1) // align * align
+    group_start = jnp.cumsum(aligned) - aligned
+    dense_start = jnp.cumsum(pairs_per_expert) - pairs_per_expert
+    # A stable sort by expert keeps (src, token, k) order inside each group.
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    sorted_expert = jnp.minimum(sorted_key, L - 1)
+    rank_in_group = jnp.arange(n, dtype=jnp.int32) - dense_start[sorted_expert]
+    sorted_position = jnp.where(sorted_key < L, group_start[sorted_expert] + rank_in_group, C)
+    position = jnp.zeros((n,), jnp.int32).at[order].set(sorted_position)
+    kept = valid & (position < C)
+    target = jnp.where(kept, position, C)
+
+    pair = jnp.arange(n, dtype=jnp.int32)
+    src_rank, src_token, src_k = pair // (T * K), (pair // K) % T, pair % K
+    row_x = recv_x.reshape((R * T,) + recv_x.shape[2:])[pair // K]
+    group_end = jnp.minimum(group_start + aligned, C)
+    group_sizes = jnp.maximum(group_end - jnp.minimum(group_start, C), 0).astype(jnp.int32)
+    kept_expert = jnp.where(kept, expert, L)
+    out = dict(
+        x=_scatter_rows(row_x, target, C, 0),
+        x_scales=None if recv_scales is None else _scatter_rows(
+            recv_scales.reshape(R * T, -1)[pair // K], target, C, 0),
+        topk_idx=_scatter_rows(expert, target, C, -1),
+        topk_weights=_scatter_rows(recv_weights.reshape(n), target, C, 0),
+        tokens_per_expert=jnp.zeros((L + 1,), jnp.int32).at[kept_expert].add(1)[:L],
+        group_sizes=group_sizes,
+        num_received=jnp.sum(group_sizes, dtype=jnp.int32),
+        num_dropped=jnp.sum(valid & ~kept, dtype=jnp.int32),
+        src_rank=_scatter_rows(src_rank, target, C, -1),
+        src_token=_scatter_rows(src_token, target, C, -1),
+        src_k=_scatter_rows(src_k, target, C, -1),
+    )
+    return out, jnp.where(kept, position, -1).reshape(R, T, K)
+
+
+def cached_dispatch(x, handle: DispatchHandle):
+    """Rows of ``x`` at the positions the handle recorded (combine's backward); zeros elsewhere."""
+    config = handle.config
+    recv = _exchange(_to_all_ranks(x, config.num_ranks), config.axis_name)  # [R(src), T, H]
+    used = handle.src_rank >= 0
+    rows = recv[jnp.maximum(handle.src_rank, 0), jnp.maximum(handle.src_token, 0)]
+    return jnp.where(used[:, None], rows, jnp.zeros_like(rows))
+
+
+def combine(y, weights, handle: DispatchHandle):
+    """Sum each token's rows back on its source rank, in float32, in the contract's order."""
+    config = handle.config
+    R, T, K = config.num_ranks, config.num_tokens, config.num_topk
+    used = handle.src_rank >= 0
+    scaled = y.astype(jnp.float32)
+    if weights is not None:
+        scaled = scaled * weights.astype(jnp.float32)[:, None]
+    row_src = jnp.where(used, handle.src_rank, R)  # unused rows are dropped by the scatter
+    if config.layout == EXPERT_MAJOR:
+        # Back to the source as [R(expert rank), T, K, H]; add the K contributions in k order.
+        send = jnp.zeros((R, T, K) + y.shape[1:], jnp.float32)
+        send = send.at[row_src, handle.src_token, handle.src_k].set(scaled, mode="drop")
+        back = _exchange(send, config.axis_name)
+        dest, _ = _routing(handle.topk_idx, config.num_experts, R)
+        picked = jnp.take_along_axis(back, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
+        present = handle.send_slot >= 0  # [T, K]
+        terms = [jnp.where(present[:, k, None], picked[:, k], 0.0) for k in range(K)]
+    else:
+        send = jnp.zeros((R, T) + y.shape[1:], jnp.float32)
+        send = send.at[row_src, handle.src_token].set(scaled, mode="drop")
+        back = _exchange(send, config.axis_name)  # [R(expert rank), T, H]
+        present = handle.send_slot >= 0  # [T, R]
+        terms = [jnp.where(present[:, r, None], back[r], 0.0) for r in range(R)]
+    total = jnp.zeros((T,) + y.shape[1:], jnp.float32)
+    for term in terms:  # fixed left-to-right order: bit-identical to the CUDA kernels
+        total = total + term
+    return total.astype(y.dtype)
