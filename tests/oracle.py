@@ -1,0 +1,129 @@
+"""Loop-based NumPy oracle of the dispatch/combine contract, written independently of the backends.
+
+Everything is computed for all ranks at once from global arrays shaped [R, T, ...].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def route(topk_idx, num_experts, num_ranks):
+    """Destination rank and local id per (rank, token, k); -1 where masked or out of range."""
+    L = num_experts // num_ranks
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    return np.where(valid, topk_idx // L, -1), np.where(valid, topk_idx % L, -1)
+
+
+def layout(topk_idx, num_experts, num_ranks):
+    """Per rank: tokens per rank [R], pairs per expert [E], is_token_in_rank [T, R]."""
+    dest, _ = route(topk_idx, num_experts, num_ranks)
+    out = []
+    for r in range(topk_idx.shape[0]):
+        in_rank = np.zeros((topk_idx.shape[1], num_ranks), bool)
+        per_expert = np.zeros(num_experts, np.int32)
+        for t in range(topk_idx.shape[1]):
+            for k in range(topk_idx.shape[2]):
+                if dest[r, t, k] >= 0:
+                    in_rank[t, dest[r, t, k]] = True
+                    per_expert[topk_idx[r, t, k]] += 1
+        out.append((in_rank.sum(0).astype(np.int32), per_expert, in_rank))
+    return out
+
+
+def dispatch(x, topk_idx, topk_weights, num_experts, capacity, layout="rank_major",
+             alignment=1, x_scales=None):
+    """Returns one dict per destination rank with every output and handle array."""
+    R, T, K = topk_idx.shape
+    L = num_experts // R
+    C = capacity
+    dest, local = route(topk_idx, num_experts, R)
+    H = x.shape[-1]
+    results = []
+    send_slot = (np.full((R, T, R), -1, np.int32) if layout == "rank_major"
+                 else np.full((R, T, K), -1, np.int32))
+    for me in range(R):
+        o = dict(
+            x=np.zeros((C, H), x.dtype),
+            x_scales=None if x_scales is None else np.zeros((C, x_scales.shape[-1]), np.float32),
+            src_rank=np.full(C, -1, np.int32), src_token=np.full(C, -1, np.int32),
+            src_k=np.full(C, -1, np.int32), num_dropped=0)
+        if layout == "rank_major":
+            o["topk_idx"] = np.full((C, K), -1, np.int32)
+            o["topk_weights"] = np.zeros((C, K), np.float32)
+            row = 0
+            for s in range(R):
+                for t in range(T):
+                    mine = dest[s, t] == me
+                    if not mine.any():
+                        continue
+                    if row >= C:
+                        o["num_dropped"] += 1
+                        continue
+                    o["x"][row] = x[s, t]
+                    if x_scales is not None:
+                        o["x_scales"][row] = x_scales[s, t]
+                    o["topk_idx"][row] = np.where(mine, local[s, t], -1)
+                    o["topk_weights"][row] = np.where(mine, topk_weights[s, t], 0)
+                    o["src_rank"][row], o["src_token"][row] = s, t
+                    send_slot[s, t, me] = row
+                    row += 1
+            o["num_received"] = row
+            o["tokens_per_expert"] = np.array(
+                [(o["topk_idx"] == e).sum() for e in range(L)], np.int32)
+            o["group_sizes"] = o["tokens_per_expert"]
+        else:
+            o["topk_idx"] = np.full(C, -1, np.int32)
+            o["topk_weights"] = np.zeros(C, np.float32)
+            pairs = [[] for _ in range(L)]
+            for s in range(R):
+                for t in range(T):
+                    for k in range(K):
+                        if dest[s, t, k] == me:
+                            pairs[local[s, t, k]].append((s, t, k))
+            start = 0
+            group_sizes = np.zeros(L, np.int32)
+            kept_per_expert = np.zeros(L, np.int32)
+            for e in range(L):
+                n = len(pairs[e])
+                aligned = -(-n // alignment) * alignment
+                group_sizes[e] = max(0, min(start + aligned, C) - min(start, C))
+                for i, (s, t, k) in enumerate(pairs[e]):
+                    row = start + i
+                    if row >= C:
+                        o["num_dropped"] += 1
+                        continue
+                    o["x"][row] = x[s, t]
+                    if x_scales is not None:
+                        o["x_scales"][row] = x_scales[s, t]
+                    o["topk_idx"][row] = e
+                    o["topk_weights"][row] = topk_weights[s, t, k]
+                    o["src_rank"][row], o["src_token"][row], o["src_k"][row] = s, t, k
+                    send_slot[s, t, k] = row
+                    kept_per_expert[e] += 1
+                start += aligned
+            o["group_sizes"] = group_sizes
+            o["tokens_per_expert"] = kept_per_expert
+            o["num_received"] = int(group_sizes.sum())
+        results.append(o)
+    return results, send_slot
+
+
+def combine(y, weights, per_rank, send_slot, topk_idx, num_experts, layout="rank_major"):
+    """y: [R, C, H] rows per expert rank; returns [R, T, H] float32 sums in the contract order."""
+    R, T, K = topk_idx.shape
+    dest, _ = route(topk_idx, num_experts, R)
+    out = np.zeros((R, T, y.shape[-1]), np.float32)
+    for s in range(R):
+        for t in range(T):
+            acc = np.zeros(y.shape[-1], np.float32)
+            slots = range(R) if layout == "rank_major" else range(K)
+            for j in slots:
+                r = j if layout == "rank_major" else dest[s, t, j]
+                row = send_slot[s, t, j]
+                if r < 0 or row < 0:
+                    continue
+                w = np.float32(1) if weights is None else np.float32(weights[r, row])
+                acc = acc + w * y[r, row].astype(np.float32)
+            out[s, t] = acc
+    return out

@@ -1,0 +1,218 @@
+"""The reference backend against the NumPy oracle: layout, dispatch, combine, on 1-8 ranks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+import oracle
+from ep import AXIS, run
+
+
+def make_routing(rng, R, T, K, E, kind="random", mask_frac=0.0):
+    """Global [R, T, K] expert ids: distinct per token (or all one expert), some masked (-1)."""
+    if kind == "one_expert":
+        idx = np.full((R, T, K), -1, np.int32)
+        idx[..., 0] = E - 1  # everything goes to the last expert of the last rank
+    else:
+        idx = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+                        for _ in range(R)]).astype(np.int32)
+    if mask_frac:
+        idx = np.where(rng.random(idx.shape) < mask_frac, -1, idx).astype(np.int32)
+    return idx
+
+
+def make_inputs(rng, R, T, H, K, E, kind="random", mask_frac=0.0, dtype=np.float32):
+    x = rng.standard_normal((R, T, H)).astype(dtype)
+    idx = make_routing(rng, R, T, K, E, kind, mask_frac)
+    w = rng.random((R, T, K)).astype(np.float32) + 0.1
+    return x, idx, w
+
+
+def dispatch_all(x, idx, w, E, capacity=None, layout="rank_major", alignment=1, backend="reference"):
+    R = x.shape[0]
+
+    def fn(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
+                               layout=layout, expert_alignment=alignment, backend=backend)
+
+    return run(fn, R, x, idx, w)
+
+
+def assert_matches_oracle(out, want, send_slot):
+    R = len(want)
+    for r in range(R):
+        o = want[r]
+        for name in ("x", "topk_idx", "topk_weights", "tokens_per_expert", "group_sizes",
+                     "num_received", "num_dropped"):
+            np.testing.assert_array_equal(np.asarray(getattr(out, name)[r]), o[name],
+                                          err_msg=f"rank {r}: {name}")
+        for name in ("src_rank", "src_token", "src_k"):
+            np.testing.assert_array_equal(getattr(out.handle, name)[r], o[name],
+                                          err_msg=f"rank {r}: handle.{name}")
+    np.testing.assert_array_equal(out.handle.send_slot, send_slot, err_msg="handle.send_slot")
+
+
+CASES = [
+    # R, T, H, K, E, routing, mask
+    (1, 9, 7, 2, 3, "random", 0.0),
+    (2, 12, 13, 1, 6, "random", 0.0),
+    (2, 10, 5, 4, 10, "random", 0.3),
+    (4, 8, 7, 3, 12, "random", 0.0),
+    (4, 11, 16, 8, 20, "random", 0.2),
+    (4, 8, 9, 2, 12, "one_expert", 0.0),
+    (8, 6, 3, 5, 24, "random", 0.25),
+    (8, 7, 11, 8, 40, "random", 0.0),
+    (8, 5, 4, 6, 8, "one_expert", 0.0),
+]
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("R,T,H,K,E,kind,mask", CASES)
+def test_dispatch_matches_oracle(R, T, H, K, E, kind, mask, layout):
+    rng = np.random.default_rng(hash((R, T, H, K, E, kind, layout)) % 2**32)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, kind, mask)
+    alignment = 4 if layout == "expert_major" and R >= 4 else 1
+    out = dispatch_all(x, idx, w, E, layout=layout, alignment=alignment)
+    C = jax_ep.default_capacity(T, R, K, E // R, layout, alignment)
+    want, send_slot = oracle.dispatch(x, idx, w, E, C, layout, alignment)
+    assert out.x.shape == (R, C, H)
+    assert_matches_oracle(out, want, send_slot)
+    assert out.num_dropped.sum() == 0
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("kind", ["random", "one_expert"])
+def test_capacity_overflow_is_counted_and_deterministic(layout, kind):
+    R, T, H, K, E = 4, 16, 6, 4, 8
+    rng = np.random.default_rng(7)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, kind, 0.1)
+    capacity = 9
+    out = dispatch_all(x, idx, w, E, capacity=capacity, layout=layout)
+    want, send_slot = oracle.dispatch(x, idx, w, E, capacity, layout)
+    assert_matches_oracle(out, want, send_slot)
+    assert out.num_dropped.sum() > 0
+    # every addressed row is either received or counted as dropped
+    dest, _ = oracle.route(idx, E, R)
+    if layout == "rank_major":
+        addressed = sum(((dest == r).any(-1)).sum() for r in range(R))
+        received = (out.handle.src_rank >= 0).sum()
+    else:
+        addressed = (dest >= 0).sum()
+        received = (out.handle.src_rank >= 0).sum()
+    assert received + out.num_dropped.sum() == addressed
+    again = dispatch_all(x, idx, w, E, capacity=capacity, layout=layout)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_every_token_rank_pair_arrives_exactly_once():
+    R, T, H, K, E = 8, 10, 5, 6, 16
+    rng = np.random.default_rng(3)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
+    out = dispatch_all(x, idx, w, E)
+    dest, local = oracle.route(idx, E, R)
+    seen = set()
+    for r in range(R):
+        for row in range(out.x.shape[1]):
+            s, t = out.handle.src_rank[r, row], out.handle.src_token[r, row]
+            if s < 0:
+                assert not out.x[r, row].any() and (out.topk_idx[r, row] == -1).all()
+                continue
+            assert (s, t, r) not in seen
+            seen.add((s, t, r))
+            np.testing.assert_array_equal(out.x[r, row], x[s, t])
+            mine = dest[s, t] == r
+            np.testing.assert_array_equal(out.topk_idx[r, row], np.where(mine, local[s, t], -1))
+            np.testing.assert_array_equal(out.topk_weights[r, row], np.where(mine, w[s, t], 0))
+    wanted = {(s, t, r) for s in range(R) for t in range(T) for r in set(dest[s, t]) if r >= 0}
+    assert seen == wanted
+
+
+@pytest.mark.parametrize("R,E", [(1, 5), (2, 6), (4, 12), (8, 24)])
+def test_layout_matches_oracle(R, E):
+    T, K = 13, 4
+    rng = np.random.default_rng(R)
+    idx = make_routing(rng, R, T, K, E, mask_frac=0.3)
+
+    def fn(idx):
+        return jax_ep.get_dispatch_layout(idx, E, axis_name=AXIS, backend="reference")
+
+    got = run(fn, R, idx)
+    for r, (per_rank, per_expert, in_rank) in enumerate(oracle.layout(idx, E, R)):
+        np.testing.assert_array_equal(got.num_tokens_per_rank[r], per_rank)
+        np.testing.assert_array_equal(got.num_tokens_per_expert[r], per_expert)
+        np.testing.assert_array_equal(got.is_token_in_rank[r], in_rank)
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("R,T,H,K,E,capacity", [(2, 9, 7, 3, 6, None), (4, 12, 13, 5, 12, None),
+                                                (8, 6, 4, 8, 16, None), (4, 12, 5, 4, 8, 11)])
+def test_combine_matches_oracle(R, T, H, K, E, capacity, layout):
+    rng = np.random.default_rng(R * 100 + H)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.15)
+    out = dispatch_all(x, idx, w, E, capacity=capacity, layout=layout)
+    C = out.x.shape[1]
+    y = rng.standard_normal((R, C, H)).astype(np.float32)
+    row_w = rng.random((R, C)).astype(np.float32)
+
+    def fn(x, idx, w, y, row_w):
+        o = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
+                            layout=layout, backend="reference")
+        return jax_ep.combine(y, o.handle), jax_ep.combine(y, o.handle, weights=row_w)
+
+    plain, weighted = run(fn, R, x, idx, w, y, row_w)
+    slot = out.handle.send_slot
+    np.testing.assert_array_equal(plain, oracle.combine(y, None, None, slot, idx, E, layout))
+    np.testing.assert_array_equal(weighted, oracle.combine(y, row_w, None, slot, idx, E, layout))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_combine_of_dispatch_with_identity_experts(dtype):
+    """Identity experts: combine(dispatch(x)) = x * (#ranks reached), and = x * sum(w) weighted."""
+    R, T, H, K, E = 4, 16, 33, 4, 12
+    rng = np.random.default_rng(11)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
+    x = np.asarray(jnp.asarray(x, dtype))
+
+    def fn(x, idx, w):
+        rm = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend="reference")
+        em = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout="expert_major",
+                             expert_alignment=8, backend="reference")
+        return (jax_ep.combine(rm.x, rm.handle),
+                jax_ep.combine(em.x.astype(jnp.float32), em.handle, weights=em.topk_weights))
+
+    by_rank, weighted = run(fn, R, x, idx, w)
+    dest, _ = oracle.route(idx, E, R)
+    reached = np.array([[len(set(d[d >= 0])) for d in dest[s]] for s in range(R)])
+    xf = x.astype(np.float32)
+    np.testing.assert_allclose(by_rank.astype(np.float32), xf * reached[..., None], rtol=1e-2)
+    w_sum = np.where(idx >= 0, w, 0).sum(-1)
+    np.testing.assert_allclose(weighted, xf * w_sum[..., None], rtol=1e-5, atol=1e-5)
+
+
+def test_repeated_runs_are_identical():
+    R, T, H, K, E = 8, 9, 10, 4, 16
+    rng = np.random.default_rng(5)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.1)
+    first = dispatch_all(x, idx, w, E, layout="expert_major", alignment=2, capacity=50)
+    for _ in range(3):
+        again = dispatch_all(x, idx, w, E, layout="expert_major", alignment=2, capacity=50)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_out_of_range_ids_under_tracing_are_ignored():
+    """Traced ids cannot be checked at trace time: outside [-1, E) they count as -1."""
+    R, T, H, K, E = 2, 6, 4, 2, 4
+    rng = np.random.default_rng(0)
+    x, idx, w = make_inputs(rng, R, T, H, K, E)
+    bad = idx.copy()
+    bad[0, 0, 0], bad[1, 2, 1] = E + 3, -7
+    masked = np.where((bad < 0) | (bad >= E), -1, bad).astype(np.int32)
+    got = dispatch_all(x, bad, w, E)
+    want, slot = oracle.dispatch(x, masked, w, E, got.x.shape[1])
+    assert_matches_oracle(got, want, slot)
