@@ -17,7 +17,7 @@ def mesh(num_ranks):
     if len(devices) < num_ranks:
         raise RuntimeError(f"need {num_ranks} devices, have {len(devices)}")
     return jax.make_mesh((num_ranks,), (AXIS,), devices=devices[:num_ranks],
-                         axis_types=(jax.sharding.AxisType.Explicit,))
+                         axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def run(fn, num_ranks, *args, jit=True):
