@@ -22,7 +22,8 @@ def quantize_fp8(x, *, ue8m0: bool = False):
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     scales = jnp.maximum(amax, 1e-10) / E4M3_MAX
     if ue8m0:
-        scales = jnp.exp2(jnp.ceil(jnp.log2(scales)))
+        # exact powers of two (exp2 may be computed through exp and round)
+        scales = jnp.ldexp(jnp.ones_like(scales), jnp.ceil(jnp.log2(scales)).astype(jnp.int32))
     data = jnp.clip(blocks / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return data.reshape(T, H), scales.astype(jnp.float32)
 

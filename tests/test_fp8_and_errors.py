@@ -1,0 +1,157 @@
+"""FP8 quantisation bounds, FP8 dispatch, and trace-time validation of every argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+import oracle
+from ep import AXIS, run
+from test_reference import assert_matches_oracle, make_inputs
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_round_trip_error_bound(ue8m0):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 384)) * np.exp(rng.uniform(-6, 6, (64, 1)))).astype(np.float32)
+    x[3, :128] = 0.0  # an all-zero block must survive
+    data, scales = jax_ep.quantize_fp8(jnp.asarray(x), ue8m0=ue8m0)
+    assert data.dtype == jnp.float8_e4m3fn and scales.shape == (64, 3)
+    back = np.asarray(jax_ep.dequantize_fp8(data, scales))
+    s = np.repeat(np.asarray(scales), 128, axis=1)
+    # e4m3: 3 mantissa bits (relative step 2^-3, rounding error 2^-4), subnormal step 2^-9
+    bound = np.abs(x) * 2.0 ** -4 + s * 2.0 ** -10
+    assert (np.abs(back - x) <= bound * (1 + 1e-6)).all()
+    np.testing.assert_array_equal(back[3, :128], 0.0)
+    if ue8m0:
+        m, _ = np.frexp(np.asarray(scales))
+        assert (m == 0.5).all(), "UE8M0 scales are powers of two"
+    rel = np.linalg.norm(back - x) / np.linalg.norm(x)
+    assert 1e-3 < rel < 0.05
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_fp8_dispatch_moves_data_and_scales_exactly(layout):
+    R, T, H, K, E = 4, 10, 256, 3, 8
+    rng = np.random.default_rng(2)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
+    data, scales = jax.vmap(jax_ep.quantize_fp8)(jnp.asarray(x))
+    data_bits = np.asarray(data).view(np.uint8)
+
+    def fn(data, scales, idx, w):
+        return jax_ep.dispatch((data, scales), idx, w, num_experts=E, axis_name=AXIS,
+                               layout=layout, backend="reference")
+
+    out = run(fn, R, data, scales, idx, w)
+    C = out.x.shape[1]
+    want, slot = oracle.dispatch(data_bits, idx, w, E, C, layout, x_scales=np.asarray(scales))
+    bits = out._replace(x=np.asarray(out.x).view(np.uint8))
+    assert_matches_oracle(bits, want, slot)
+    for r in range(R):
+        np.testing.assert_array_equal(out.x_scales[r], want[r]["x_scales"])
+
+
+# ------------------------------------------------------------------------ validation
+
+def _dispatch_error(*, x=None, idx=None, w=None, R=2, **kwargs):
+    T, H, K = 4, 8, 2
+    x = np.ones((R, T, H), np.float32) if x is None else x
+    idx = np.zeros((R, T, K), np.int32) if idx is None else idx
+    w = np.ones((R, T, K), np.float32) if w is None else w
+    kwargs.setdefault("num_experts", 4)
+    kwargs.setdefault("backend", "reference")
+
+    def fn(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, axis_name=AXIS, **kwargs).x
+
+    run(fn, R, x, idx, w)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(x=np.ones((2, 4, 8), np.int32)), TypeError, "bfloat16, float16 or float32"),
+    (dict(x=np.ones((2, 4, 8, 3), np.float32)), ValueError, r"x must be \[tokens, hidden\]"),
+    (dict(idx=np.zeros((2, 4, 2), np.float32)), TypeError, "integer"),
+    (dict(idx=np.zeros((2, 5, 2), np.int32)), ValueError, "5 tokens but x has 4"),
+    (dict(w=np.ones((2, 4, 3), np.float32)), ValueError, "must match topk_idx shape"),
+    (dict(w=np.ones((2, 4, 2), np.int32)), TypeError, "floating point"),
+    (dict(num_experts=5), ValueError, "not divisible by the expert-parallel size 2"),
+    (dict(num_experts=0), ValueError, "num_experts must be >= 1"),
+    (dict(capacity=0), ValueError, "capacity must be >= 1"),
+    (dict(layout="by_token"), ValueError, "layout must be one of"),
+    (dict(layout="expert_major", expert_alignment=0), ValueError, "expert_alignment must be >= 1"),
+    (dict(expert_alignment=4), ValueError, "applies to layout='expert_major' only"),
+    (dict(backend="tpu"), ValueError, "backend must be one of"),
+])
+def test_bad_dispatch_arguments_fail_at_trace_time(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _dispatch_error(**kwargs)
+
+
+def test_bad_fp8_inputs():
+    R, T, H = 2, 4, 256
+
+    def attempt(data, scales):
+        def fn(data, scales, idx):
+            return jax_ep.dispatch((data, scales), idx, num_experts=2, axis_name=AXIS,
+                                   backend="reference").x
+
+        run(fn, R, data, scales, np.zeros((R, T, 1), np.int32))
+
+    good = np.zeros((R, T, H), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        attempt(np.zeros((R, T, H), np.float32), np.ones((R, T, 2), np.float32))
+    with pytest.raises(ValueError, match="FP8 scales must be float32"):
+        attempt(good, np.ones((R, T, 3), np.float32))
+    with pytest.raises(ValueError, match="hidden divisible by 128"):
+        attempt(np.zeros((R, T, 100), jnp.float8_e4m3fn), np.ones((R, T, 1), np.float32))
+
+
+def test_bad_combine_arguments():
+    R, T, H, K, E = 2, 4, 8, 2, 4
+    x, idx, w = make_inputs(np.random.default_rng(0), R, T, H, K, E)
+
+    def attempt(make_y, weights=None, handle=True):
+        def fn(x, idx, w):
+            o = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend="reference")
+            return jax_ep.combine(make_y(o), o.handle if handle else (1, 2), weights=weights)
+
+        run(fn, R, x, idx, w)
+
+    with pytest.raises(ValueError, match=r"y must be \[capacity=8, hidden\]"):
+        attempt(lambda o: o.x[:3])
+    with pytest.raises(TypeError, match="y must be bfloat16"):
+        attempt(lambda o: o.x.astype(jnp.int32))
+    with pytest.raises(ValueError, match=r"weights must be \[capacity=8\]"):
+        attempt(lambda o: o.x, weights=jnp.ones((3,)))
+    with pytest.raises(TypeError, match="DispatchHandle"):
+        attempt(lambda o: o.x, handle=False)
+
+
+def test_out_of_range_ids_are_reported_when_concrete():
+    idx = np.array([[0, 3], [4, -1]], np.int32)
+    with pytest.raises(ValueError, match=r"1 ids outside \[-1, 4\)"):
+        jax_ep.get_dispatch_layout(idx, 4, num_ranks=2, backend="reference")
+    got = jax_ep.get_dispatch_layout(np.array([[0, 3], [2, -1]], np.int32), 4, num_ranks=2,
+                                     backend="reference")
+    np.testing.assert_array_equal(got.num_tokens_per_rank, [1, 2])
+    np.testing.assert_array_equal(got.num_tokens_per_expert, [1, 0, 1, 1])
+
+
+def test_dispatch_outside_shard_map_is_a_clear_error():
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        jax_ep.dispatch(jnp.ones((4, 8)), jnp.zeros((4, 2), jnp.int32), num_experts=4,
+                        axis_name="ep", backend="reference")
+
+
+def test_cuda_backend_request_without_gpu_is_a_clear_error():
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present: the CUDA backend may legitimately run")
+
+    def fn(x, idx):
+        return jax_ep.dispatch(x, idx, num_experts=2, axis_name=AXIS, backend="cuda").x
+
+    with pytest.raises(RuntimeError, match="backend='cuda' cannot run"):
+        run(fn, 2, np.ones((2, 4, 8), np.float32), np.zeros((2, 4, 1), np.int32))
