@@ -1,0 +1,151 @@
+"""Train a small expert-parallel MoE model for a few steps.
+
+CPU (default: 8 fake host devices, reference backend):
+    python examples/moe_layer.py
+GPUs (one process per GPU, CUDA kernels):
+    python -m jax_ep.launch -n 2 examples/moe_layer.py --backend cuda
+
+The model is two residual MoE feed-forward blocks regressing a fixed random teacher network;
+tokens are sharded over the expert-parallel axis and every rank holds E / R experts. Each
+step prints the loss, the rows dropped for lack of capacity, and the token throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices (CPU runs only)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=64, help="tokens per rank per step")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=128)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--layout", default="expert_major", choices=["expert_major", "rank_major"])
+    p.add_argument("--capacity-factor", type=float, default=2.0,
+                   help="receive rows = factor x the average; 0 = worst case")
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+    p.add_argument("--lr", type=float, default=3e-2)
+    return p.parse_args()
+
+
+args = parse_args()
+launched = "JAX_EP_RANK" in os.environ
+if not launched and args.backend != "cuda":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.devices}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+from jax_ep import moe  # noqa: E402
+
+AXIS = "ep"
+
+
+def init_params(key, H, F, E, layers=2):
+    params = []
+    for i in range(layers):
+        k1, k2, k3 = jax.random.split(jax.random.fold_in(key, i), 3)
+        params.append(dict(
+            router=jax.random.normal(k1, (H, E), jnp.float32) * 0.1,
+            w_in=jax.random.normal(k2, (E, H, F), jnp.float32) / jnp.sqrt(H),
+            w_out=jax.random.normal(k3, (E, F, H), jnp.float32) / jnp.sqrt(F) * 0.5,
+        ))
+    return params
+
+
+def teacher(x, key):
+    k1, k2 = jax.random.split(key)
+    H = x.shape[-1]
+    w1 = jax.random.normal(k1, (H, 4 * H)) / jnp.sqrt(H)
+    w2 = jax.random.normal(k2, (4 * H, H)) / jnp.sqrt(4 * H)
+    return jnp.tanh(x @ w1) @ w2
+
+
+def main():
+    if launched:
+        from jax_ep import launch, runtime
+
+        launch.init_distributed()
+    devices = jax.devices()
+    R = len(devices)
+    if args.experts % R:
+        sys.exit(f"--experts={args.experts} must be divisible by the {R} devices")
+    if args.backend == "cuda" or (args.backend == "auto" and jax.default_backend() == "gpu"):
+        from jax_ep import runtime
+
+        runtime.initialize()
+    mesh = jax.make_mesh((R,), (AXIS,), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    T, H, F, E, K = args.tokens, args.hidden, args.ffn, args.experts, args.top_k
+    L = E // R
+    capacity = None
+    if args.capacity_factor > 0:
+        per_expert = args.capacity_factor * T * K / L  # pairs an expert gets on average
+        capacity = max(1, int(per_expert * L)) if args.layout == "expert_major" else max(
+            1, int(args.capacity_factor * T * min(K, L)))
+    specs = [dict(router=P(), w_in=P(AXIS), w_out=P(AXIS))] * 2
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS), P(AXIS)), out_specs=(P(), P()))
+    def loss_fn(params, x, target):
+        h, dropped = x, 0
+        for layer in params:
+            out, d = moe.moe_block(h, layer["router"], layer["w_in"], layer["w_out"], top_k=K,
+                                   axis_name=AXIS, capacity=capacity, layout=args.layout,
+                                   backend=args.backend)
+            h, dropped = h + out, dropped + d
+        loss = jnp.mean((h - target) ** 2)
+        return jax.lax.pmean(loss, AXIS), jax.lax.psum(dropped, AXIS)
+
+    @jax.jit
+    def train_step(params, opt, x, target):
+        (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, target)
+        step, m, v = opt
+        step = step + 1
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m, grads)
+        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, v, grads)
+        bc1, bc2 = 1 - 0.9 ** step, 1 - 0.999 ** step
+        params = jax.tree.map(
+            lambda p, m, v: p - args.lr * (m / bc1) / (jnp.sqrt(v / bc2) + 1e-8), params, m, v)
+        return params, (step, m, v), loss, dropped
+
+    key = jax.random.key(0)
+    shard = NamedSharding(mesh, P(AXIS))
+    params = jax.device_put(init_params(key, H, F, E),
+                            [jax.tree.map(lambda s: NamedSharding(mesh, s), sp) for sp in specs])
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    opt = (jnp.zeros((), jnp.float32), zeros, zeros)
+    teacher_key = jax.random.fold_in(key, 99)
+    backend = jax_ep.api._resolve_backend(args.backend)
+    if jax.process_index() == 0:
+        print(f"{R} devices ({jax.default_backend()}), backend={backend}, layout={args.layout}, "
+              f"T={T}/rank H={H} F={F} E={E} top-{K}, capacity={capacity or 'worst case'}")
+    for step in range(args.steps):
+        xkey = jax.random.fold_in(key, 1000 + step)
+        x = jax.random.normal(xkey, (R * T, H), jnp.float32)
+        x = jax.device_put(x, shard)
+        target = jax.device_put(teacher(x, teacher_key), shard)
+        t0 = time.perf_counter()
+        params, opt, loss, dropped = train_step(params, opt, x, target)
+        loss = float(loss)
+        dt = time.perf_counter() - t0
+        if jax.process_index() == 0:
+            note = " (includes compilation)" if step == 0 else ""
+            print(f"step {step:3d}  loss {loss:.5f}  dropped {int(dropped):4d}  "
+                  f"{R * T / dt:10.0f} tokens/s{note}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
