@@ -60,9 +60,7 @@ def _scatter_rows(values, positions, capacity, fill):
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
-    R, T, K = config.num_ranks, config.num_tokens, config.num_topk
-    E, L, C = config.num_experts, config.num_local_experts, config.capacity
-    axis = config.axis_name
+    R, E, axis = config.num_ranks, config.num_experts, config.axis_name
     dest, local = _routing(topk_idx, E, R)
     ranks = jnp.arange(R, dtype=jnp.int32)
 

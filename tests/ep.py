@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import numpy as np
 from jax.sharding import NamedSharding

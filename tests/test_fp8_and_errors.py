@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
-import jax_ep
 import oracle
+import pytest
 from ep import AXIS, run
 from test_reference import assert_matches_oracle, make_inputs
+
+import jax_ep
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ep import AXIS, mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep import AXIS, mesh, run
 from jax_ep import moe
 
 
