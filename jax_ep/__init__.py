@@ -22,6 +22,7 @@ from jax_ep.api import (
     dispatch,
     get_dispatch_layout,
 )
+from jax_ep import moe
 from jax_ep.fp8 import dequantize_fp8, quantize_fp8
 
 __version__ = "0.1.0"
@@ -39,5 +40,6 @@ __all__ = [
     "dequantize_fp8",
     "dispatch",
     "get_dispatch_layout",
+    "moe",
     "quantize_fp8",
 ]
