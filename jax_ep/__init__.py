@@ -7,6 +7,7 @@ Call inside ``jax.shard_map`` over an expert-parallel mesh axis::
     x_back = jax_ep.combine(y, out.handle)
 """
 
+from jax_ep import moe
 from jax_ep._types import (
     EXPERT_MAJOR,
     RANK_MAJOR,
@@ -14,6 +15,8 @@ from jax_ep._types import (
     DispatchHandle,
     DispatchLayout,
     DispatchOutput,
+    LowLatencyHandle,
+    LowLatencyOutput,
 )
 from jax_ep.api import (
     combine,
@@ -22,8 +25,15 @@ from jax_ep.api import (
     dispatch,
     get_dispatch_layout,
 )
-from jax_ep import moe
 from jax_ep.fp8 import dequantize_fp8, quantize_fp8
+from jax_ep.low_latency import (
+    low_latency_combine,
+    low_latency_combine_receive,
+    low_latency_combine_send,
+    low_latency_dispatch,
+    low_latency_dispatch_receive,
+    low_latency_dispatch_send,
+)
 
 __version__ = "0.1.0"
 
@@ -34,12 +44,20 @@ __all__ = [
     "DispatchHandle",
     "DispatchLayout",
     "DispatchOutput",
+    "LowLatencyHandle",
+    "LowLatencyOutput",
     "combine",
     "cuda_available",
     "default_capacity",
     "dequantize_fp8",
     "dispatch",
     "get_dispatch_layout",
+    "low_latency_combine",
+    "low_latency_combine_receive",
+    "low_latency_combine_send",
+    "low_latency_dispatch",
+    "low_latency_dispatch_receive",
+    "low_latency_dispatch_send",
     "moe",
     "quantize_fp8",
 ]

@@ -122,3 +122,75 @@ class DispatchLayout(NamedTuple):
     num_tokens_per_rank: jax.Array  # [R] int32 tokens with at least one expert on rank r
     num_tokens_per_expert: jax.Array  # [E] int32 (token, k) pairs per global expert
     is_token_in_rank: jax.Array  # [T, R] bool
+
+
+# ----------------------------------------------------------------------------- low latency
+#
+# Decode-time contract: every rank sends at most M = max_tokens_per_rank tokens; each
+# (token, k) pair is one row in the receive block of its expert. Local expert l's block is
+# [R * M] rows; its first recv_count[l] rows are used, ordered by (source rank, source
+# token, k); the rest are zero with -1 handle entries. Combine weights each row by the
+# source's gate and sums a token's K rows in k order, in float32.
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyConfig:
+    num_experts: int
+    num_ranks: int
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    max_tokens_per_rank: int
+    use_fp8: bool = True
+    ue8m0: bool = False
+    axis_name: Any = None
+    backend: str = "reference"
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def rows_per_expert(self) -> int:
+        return self.num_ranks * self.max_tokens_per_rank
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class LowLatencyHandle:
+    """Routing state of one low-latency dispatch.
+
+      topk_idx:  [T, K] int32 the source's global expert ids (-1 = none).
+      send_slot: [T, K] int32 row of the pair inside its expert's block (-1 = not sent).
+      src_rank:  [L, R*M] int32 source rank of each received row (-1 = unused).
+      src_token: [L, R*M] int32 source token of each received row (-1 = unused).
+      src_k:     [L, R*M] int32 top-k slot of each received row (-1 = unused).
+    """
+
+    topk_idx: jax.Array
+    send_slot: jax.Array
+    src_rank: jax.Array
+    src_token: jax.Array
+    src_k: jax.Array
+    config: LowLatencyConfig
+
+    def tree_flatten(self):
+        return (self.topk_idx, self.send_slot, self.src_rank, self.src_token, self.src_k), \
+            self.config
+
+    @classmethod
+    def tree_unflatten(cls, config, children):
+        return cls(*children, config=config)
+
+
+class LowLatencyOutput(NamedTuple):
+    """x: [L, R*M, H] (e4m3 when FP8, else x's dtype); x_scales: [L, R*M, H//128] f32 or None;
+    recv_count: [L] int32 rows used per local expert; num_dropped: [] int32 pairs that found
+    their expert's block full (only possible when a token lists one expert twice);
+    handle: LowLatencyHandle."""
+
+    x: jax.Array
+    x_scales: jax.Array | None
+    recv_count: jax.Array
+    num_dropped: jax.Array
+    handle: LowLatencyHandle

@@ -107,7 +107,8 @@ def _split_x(x):
                 f"got {data.shape}")
         want = (data.shape[0], data.shape[1] // _fp8.BLOCK)
         if scales.shape != want or scales.dtype != jnp.float32:
-            raise ValueError(f"FP8 scales must be float32 {want}, got {scales.dtype} {scales.shape}")
+            raise ValueError(
+                f"FP8 scales must be float32 {want}, got {scales.dtype} {scales.shape}")
         return data, scales
     if x.ndim != 2:
         raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")

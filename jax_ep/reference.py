@@ -19,6 +19,9 @@ from jax_ep._types import (
     DispatchHandle,
     DispatchLayout,
     DispatchOutput,
+    LowLatencyConfig,
+    LowLatencyHandle,
+    LowLatencyOutput,
 )
 
 
@@ -35,8 +38,8 @@ def layout(topk_idx, *, num_experts, num_ranks):
     dest, _ = _routing(topk_idx, num_experts, num_ranks)
     is_token_in_rank = jnp.any(dest[:, :, None] == jnp.arange(num_ranks)[None, None, :], axis=1)
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
-    per_expert = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, topk_idx, num_experts)].add(
-        1, mode="drop")
+    experts = jnp.where(valid, topk_idx, num_experts)
+    per_expert = jnp.zeros((num_experts,), jnp.int32).at[experts].add(1, mode="drop")
     return DispatchLayout(
         num_tokens_per_rank=jnp.sum(is_token_in_rank, axis=0, dtype=jnp.int32),
         num_tokens_per_expert=per_expert,
@@ -205,3 +208,116 @@ def combine(y, weights, handle: DispatchHandle):
     for term in terms:  # fixed left-to-right order: bit-identical to the CUDA kernels
         total = total + term
     return total.astype(y.dtype)
+
+
+# ----------------------------------------------------------------------------- low latency
+
+def _group_positions(key, num_groups):
+    """Rank of every element among those with the same key, in index order (key == num_groups:
+    not in any group). Returns (rank, count per group)."""
+    n = key.shape[0]
+    counts = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
+    starts = jnp.cumsum(counts) - counts
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    rank_sorted = jnp.arange(n, dtype=jnp.int32) - starts[jnp.minimum(sorted_key, num_groups - 1)]
+    return jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted), counts
+
+
+def low_latency_send(x, topk_idx, config: LowLatencyConfig):
+    """Everything that crosses the wire; ``low_latency_receive`` lays it out locally."""
+    from jax_ep.fp8 import quantize_fp8
+
+    R, E, axis = config.num_ranks, config.num_experts, config.axis_name
+    dest, local = _routing(topk_idx, E, R)
+    data, scales = quantize_fp8(x, ue8m0=config.ue8m0) if config.use_fp8 else (x, None)
+    to_r = dest[None, :, :] == jnp.arange(R, dtype=jnp.int32)[:, None, None]
+    return dict(
+        x=_exchange(_to_all_ranks(data, R), axis),
+        x_scales=None if scales is None else _exchange(_to_all_ranks(scales, R), axis),
+        local=_exchange(jnp.where(to_r, local[None], -1), axis),  # [R(src), T, K]
+        topk_idx=topk_idx,
+    )
+
+
+def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
+    R, T, K, L = config.num_ranks, config.num_tokens, config.num_topk, config.num_local_experts
+    rows = config.rows_per_expert
+    n = R * T * K
+    expert = sent["local"].reshape(n)  # pairs in (src, token, k) order
+    valid = expert >= 0
+    rank, _ = _group_positions(jnp.where(valid, expert, L), L)
+    kept = valid & (rank < rows)
+    target = jnp.where(kept, expert * rows + rank, L * rows)
+    pair = jnp.arange(n, dtype=jnp.int32)
+    token_row = pair // K
+
+    def place(values, fill):
+        flat = _scatter_rows(values, target, L * rows, fill)
+        return flat.reshape((L, rows) + values.shape[1:])
+
+    x = sent["x"].reshape((R * T,) + sent["x"].shape[2:])[token_row]
+    scales = sent["x_scales"]
+    slot_for_src = jnp.where(kept, rank, -1).reshape(R, T, K)
+    slots = _exchange(slot_for_src, config.axis_name)  # [R(expert rank), T, K]
+    dest, _ = _routing(sent["topk_idx"], config.num_experts, R)
+    send_slot = jnp.take_along_axis(slots, jnp.maximum(dest, 0)[None], axis=0)[0]
+    handle = LowLatencyHandle(
+        topk_idx=sent["topk_idx"],
+        send_slot=jnp.where(dest >= 0, send_slot, -1),
+        src_rank=place(pair // (T * K), -1),
+        src_token=place((pair // K) % T, -1),
+        src_k=place(pair % K, -1),
+        config=config,
+    )
+    kept_expert = jnp.where(kept, expert, L)
+    return LowLatencyOutput(
+        x=place(x, 0),
+        x_scales=None if scales is None else place(scales.reshape(R * T, -1)[token_row], 0),
+        recv_count=jnp.zeros((L + 1,), jnp.int32).at[kept_expert].add(1)[:L],
+        num_dropped=jnp.sum(valid & ~kept, dtype=jnp.int32),
+        handle=handle,
+    )
+
+
+def low_latency_dispatch(x, topk_idx, config: LowLatencyConfig) -> LowLatencyOutput:
+    return low_latency_receive(low_latency_send(x, topk_idx, config), config)
+
+
+def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
+    """[T, D] -> [L, R*M, D]: each used row gets its source token's x (no quantisation)."""
+    config = handle.config
+    recv = _exchange(_to_all_ranks(x, config.num_ranks), config.axis_name)  # [R(src), T, D]
+    used = handle.src_rank >= 0
+    rows = recv[jnp.maximum(handle.src_rank, 0), jnp.maximum(handle.src_token, 0)]
+    return jnp.where(used[..., None], rows, jnp.zeros_like(rows))
+
+
+def low_latency_combine_send(y, handle: LowLatencyHandle):
+    """Every used row goes back to its source, as [R(expert rank), T, K, H]."""
+    config = handle.config
+    R, T, K = config.num_ranks, config.num_tokens, config.num_topk
+    used = handle.src_rank >= 0
+    send = jnp.zeros((R, T, K) + y.shape[2:], y.dtype)
+    send = send.at[jnp.where(used, handle.src_rank, R), handle.src_token, handle.src_k].set(
+        y, mode="drop")
+    return dict(rows=_exchange(send, config.axis_name))
+
+
+def low_latency_combine_receive(sent, topk_weights, handle: LowLatencyHandle):
+    """out[t] = sum over k ascending of topk_weights[t, k] * row(t, k), in float32."""
+    config = handle.config
+    dest, _ = _routing(handle.topk_idx, config.num_experts, config.num_ranks)
+    back = sent["rows"]
+    picked = jnp.take_along_axis(back, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
+    present = handle.send_slot >= 0
+    w = topk_weights.astype(jnp.float32)
+    total = jnp.zeros((config.num_tokens,) + back.shape[3:], jnp.float32)
+    for k in range(config.num_topk):  # fixed order: bit-identical to the CUDA kernels
+        term = w[:, k, None] * picked[:, k].astype(jnp.float32)
+        total = total + jnp.where(present[:, k, None], term, 0.0)
+    return total.astype(back.dtype)
+
+
+def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
+    return low_latency_combine_receive(low_latency_combine_send(y, handle), topk_weights, handle)

@@ -1,4 +1,4 @@
-"""A full MoE block (router, top-k, dispatch, experts, combine) against a dense one-device oracle."""
+"""A full MoE block (router, top-k, dispatch, experts, combine) against a dense oracle."""
 
 from __future__ import annotations
 

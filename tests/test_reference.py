@@ -32,7 +32,8 @@ def make_inputs(rng, R, T, H, K, E, kind="random", mask_frac=0.0, dtype=np.float
     return x, idx, w
 
 
-def dispatch_all(x, idx, w, E, capacity=None, layout="rank_major", alignment=1, backend="reference"):
+def dispatch_all(x, idx, w, E, capacity=None, layout="rank_major", alignment=1,
+                 backend="reference"):
     R = x.shape[0]
 
     def fn(x, idx, w):

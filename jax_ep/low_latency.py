@@ -1,0 +1,170 @@
+"""Low-latency (decode) dispatch and combine: fixed-size per-expert blocks, send/receive split.
+
+Every rank sends at most ``max_tokens_per_rank`` (M) tokens per step. Each (token, k) pair
+becomes one row in the block of its expert: ``x`` is ``[L, R*M, H]`` with the first
+``recv_count[l]`` rows of block l in use, ordered by (source rank, source token, k). Combine
+weights each returned row with the source's gate and sums the K rows of a token in k order.
+
+``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
+that XLA can schedule independent work (another micro-batch's attention) between them; the
+fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import api
+from jax_ep import fp8 as _fp8
+from jax_ep._types import LowLatencyConfig, LowLatencyHandle, LowLatencyOutput
+
+
+def _backend(config: LowLatencyConfig):
+    return api._backend_module(config.backend)
+
+
+def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, ue8m0, backend):
+    x, _ = api._split_x(x)
+    R = api._axis_size(axis_name)
+    topk_idx = api._check_topk(topk_idx, num_experts, R, "low_latency_dispatch")
+    T, H = x.shape
+    if topk_idx.shape[0] != T:
+        raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens but x has {T}")
+    if int(max_tokens_per_rank) < 1:
+        raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+    if T > max_tokens_per_rank:
+        raise ValueError(
+            f"{T} tokens exceed max_tokens_per_rank={max_tokens_per_rank}: the receive blocks "
+            "are sized for that many tokens from every rank")
+    if use_fp8 and H % _fp8.BLOCK:
+        raise ValueError(f"FP8 dispatch needs hidden divisible by {_fp8.BLOCK}, got {H}")
+    config = LowLatencyConfig(
+        num_experts=int(num_experts), num_ranks=R, num_tokens=T, hidden=H,
+        num_topk=topk_idx.shape[1], max_tokens_per_rank=int(max_tokens_per_rank),
+        use_fp8=bool(use_fp8), ue8m0=bool(ue8m0), axis_name=axis_name,
+        backend=api._resolve_backend(backend))
+    return x, topk_idx, config
+
+
+def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
+                         use_fp8=True, ue8m0=False, backend="auto") -> LowLatencyOutput:
+    """Send each (token, k) pair to its expert's block. x: [T, H] bf16/f16/f32, T <= M.
+
+    With ``use_fp8`` the tokens are quantised (one scale per 128 channels) before sending and
+    arrive as e4m3 data + float32 scales; then no gradient flows back to ``x``.
+    """
+    x, topk_idx, config = _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
+                                  use_fp8, ue8m0, backend)
+    return _ll_dispatch(config, x, topk_idx)
+
+
+def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
+                              use_fp8=True, ue8m0=False, backend="auto"):
+    """First half of ``low_latency_dispatch`` (not differentiable): returns a pending pytree."""
+    x, topk_idx, config = _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
+                                  use_fp8, ue8m0, backend)
+    return _Pending(_backend(config).low_latency_send(x, topk_idx, config), config)
+
+
+def low_latency_dispatch_receive(pending) -> LowLatencyOutput:
+    """Second half: lay out what arrived."""
+    return _backend(pending.config).low_latency_receive(pending.arrays, pending.config)
+
+
+def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
+    """[L, R*M, H] expert outputs -> [T, H]: sum_k topk_weights[t, k] * row(t, k), float32."""
+    _check_combine(y, topk_weights, handle)
+    return _ll_combine(y, topk_weights.astype(jnp.float32), handle)
+
+
+def low_latency_combine_send(y, handle: LowLatencyHandle):
+    """First half of ``low_latency_combine`` (not differentiable)."""
+    _check_combine(y, None, handle)
+    return _Pending(_backend(handle.config).low_latency_combine_send(y, handle), handle.config)
+
+
+def low_latency_combine_receive(pending, topk_weights, handle: LowLatencyHandle):
+    return _backend(handle.config).low_latency_combine_receive(
+        pending.arrays, topk_weights.astype(jnp.float32), handle)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Pending:
+    """Arrays in flight between a send and its receive, plus the static config."""
+
+    def __init__(self, arrays, config):
+        self.arrays, self.config = arrays, config
+
+    def tree_flatten(self):
+        return (self.arrays,), self.config
+
+    @classmethod
+    def tree_unflatten(cls, config, children):
+        return cls(children[0], config)
+
+
+def _check_combine(y, topk_weights, handle):
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle)}")
+    c = handle.config
+    want = (c.num_local_experts, c.rows_per_expert)
+    if y.ndim != 3 or y.shape[:2] != want:
+        raise ValueError(f"y must be [{want[0]}, {want[1]}, hidden], got shape {y.shape}")
+    if y.dtype not in api._FLOAT_DTYPES:
+        raise TypeError(f"y must be bfloat16, float16 or float32, got {y.dtype}")
+    if topk_weights is not None and topk_weights.shape != (c.num_tokens, c.num_topk):
+        raise ValueError(f"topk_weights must be {(c.num_tokens, c.num_topk)}, "
+                         f"got {topk_weights.shape}")
+
+
+# ----------------------------------------------------------------------------- autodiff
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ll_dispatch(config, x, topk_idx):
+    return _backend(config).low_latency_dispatch(x, topk_idx, config)
+
+
+def _ll_dispatch_fwd(config, x, topk_idx):
+    out = _ll_dispatch(config, x, topk_idx)
+    return out, out.handle
+
+
+def _ll_dispatch_bwd(config, handle, g):
+    if config.use_fp8:
+        return None, None  # quantised on the way: no gradient to x
+    ones = jnp.ones((config.num_tokens, config.num_topk), jnp.float32)
+    return _backend(config).low_latency_combine(g.x, ones, handle), None
+
+
+_ll_dispatch.defvjp(_ll_dispatch_fwd, _ll_dispatch_bwd)
+
+
+@jax.custom_vjp
+def _ll_combine(y, topk_weights, handle):
+    return _backend(handle.config).low_latency_combine(y, topk_weights, handle)
+
+
+def _ll_combine_fwd(y, topk_weights, handle):
+    return _ll_combine(y, topk_weights, handle), (y, topk_weights, handle)
+
+
+def _ll_combine_bwd(residuals, g):
+    y, topk_weights, handle = residuals
+    backend = _backend(handle.config)
+    K = handle.config.num_topk
+    g_rows = backend.low_latency_cached_dispatch(g.astype(y.dtype), handle)  # [L, RM, H]
+    w_rows = backend.low_latency_cached_dispatch(topk_weights, handle)  # [L, RM, K]
+    k_onehot = handle.src_k[..., None] == jnp.arange(K)
+    row_w = jnp.sum(jnp.where(k_onehot, w_rows, 0.0), axis=-1)
+    dy = (g_rows.astype(jnp.float32) * row_w[..., None]).astype(y.dtype)
+    dot = jnp.sum(g_rows.astype(jnp.float32) * y.astype(jnp.float32), axis=-1)  # [L, RM]
+    ones = jnp.ones_like(topk_weights)
+    d_weights = backend.low_latency_combine(jnp.where(k_onehot, dot[..., None], 0.0), ones,
+                                            handle)
+    return dy, d_weights, None
+
+
+_ll_combine.defvjp(_ll_combine_fwd, _ll_combine_bwd)

@@ -1,0 +1,144 @@
+"""Low-latency (decode) mode on the reference backend against the NumPy oracle and a dense MoE."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+import oracle
+from ep import AXIS, mesh, run
+from jax_ep import moe
+from test_reference import make_inputs
+
+
+def ll_dispatch(x, idx, E, M, use_fp8, split=False):
+    def fn(x, idx):
+        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=use_fp8,
+                  backend="reference")
+        if split:
+            pending = jax_ep.low_latency_dispatch_send(x, idx, **kw)
+            return jax_ep.low_latency_dispatch_receive(pending)
+        return jax_ep.low_latency_dispatch(x, idx, **kw)
+
+    return run(fn, x.shape[0], x, idx)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+@pytest.mark.parametrize("R,T,M,H,K,E,kind,mask", [
+    (1, 4, 4, 128, 2, 3, "random", 0.0),
+    (2, 8, 8, 256, 8, 16, "random", 0.2),
+    (4, 5, 7, 128, 3, 12, "random", 0.3),
+    (4, 6, 6, 128, 4, 8, "one_expert", 0.0),
+    (8, 3, 4, 128, 8, 24, "random", 0.1),
+])
+def test_low_latency_dispatch_matches_oracle(R, T, M, H, K, E, kind, mask, use_fp8):
+    rng = np.random.default_rng(R * 7 + K)
+    x, idx, _ = make_inputs(rng, R, T, H, K, E, kind, mask, dtype=jnp.bfloat16)
+    out = ll_dispatch(x, idx, E, M, use_fp8)
+    if use_fp8:
+        data, scales = jax.vmap(jax_ep.quantize_fp8)(jnp.asarray(x))
+        payload = np.asarray(data).view(np.uint8)
+        got_x = np.asarray(out.x).view(np.uint8)
+    else:
+        payload, got_x = x, np.asarray(out.x)
+    want, slot = oracle.low_latency_dispatch(payload, idx, E, M)
+    L = E // R
+    assert out.x.shape == (R, L, R * M, H)
+    for r in range(R):
+        np.testing.assert_array_equal(got_x[r], want[r]["x"], err_msg=f"rank {r} x")
+        for name in ("recv_count", "num_dropped"):
+            np.testing.assert_array_equal(getattr(out, name)[r], want[r][name])
+        for name in ("src_rank", "src_token", "src_k"):
+            np.testing.assert_array_equal(getattr(out.handle, name)[r], want[r][name])
+        if use_fp8:
+            want_scales, _ = oracle.low_latency_dispatch(np.asarray(scales), idx, E, M)
+            np.testing.assert_array_equal(out.x_scales[r], want_scales[r]["x"])
+    np.testing.assert_array_equal(out.handle.send_slot, slot)
+    split = ll_dispatch(x, idx, E, M, use_fp8, split=True)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(split)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_low_latency_combine_matches_oracle(split):
+    R, T, M, H, K, E = 4, 6, 8, 64, 4, 16
+    rng = np.random.default_rng(4)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
+    L = E // R
+    y = rng.standard_normal((R, L, R * M, H)).astype(np.float32)
+
+    def fn(x, idx, w, y):
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                        axis_name=AXIS, use_fp8=False, backend="reference")
+        if split:
+            pending = jax_ep.low_latency_combine_send(y, o.handle)
+            return jax_ep.low_latency_combine_receive(pending, w, o.handle), o.handle.send_slot
+        return jax_ep.low_latency_combine(y, w, o.handle), o.handle.send_slot
+
+    got, slot = run(fn, R, x, idx, w, y)
+    np.testing.assert_array_equal(got, oracle.low_latency_combine(y, w, slot, idx, E))
+
+
+def test_low_latency_decode_block_and_grads_match_dense():
+    R, T, M, H, F, E, K = 4, 6, 8, 16, 12, 8, 2
+    key = jax.random.key(3)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    params = dict(router=jax.random.normal(k1, (H, E)),
+                  w_in=jax.random.normal(k2, (E, H, F)) / np.sqrt(H),
+                  w_out=jax.random.normal(k3, (E, F, H)) / np.sqrt(F))
+    x = jax.random.normal(k4, (R * T, H))
+    m = mesh(R)
+    specs = dict(router=P(), w_in=P(AXIS), w_out=P(AXIS))
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=m, in_specs=(specs, P(AXIS)), out_specs=P())
+    def ep_loss(p, x):
+        idx, gates = moe.route(x, p["router"], K)
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                        axis_name=AXIS, use_fp8=False, backend="reference")
+        h = jax.nn.gelu(jnp.einsum("lrh,lhf->lrf", o.x, p["w_in"]))
+        y = jnp.einsum("lrf,lfh->lrh", h, p["w_out"])
+        out = jax_ep.low_latency_combine(y, gates, o.handle)
+        return jax.lax.psum(jnp.sum(jnp.sin(out)), AXIS)
+
+    def dense_loss(p, x):
+        return jnp.sum(jnp.sin(moe.dense_moe_block(x, p["router"], p["w_in"], p["w_out"],
+                                                   top_k=K)))
+
+    put = lambda a, s: jax.device_put(a, NamedSharding(m, s))  # noqa: E731
+    pp = {k: put(v, specs[k]) for k, v in params.items()}
+    xp = put(x, P(AXIS))
+    np.testing.assert_allclose(ep_loss(pp, xp), dense_loss(params, x), rtol=1e-5)
+    got = jax.grad(ep_loss, argnums=(0, 1))(pp, xp)
+    want = jax.grad(dense_loss, argnums=(0, 1))(params, x)
+    for name in params:
+        np.testing.assert_allclose(got[0][name], want[0][name], rtol=2e-4, atol=2e-5,
+                                   err_msg=name)
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5)
+
+
+def test_low_latency_validation():
+    R = 2
+
+    def attempt(T=4, M=4, H=128, use_fp8=True):
+        def fn(x, idx):
+            return jax_ep.low_latency_dispatch(x, idx, num_experts=4, max_tokens_per_rank=M,
+                                               axis_name=AXIS, use_fp8=use_fp8,
+                                               backend="reference").x
+
+        run(fn, R, np.ones((R, T, H), np.float32), np.zeros((R, T, 2), np.int32))
+
+    with pytest.raises(ValueError, match="exceed max_tokens_per_rank=4"):
+        attempt(T=5)
+    with pytest.raises(ValueError, match="hidden divisible by 128"):
+        attempt(H=100)
+    with pytest.raises(ValueError, match="max_tokens_per_rank must be >= 1"):
+        attempt(M=0)
+    attempt(H=100, use_fp8=False)
