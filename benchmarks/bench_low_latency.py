@@ -1,0 +1,168 @@
+"""Low-latency (decode) benchmark: dispatch/combine per call inside one jitted loop of N calls.
+
+    python -m jax_ep.launch -n 2 benchmarks/bench_low_latency.py      # one process per GPU
+    JAX_PLATFORMS=cpu python benchmarks/bench_low_latency.py --hidden 512   # reference, CPU
+
+Each figure is (time of a jitted ``fori_loop`` of ``--calls`` calls) / calls, median of
+repeats: XLA's own launch cost is included, Python's is not. Consecutive calls depend on each
+other through a zero-weighted feedback, so XLA can neither hoist nor overlap them. Baselines in
+the same run: a capacity-padded ``jax.lax.all_to_all`` and ``jax.lax.ragged_all_to_all``.
+The overlap row runs dispatch-send, an independent matmul, dispatch-receive: compare it with
+the sum of the two alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from functools import partial
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank (= max tokens)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+    p.add_argument("--cpu-devices", type=int, default=4)
+    return p.parse_args()
+
+
+args = parse_args()
+if "JAX_EP_RANK" not in os.environ and os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.cpu_devices}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+
+AXIS = "ep"
+
+
+def put(array, sharding):
+    if jax.process_count() == 1:
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda i: array[i])
+
+
+def per_call(f, *a):
+    """Seconds per call of a function that runs ``args.calls`` calls in one program."""
+    jax.block_until_ready(f(*a))
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        times.append((time.perf_counter() - t0) / args.calls)
+    return float(np.median(times))
+
+
+def looped(body):
+    """fori_loop of args.calls calls of body(x) -> scalar, chained through x."""
+
+    def run(x, *rest):
+        def step(_, x):
+            s = body(x, *rest)
+            return x + (s * 0).astype(x.dtype)
+
+        return jax.lax.fori_loop(0, args.calls, step, x)[:1]
+
+    return run
+
+
+def main():
+    if "JAX_EP_RANK" in os.environ:
+        from jax_ep import launch
+
+        launch.init_distributed()
+    R, T, H, K, E = jax.device_count(), args.tokens, args.hidden, args.topk, args.experts
+    L = E // R
+    if args.backend != "reference" and jax.default_backend() == "gpu":
+        from jax_ep import runtime
+
+        runtime.initialize()
+    backend = jax_ep.api._resolve_backend(args.backend)
+    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    shard = NamedSharding(mesh, P(AXIS))
+    smap = partial(jax.shard_map, mesh=mesh, out_specs=P(AXIS), check_vma=False)
+    rng = np.random.default_rng(0)
+    idx = np.argsort(-rng.standard_normal((R * T, E)), axis=-1)[:, :K].astype(np.int32)
+    x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
+    w = put(rng.random((R * T, K)).astype(np.float32), shard)
+    idx_d = put(idx, shard)
+    ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=backend)
+    rows = []
+
+    def record(name, f, *a):
+        try:
+            rows.append((name, per_call(jax.jit(smap(looped(f), in_specs=(P(AXIS),) * len(a))),
+                                        *a) * 1e6))
+        except Exception as e:  # noqa: BLE001 - a failing row must not hide the others
+            rows.append((name, float("nan")))
+            if jax.process_index() == 0:
+                print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
+
+    def dispatch_fp8(x, idx):
+        return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).x_scales[0, 0, 0]
+
+    def dispatch_bf16(x, idx):
+        return jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll).x[0, 0, 0]
+
+    def combine(x, idx, w):
+        o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
+        return jax_ep.low_latency_combine(o.x, w, o.handle)[0, 0]
+
+    # independent work of about the size of a decode step's attention projection
+    weight = put(rng.standard_normal((R * H, H)).astype(jnp.bfloat16) / np.sqrt(H), shard)
+
+    def matmul(x, idx, weight):
+        return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
+
+    def dispatch_overlapped(x, idx, weight):
+        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
+        s = matmul(x, idx, weight)
+        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
+
+    record("jax_ep low_latency_dispatch FP8", dispatch_fp8, x, idx_d)
+    record("jax_ep low_latency_dispatch BF16", dispatch_bf16, x, idx_d)
+    record("jax_ep dispatch BF16 + combine BF16", combine, x, idx_d, w)
+    record("independent matmul alone", matmul, x, idx_d, weight)
+    record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight)
+
+    # baselines: capacity-padded all_to_all and ragged_all_to_all of the deduplicated tokens
+    dest = idx.reshape(R, T, K) // L
+    in_rank = (dest[..., None] == np.arange(R)).any(2)
+    counts = in_rank.sum(1)
+    C = int(counts.max())
+    didx = np.zeros((R, R, C), np.int32)
+    for r in range(R):
+        for d in range(R):
+            tok = np.nonzero(in_rank[r, :, d])[0]
+            didx[r, d, :len(tok)] = tok
+    didx_d = put(didx.reshape(R * R, C), shard)
+
+    def padded(x, didx):
+        send = jnp.take(x, didx.reshape(-1), axis=0).reshape(R, C, H)
+        return jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)[0, 0, 0]
+
+    record("jax.lax.all_to_all (capacity-padded)", padded, x, didx_d)
+
+    if jax.process_index() == 0:
+        print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "
+              f"top-{K} of {E}; per call, jitted loop of {args.calls}")
+        print(f"| {'operation':40s} | {'µs per call':>11s} |")
+        print(f"|{'-' * 42}|{'-' * 13}|")
+        for name, us in rows:
+            print(f"| {name:40s} | {us:11.1f} |")
+
+
+if __name__ == "__main__":
+    main()
