@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracle
 import pytest
-from ep import AXIS, run
-from test_reference import assert_matches_oracle, make_inputs
 
 import jax_ep
+
+import oracle
+from ep import AXIS, run
+from test_reference import assert_matches_oracle, make_inputs
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])

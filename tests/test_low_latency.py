@@ -12,9 +12,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import moe
+
 import oracle
 from ep import AXIS, mesh, run
-from jax_ep import moe
 from test_reference import make_inputs
 
 

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep import AXIS, mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import moe
+
+from ep import AXIS, mesh
 
 
 def make_params(key, H, F, E):

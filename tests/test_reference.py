@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracle
 import pytest
-from ep import AXIS, run
 
 import jax_ep
+
+import oracle
+from ep import AXIS, run
 
 
 def make_routing(rng, R, T, K, E, kind="random", mask_frac=0.0):

@@ -31,10 +31,13 @@ struct InitOptions {
   int local_device = 0;          // CUDA device of this process
   size_t buffer_bytes = 0;       // symmetric buffer size per PE
   std::string unique_id;         // bytes of nvshmemx_uniqueid_t (from process 0)
+  bool single_host = true;       // default NVSHMEM to loopback bootstrap, no remote transport
 };
 std::string create_unique_id();                 // process 0 only
 void initialize(const InitOptions& options);    // throws std::runtime_error with a clear message
 void finalize();                                // idempotent
 bool is_initialized();
+size_t unique_id_size();
+std::string nvshmem_version();                  // of the host library loaded at run time
 
 }  // namespace jax_ep

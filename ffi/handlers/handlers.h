@@ -1,0 +1,8 @@
+// Every typed-FFI handler the module exports (defined with XLA_FFI_DEFINE_HANDLER_SYMBOL).
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JaxEpLayout(XLA_FFI_CallFrame* call_frame);
+}

@@ -1,0 +1,73 @@
+// The nanobind module jax_ep._C: FFI handler capsules and the communication runtime.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+#include <utility>
+
+#include "handlers/handlers.h"
+#include "runtime/runtime.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule handler_capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict ffi_targets() {
+  nb::dict targets;
+  // ---- FFI handler table: one line per handler (name passed to jax.ffi.register_ffi_target).
+  targets["jax_ep_layout"] = handler_capsule(JaxEpLayout);
+  // ---- end of table
+  return targets;
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "jax_ep native extension: typed XLA FFI handlers and the NVSHMEM runtime";
+  m.def("ffi_targets", &ffi_targets, "{target name: PyCapsule} of every FFI handler");
+  m.def("cuda_architectures", [] { return std::string(JAX_EP_CUDA_ARCHS); });
+  m.def("create_unique_id", [] {
+    std::string id = jax_ep::create_unique_id();
+    return nb::bytes(id.data(), id.size());
+  });
+  m.def("unique_id_size", &jax_ep::unique_id_size);
+  m.def(
+      "initialize",
+      [](int rank, int num_ranks, int local_device, size_t buffer_bytes, nb::bytes unique_id,
+         bool single_host) {
+        jax_ep::InitOptions options;
+        options.rank = rank;
+        options.num_ranks = num_ranks;
+        options.local_device = local_device;
+        options.buffer_bytes = buffer_bytes;
+        options.unique_id = std::string(unique_id.c_str(), unique_id.size());
+        options.single_host = single_host;
+        nb::gil_scoped_release release;  // NVSHMEM's bootstrap blocks until every PE joins
+        jax_ep::initialize(options);
+      },
+      nb::arg("rank"), nb::arg("num_ranks"), nb::arg("local_device"), nb::arg("buffer_bytes"),
+      nb::arg("unique_id"), nb::arg("single_host") = true);
+  m.def("finalize", [] {
+    nb::gil_scoped_release release;
+    jax_ep::finalize();
+  });
+  m.def("is_initialized", &jax_ep::is_initialized);
+  m.def("buffer_bytes", [] {
+    const jax_ep::Transport* t = jax_ep::transport();
+    return t ? t->bytes : size_t(0);
+  });
+  m.def("rank", [] {
+    const jax_ep::Transport* t = jax_ep::transport();
+    return t ? t->rank : -1;
+  });
+  m.def("num_ranks", [] {
+    const jax_ep::Transport* t = jax_ep::transport();
+    return t ? t->num_ranks : 0;
+  });
+  m.def("nvshmem_version", &jax_ep::nvshmem_version);
+}
