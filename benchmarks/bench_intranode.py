@@ -116,7 +116,7 @@ def main():
         try:
             t = timeit(f, *a)
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
-        except Exception as e:  # noqa: BLE001 - a failing row must not hide the others
+        except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan"), float("nan")))
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
@@ -225,7 +225,7 @@ def baselines(R, T, H, in_rank, counts, x, shard, smap, nbytes):
         try:
             t = timeit(f, *a)
             rows.append((name, t * 1e6, nbytes / t / 1e9))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             rows.append((name, float("nan"), float("nan")))
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:300]}")
