@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "handlers/handlers.h"
+#include "kernels/buffer_layout.h"
 #include "runtime/runtime.h"
 
 namespace nb = nanobind;
@@ -21,6 +22,9 @@ nb::dict ffi_targets() {
   nb::dict targets;
   // ---- FFI handler table: one line per handler (name passed to jax.ffi.register_ffi_target).
   targets["jax_ep_layout"] = handler_capsule(JaxEpLayout);
+  targets["jax_ep_dispatch"] = handler_capsule(JaxEpDispatch);
+  targets["jax_ep_cached_dispatch"] = handler_capsule(JaxEpCachedDispatch);
+  targets["jax_ep_combine"] = handler_capsule(JaxEpCombine);
   // ---- end of table
   return targets;
 }
@@ -70,4 +74,8 @@ NB_MODULE(_C, m) {
     return t ? t->num_ranks : 0;
   });
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
+  m.def("required_buffer_bytes", &jax_ep::required_buffer_bytes, nb::arg("num_ranks"),
+        nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("elem_bytes"), nb::arg("num_topk"),
+        nb::arg("num_experts"), nb::arg("capacity"), nb::arg("expert_major"), nb::arg("fp8"),
+        "Symmetric-buffer bytes that a dispatch + combine of these shapes needs");
 }

@@ -1,8 +1,12 @@
-"""CPU tests run on 8 fake host devices; the flag must be set before jax is imported."""
+"""CPU tests run on 8 fake host devices; the flags must be set before jax is imported.
+
+Under ``python -m jax_ep.launch`` (the GPU suite) each process keeps its own GPU instead.
+"""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAX_EP_TEST_PLATFORMS", "cpu"))
+if "JAX_EP_RANK" not in os.environ:
+    os.environ.setdefault("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")

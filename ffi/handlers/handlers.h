@@ -5,4 +5,7 @@
 
 extern "C" {
 XLA_FFI_Error* JaxEpLayout(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpDispatch(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpCachedDispatch(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpCombine(XLA_FFI_CallFrame* call_frame);
 }

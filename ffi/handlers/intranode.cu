@@ -1,0 +1,247 @@
+// Typed-FFI handlers of the intranode normal mode: jax_ep_dispatch, jax_ep_cached_dispatch,
+// jax_ep_combine. They validate shapes, check the symmetric buffer is large enough, fill the
+// kernels' argument structs and launch; nothing here waits for the device.
+#include <cstdlib>
+#include <string>
+
+#include "handlers/common.h"
+#include "handlers/handlers.h"
+#include "kernels/buffer_layout.h"
+#include "kernels/intranode.h"
+#include "runtime/runtime.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kDefaultBlocks = 32;
+
+uint64_t timeout_ns() {
+  static const uint64_t value = [] {
+    const char* env = std::getenv("JAX_EP_TIMEOUT_S");
+    double seconds = env ? std::atof(env) : 100.0;
+    return static_cast<uint64_t>((seconds > 0 ? seconds : 100.0) * 1e9);
+  }();
+  return value;
+}
+
+ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t needed,
+                        PeerContext* ctx) {
+  const Transport* t = transport();
+  if (t == nullptr)
+    return invalid(std::string(op) + ": the runtime is not initialised: call "
+                   "jax_ep.runtime.initialize() after jax.distributed.initialize()");
+  if (needed > t->bytes)
+    return invalid(std::string(op) + ": this call needs a symmetric buffer of " +
+                   std::to_string(needed) + " bytes but the runtime has " +
+                   std::to_string(t->bytes) + "; pass buffer_bytes >= " +
+                   std::to_string(needed) + " to jax_ep.runtime.initialize()");
+  if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
+  *ctx = PeerContext{t->peers, t->rank, t->num_ranks, timeout_ns(), rank.typed_data()};
+  return ffi::Error::Success();
+}
+
+size_t element_bytes(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return 4;
+    case ffi::DataType::BF16:
+    case ffi::DataType::F16: return 2;
+    case ffi::DataType::F8E4M3FN: return 1;
+    default: return 0;
+  }
+}
+
+int blocks_or_default(int64_t num_blocks) {
+  return num_blocks > 0 ? static_cast<int>(num_blocks) : kDefaultBlocks;
+}
+
+ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
+                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                         ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out_x,
+                         ffi::ResultBuffer<ffi::F32> out_scales,
+                         ffi::ResultBuffer<ffi::S32> out_topk_idx,
+                         ffi::ResultBuffer<ffi::F32> out_topk_weights,
+                         ffi::ResultBuffer<ffi::S32> tokens_per_expert,
+                         ffi::ResultBuffer<ffi::S32> group_sizes,
+                         ffi::ResultBuffer<ffi::S32> num_received,
+                         ffi::ResultBuffer<ffi::S32> num_dropped,
+                         ffi::ResultBuffer<ffi::S32> send_slot, ffi::ResultBuffer<ffi::S32> src_rank,
+                         ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
+                         int64_t num_experts, int64_t capacity, int64_t expert_major,
+                         int64_t alignment, int64_t has_scales, int64_t num_blocks) {
+  auto x_dims = x.dimensions();
+  auto idx_dims = topk_idx.dimensions();
+  if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0])
+    return invalid("dispatch: x must be [T, H] and topk_idx [T, K]");
+  const size_t elem = element_bytes(x.element_type());
+  if (elem == 0) return invalid("dispatch: x must be bf16, f16, f32 or f8e4m3fn");
+  const int T = static_cast<int>(x_dims[0]), H = static_cast<int>(x_dims[1]);
+  const int K = static_cast<int>(idx_dims[1]);
+  const size_t scale_row = has_scales ? sizeof(float) * (H / 128) : 0;
+  if (has_scales && x_scales.element_count() != size_t(T) * (H / 128))
+    return invalid("dispatch: x_scales must be [T, H / 128]");
+  const Transport* t = transport();
+  const int R = t ? t->num_ranks : 1;
+  if (num_experts % R != 0) return invalid("dispatch: num_experts must be a multiple of R");
+  if (send_slot->element_count() != size_t(T) * (expert_major ? K : R) ||
+      src_rank->element_count() != size_t(capacity) ||
+      out_x->element_count() != size_t(capacity) * H)
+    return invalid("dispatch: result shapes do not match the capacity and EP size");
+  RegionPlan plan = plan_dispatch(R, T, K, static_cast<int>(num_experts), expert_major != 0,
+                                  size_t(H) * elem, scale_row);
+  DispatchArgs a{};
+  if (auto err = peer_context("dispatch", rank, plan.end, &a.ctx); err.failure()) return err;
+  a.plan = plan;
+  a.num_tokens = T;
+  a.num_topk = K;
+  a.num_experts = static_cast<int>(num_experts);
+  a.capacity = static_cast<int>(capacity);
+  a.alignment = static_cast<int>(alignment);
+  a.expert_major = expert_major != 0;
+  a.num_blocks = blocks_or_default(num_blocks);
+  a.x = x.untyped_data();
+  a.x_row_bytes = size_t(H) * elem;
+  a.scales = has_scales ? x_scales.typed_data() : nullptr;
+  a.scale_row_bytes = scale_row;
+  a.topk_idx = topk_idx.typed_data();
+  a.topk_weights = topk_weights.typed_data();
+  a.out_x = out_x->untyped_data();
+  a.out_scales = out_scales->typed_data();
+  a.out_topk_idx = out_topk_idx->typed_data();
+  a.out_topk_weights = out_topk_weights->typed_data();
+  a.tokens_per_expert = tokens_per_expert->typed_data();
+  a.group_sizes = group_sizes->typed_data();
+  a.num_received = num_received->typed_data();
+  a.num_dropped = num_dropped->typed_data();
+  a.send_slot = send_slot->typed_data();
+  a.src_rank = src_rank->typed_data();
+  a.src_token = src_token->typed_data();
+  a.src_k = src_k->typed_data();
+  return cuda_error(launch_dispatch(a, stream), "dispatch");
+}
+
+ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_token,
+                                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                                int64_t num_blocks) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return invalid("cached_dispatch: x must be [T, D]");
+  const size_t row_bytes = size_t(dims[1]) * element_bytes(x.element_type());
+  if (row_bytes == 0 && dims[1] != 0) return invalid("cached_dispatch: unsupported dtype");
+  const int T = static_cast<int>(dims[0]), C = static_cast<int>(src_rank.element_count());
+  if (out->element_count() != size_t(C) * dims[1] || src_token.element_count() != size_t(C))
+    return invalid("cached_dispatch: result must be [capacity, D]");
+  CachedDispatchArgs a{};
+  if (auto err = peer_context("cached_dispatch", rank, plan_combine(T, row_bytes).end, &a.ctx);
+      err.failure())
+    return err;
+  a.num_tokens = T;
+  a.capacity = C;
+  a.num_blocks = blocks_or_default(num_blocks);
+  a.x = x.untyped_data();
+  a.row_bytes = row_bytes;
+  a.src_rank = src_rank.typed_data();
+  a.src_token = src_token.typed_data();
+  a.out = out->untyped_data();
+  return cuda_error(launch_cached_dispatch(a, stream), "cached_dispatch");
+}
+
+ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
+                        ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> rank,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
+                        int64_t expert_major, int64_t num_blocks) {
+  auto y_dims = y.dimensions();
+  auto idx_dims = topk_idx.dimensions();
+  if (y_dims.size() != 2 || idx_dims.size() != 2)
+    return invalid("combine: y must be [C, H] and topk_idx [T, K]");
+  ElementType dtype;
+  switch (y.element_type()) {
+    case ffi::DataType::BF16: dtype = ElementType::kBF16; break;
+    case ffi::DataType::F16: dtype = ElementType::kF16; break;
+    case ffi::DataType::F32: dtype = ElementType::kF32; break;
+    default: return invalid("combine: y must be bf16, f16 or f32");
+  }
+  const int C = static_cast<int>(y_dims[0]), H = static_cast<int>(y_dims[1]);
+  const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
+  if (weights.element_count() != size_t(C)) return invalid("combine: weights must be [C]");
+  if (out->element_count() != size_t(T) * H) return invalid("combine: result must be [T, H]");
+  CombineArgs a{};
+  if (auto err = peer_context("combine", rank,
+                              plan_combine(C, size_t(H) * element_bytes(y.element_type())).end,
+                              &a.ctx);
+      err.failure())
+    return err;
+  if (send_slot.element_count() != size_t(T) * (expert_major ? K : a.ctx.num_ranks))
+    return invalid("combine: send_slot does not match the layout");
+  a.num_tokens = T;
+  a.num_topk = K;
+  a.num_experts = static_cast<int>(num_experts);
+  a.capacity = C;
+  a.hidden = H;
+  a.expert_major = expert_major != 0;
+  a.num_blocks = blocks_or_default(num_blocks);
+  a.dtype = dtype;
+  a.y = y.untyped_data();
+  a.weights = weights.typed_data();
+  a.topk_idx = topk_idx.typed_data();
+  a.send_slot = send_slot.typed_data();
+  a.num_received = num_received.typed_data();
+  a.out = out->untyped_data();
+  return cuda_error(launch_combine(a, stream), "combine");
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("expert_major")
+                                  .Attr<int64_t>("alignment")
+                                  .Attr<int64_t>("has_scales")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("expert_major")
+                                  .Attr<int64_t>("num_blocks"));

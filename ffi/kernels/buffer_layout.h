@@ -1,0 +1,97 @@
+// How one call carves the symmetric buffer, and how many bytes it needs.
+//
+// Every PE runs the same calls with the same static shapes, so every PE computes the same
+// offsets and can address a peer's regions through that peer's base pointer. Regions:
+//
+//   Control    epoch, "last block" counters, ready[] and done[] flags (fixed size, offset 0)
+//   matrix     [R][W] int32: row s = PE s's counts per destination (W = R ranks, or E experts)
+//   lists      [W][list_len] int32: per destination, this PE's tokens (or token*K+k pairs)
+//   meta       [T][K] int32 expert ids + [T][K] float weights of this PE's tokens
+//   rows       staged rows: this PE's tokens (dispatch) or expert outputs (combine)
+//
+// A call may reuse what an earlier call left: calls are ordered by the done[] flags.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JAX_EP_HOST_DEVICE __host__ __device__
+#else
+#define JAX_EP_HOST_DEVICE
+#endif
+
+namespace jax_ep {
+
+constexpr int kMaxRanks = 1024;
+
+struct Control {
+  uint64_t epoch;               // calls this PE has completed
+  uint32_t block_counter[16];   // arrival counters of the "last block" pattern, per kernel
+  uint64_t ready[kMaxRanks];    // ready[s] = e: PE s has staged its data of call e
+  uint64_t done[kMaxRanks];     // done[s] = e: PE s has finished every access of call e
+};
+
+constexpr size_t kRegionAlign = 256;
+
+JAX_EP_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Bytes of one staged row, padded so that every row starts 16-byte aligned.
+JAX_EP_HOST_DEVICE inline size_t row_stride(size_t row_bytes) { return align_up(row_bytes, 16); }
+
+struct RegionPlan {
+  size_t matrix = 0, lists = 0, meta_ids = 0, meta_weights = 0, rows = 0, scales = 0;
+  size_t end = 0;  // bytes needed
+  size_t list_len = 0;
+};
+
+// Dispatch (and the pull side of cached dispatch): W destinations, rows = this PE's tokens.
+// expert_major lists hold (token, k) pairs, so they are T*K long; rank_major ones T.
+JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch(int num_ranks, int num_tokens, int num_topk,
+                                                    int num_experts, bool expert_major,
+                                                    size_t x_row_bytes, size_t scale_row_bytes) {
+  RegionPlan p;
+  size_t offset = align_up(sizeof(Control), kRegionAlign);
+  const size_t width = expert_major ? num_experts : num_ranks;
+  p.list_len = expert_major ? size_t(num_tokens) * num_topk : size_t(num_tokens);
+  p.matrix = offset;
+  offset = align_up(offset + sizeof(int32_t) * num_ranks * width, kRegionAlign);
+  p.lists = offset;
+  offset = align_up(offset + sizeof(int32_t) * width * p.list_len, kRegionAlign);
+  p.meta_ids = offset;
+  offset = align_up(offset + sizeof(int32_t) * num_tokens * num_topk, kRegionAlign);
+  p.meta_weights = offset;
+  offset = align_up(offset + sizeof(float) * num_tokens * num_topk, kRegionAlign);
+  p.rows = offset;
+  offset = align_up(offset + row_stride(x_row_bytes) * num_tokens, kRegionAlign);
+  p.scales = offset;
+  offset = align_up(offset + row_stride(scale_row_bytes) * num_tokens, kRegionAlign);
+  p.end = offset;
+  return p;
+}
+
+// Combine: every PE stages its `capacity` expert-output rows and their weights.
+JAX_EP_HOST_DEVICE inline RegionPlan plan_combine(int capacity, size_t y_row_bytes) {
+  RegionPlan p;
+  size_t offset = align_up(sizeof(Control), kRegionAlign);
+  p.meta_weights = offset;
+  offset = align_up(offset + sizeof(float) * capacity, kRegionAlign);
+  p.rows = offset;
+  offset = align_up(offset + row_stride(y_row_bytes) * capacity, kRegionAlign);
+  p.end = offset;
+  return p;
+}
+
+// Bytes a dispatch + combine pair of these shapes needs (what buffer_size_hint reports).
+inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, int elem_bytes,
+                                    int num_topk, int num_experts, int capacity, bool expert_major,
+                                    bool fp8) {
+  size_t x_row = fp8 ? size_t(hidden) : size_t(hidden) * elem_bytes;
+  size_t scale_row = fp8 ? sizeof(float) * (hidden / 128) : 0;
+  size_t dispatch = plan_dispatch(num_ranks, num_tokens, num_topk, num_experts, expert_major,
+                                  x_row, scale_row).end;
+  size_t combine = plan_combine(capacity, size_t(hidden) * elem_bytes).end;
+  return dispatch > combine ? dispatch : combine;
+}
+
+}  // namespace jax_ep

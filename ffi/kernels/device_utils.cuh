@@ -1,0 +1,162 @@
+// Device helpers shared by the communication kernels: flags, bounded waits, row copies.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "kernels/buffer_layout.h"
+
+namespace jax_ep {
+
+// What every communication kernel needs to find its peers and to bound its waits.
+struct PeerContext {
+  void* const* peers;    // device array: symmetric buffer base of every PE
+  int rank;              // this PE
+  int num_ranks;
+  uint64_t timeout_ns;   // a wait longer than this ends in a trap naming the peer
+  const int32_t* expected_rank;  // the EP axis index the program computed (must equal rank)
+};
+
+__device__ __forceinline__ Control* control_of(const PeerContext& ctx, int pe) {
+  return reinterpret_cast<Control*>(ctx.peers[pe]);
+}
+
+template <typename T>
+__device__ __forceinline__ T* region(const PeerContext& ctx, int pe, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(ctx.peers[pe]) + offset);
+}
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spins until *flag >= want; after ctx.timeout_ns reports who was waited for and traps.
+__device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, uint64_t want,
+                                 const char* op, const char* what, int peer) {
+  if (load_acquire(flag) >= want) return;
+  const uint64_t start = global_timer_ns();
+  while (load_acquire(flag) < want) {
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      printf("jax_ep %s: PE %d timed out after %.1f s waiting for PE %d (%s, call %llu, saw %llu)\n",
+             op, ctx.rank, ctx.timeout_ns * 1e-9, peer, what, (unsigned long long)want,
+             (unsigned long long)load_acquire(flag));
+      __trap();
+    }
+  }
+}
+
+// Thread 0 of every block: the program's EP rank must be this PE, and every peer must have
+// finished the previous call before we touch any symmetric memory of this one.
+__device__ inline void enter_call(const PeerContext& ctx, uint64_t epoch, const char* op) {
+  if (threadIdx.x == 0) {
+    if (*ctx.expected_rank != ctx.rank) {
+      printf("jax_ep %s: the expert-parallel axis index %d differs from the NVSHMEM PE %d; the "
+             "EP mesh axis must list the processes in rank order\n",
+             op, *ctx.expected_rank, ctx.rank);
+      __trap();
+    }
+    Control* mine = control_of(ctx, ctx.rank);
+    for (int s = 0; s < ctx.num_ranks; ++s)
+      wait_flag(ctx, &mine->done[s], epoch - 1, op, "previous call finished", s);
+  }
+  __syncthreads();
+}
+
+// Thread 0 of every block waits until every peer has staged its data of this call.
+__device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, const char* op) {
+  if (threadIdx.x == 0) {
+    Control* mine = control_of(ctx, ctx.rank);
+    for (int s = 0; s < ctx.num_ranks; ++s)
+      wait_flag(ctx, &mine->ready[s], epoch, op, "data staged", s);
+  }
+  __syncthreads();
+}
+
+// True in exactly one block: the last to arrive, after every block's writes are visible
+// system-wide. `slot` picks the arrival counter; the last block resets it.
+__device__ inline bool last_block(const PeerContext& ctx, int slot) {
+  __shared__ bool is_last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* counter = &control_of(ctx, ctx.rank)->block_counter[slot];
+    unsigned arrived = atomicAdd(counter, 1u);
+    is_last = arrived == gridDim.x - 1;
+    if (is_last) {
+      *counter = 0;
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return is_last;
+}
+
+// Called by one thread: set flag `which` (ready or done) of this PE on every peer.
+__device__ inline void signal_all(const PeerContext& ctx, bool done, uint64_t epoch) {
+  for (int p = 0; p < ctx.num_ranks; ++p) {
+    Control* peer = control_of(ctx, p);
+    store_release(done ? &peer->done[ctx.rank] : &peer->ready[ctx.rank], epoch);
+  }
+}
+
+// The call number this kernel belongs to: one more than the calls completed.
+__device__ __forceinline__ uint64_t current_call(const PeerContext& ctx) {
+  return *reinterpret_cast<volatile uint64_t*>(&control_of(ctx, ctx.rank)->epoch) + 1;
+}
+
+// Copies `bytes` with the widest access that the two addresses and the size allow, the lanes
+// of a group of `width` threads striding through the row.
+__device__ __forceinline__ void copy_row(void* dst, const void* src, size_t bytes, int lane,
+                                         int width) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes);
+  if ((bits & 15) == 0) {
+    const int4* s = static_cast<const int4*>(src);
+    int4* d = static_cast<int4*>(dst);
+    const size_t n = bytes / 16;
+    size_t i = lane;
+    for (; i + 3 * width < n; i += 4 * width) {  // four loads in flight per lane
+      int4 a = s[i], b = s[i + width], c = s[i + 2 * width], e = s[i + 3 * width];
+      d[i] = a;
+      d[i + width] = b;
+      d[i + 2 * width] = c;
+      d[i + 3 * width] = e;
+    }
+    for (; i < n; i += width) d[i] = s[i];
+  } else if ((bits & 3) == 0) {
+    const int* s = static_cast<const int*>(src);
+    int* d = static_cast<int*>(dst);
+    for (size_t i = lane; i < bytes / 4; i += width) d[i] = s[i];
+  } else {
+    const char* s = static_cast<const char*>(src);
+    char* d = static_cast<char*>(dst);
+    for (size_t i = lane; i < bytes; i += width) d[i] = s[i];
+  }
+}
+
+__device__ __forceinline__ void zero_row(void* dst, size_t bytes, int lane, int width) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes);
+  if ((bits & 15) == 0) {
+    int4* d = static_cast<int4*>(dst);
+    for (size_t i = lane; i < bytes / 16; i += width) d[i] = make_int4(0, 0, 0, 0);
+  } else {
+    char* d = static_cast<char*>(dst);
+    for (size_t i = lane; i < bytes; i += width) d[i] = 0;
+  }
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,80 @@
+// Intranode normal-mode kernels (NVLink through the symmetric buffer's peer pointers).
+//
+// Every operation is pull-based and takes two launches:
+//   1. stage   : wait until every peer finished the previous call, copy what peers will read
+//                into this PE's symmetric buffer (and, for dispatch, publish per-destination
+//                counts and token lists), then raise ready[me] on every peer;
+//   2. gather  : wait for every peer's ready flag, read what this PE needs straight from the
+//                peers' buffers into the XLA output, then raise done[me] on every peer.
+// Calls are numbered by a device-side counter that the kernels advance themselves, so the
+// sequence needs no host synchronisation and can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/buffer_layout.h"
+#include "kernels/device_utils.cuh"
+
+namespace jax_ep {
+
+struct DispatchArgs {
+  PeerContext ctx;
+  RegionPlan plan;
+  int num_tokens, num_topk, num_experts, capacity, alignment;
+  bool expert_major;
+  int num_blocks;  // CTAs of the gather kernel (SM budget)
+  // inputs
+  const void* x;
+  size_t x_row_bytes;
+  const float* scales;  // nullptr unless FP8
+  size_t scale_row_bytes;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  // outputs
+  void* out_x;
+  float* out_scales;
+  int32_t* out_topk_idx;
+  float* out_topk_weights;
+  int32_t* tokens_per_expert;
+  int32_t* group_sizes;
+  int32_t* num_received;
+  int32_t* num_dropped;
+  int32_t* send_slot;
+  int32_t* src_rank;
+  int32_t* src_token;
+  int32_t* src_k;
+};
+
+struct CachedDispatchArgs {
+  PeerContext ctx;
+  int num_tokens, capacity, num_blocks;
+  const void* x;
+  size_t row_bytes;
+  const int32_t* src_rank;
+  const int32_t* src_token;
+  void* out;
+};
+
+enum class ElementType { kBF16, kF16, kF32 };
+
+struct CombineArgs {
+  PeerContext ctx;
+  int num_tokens, num_topk, num_experts, capacity, hidden;
+  bool expert_major;
+  int num_blocks;
+  ElementType dtype;
+  const void* y;
+  const float* weights;
+  const int32_t* topk_idx;
+  const int32_t* send_slot;
+  const int32_t* num_received;
+  void* out;
+};
+
+cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
+cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
+
+}  // namespace jax_ep

@@ -1,0 +1,129 @@
+// Intranode combine: every PE stages its expert outputs, then each source PE pulls the rows
+// of its tokens from the peers and sums them in float32 in the contract's fixed order.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/intranode.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+template <typename T> struct Element;
+template <> struct Element<float> {
+  __device__ static float load(float v) { return v; }
+  __device__ static float store(float v) { return v; }
+};
+template <> struct Element<__nv_bfloat16> {
+  __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+};
+template <> struct Element<__half> {
+  __device__ static float load(__half v) { return __half2float(v); }
+  __device__ static __half store(float v) { return __float2half_rn(v); }
+};
+
+__global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t row_bytes) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  enter_call(ctx, call, "combine");
+  const RegionPlan plan = plan_combine(a.capacity, row_bytes);
+  const int used = min(*a.num_received, a.capacity);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  char* rows = region<char>(ctx, ctx.rank, plan.rows);
+  for (int i = warp; i < used; i += gridDim.x * kWarps)
+    copy_row(rows + i * row_stride(row_bytes), static_cast<const char*>(a.y) + i * row_bytes,
+             row_bytes, lane, 32);
+  float* weights = region<float>(ctx, ctx.rank, plan.meta_weights);
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < used; i += gridDim.x * kThreads)
+    weights[i] = a.weights[i];
+  if (last_block(ctx, 4) && threadIdx.x == 0) signal_all(ctx, /*done=*/false, call);
+}
+
+// One warp per token. `kVector` elements per lane access (16 bytes) when rows allow it.
+template <typename T, int kVector>
+__global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t row_bytes) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  wait_all_ready(ctx, call, "combine");
+  const RegionPlan plan = plan_combine(a.capacity, row_bytes);
+  const int R = ctx.num_ranks, K = a.num_topk, L = a.num_experts / R, H = a.hidden;
+  const int sources = a.expert_major ? K : R;
+  const size_t stride = row_stride(row_bytes);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int chunks = H / kVector;
+  for (int t = warp; t < a.num_tokens; t += gridDim.x * kWarps) {
+    T* out = static_cast<T*>(a.out) + size_t(t) * H;
+    for (int c = lane; c < chunks; c += 32) {
+      float acc[kVector];
+#pragma unroll
+      for (int v = 0; v < kVector; ++v) acc[v] = 0.f;
+      for (int j = 0; j < sources; ++j) {  // fixed order: ranks (or k) ascending
+        const int slot = a.send_slot[size_t(t) * sources + j];
+        if (slot < 0) continue;
+        int r = j;
+        if (a.expert_major) {
+          const int e = a.topk_idx[size_t(t) * K + j];
+          if (e < 0 || e >= a.num_experts) continue;
+          r = e / L;
+        }
+        const float w = region<float>(ctx, r, plan.meta_weights)[slot];
+        const T* row = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
+        T values[kVector];
+        if constexpr (kVector * sizeof(T) == 16) {
+          *reinterpret_cast<int4*>(values) = reinterpret_cast<const int4*>(row)[c];
+        } else {
+#pragma unroll
+          for (int v = 0; v < kVector; ++v) values[v] = row[c * kVector + v];
+        }
+#pragma unroll
+        for (int v = 0; v < kVector; ++v)  // no FMA contraction: the sum order is the contract
+          acc[v] = __fadd_rn(acc[v], __fmul_rn(w, Element<T>::load(values[v])));
+      }
+      T packed[kVector];
+#pragma unroll
+      for (int v = 0; v < kVector; ++v) packed[v] = Element<T>::store(acc[v]);
+      if constexpr (kVector * sizeof(T) == 16) {
+        reinterpret_cast<int4*>(out)[c] = *reinterpret_cast<int4*>(packed);
+      } else {
+#pragma unroll
+        for (int v = 0; v < kVector; ++v) out[c * kVector + v] = packed[v];
+      }
+    }
+  }
+  if (last_block(ctx, 5) && threadIdx.x == 0) {
+    signal_all(ctx, /*done=*/true, call);
+    control_of(ctx, ctx.rank)->epoch = call;
+  }
+}
+
+template <typename T>
+cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
+  const size_t row_bytes = sizeof(T) * a.hidden;
+  combine_stage<<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+  cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  constexpr int kWide = 16 / sizeof(T);
+  // Rows are 16-byte aligned in the staging buffer; the output row needs H % kWide == 0.
+  if (a.hidden % kWide == 0) {
+    combine_reduce<T, kWide><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+  } else {
+    combine_reduce<T, 1><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
+  switch (a.dtype) {
+    case ElementType::kBF16: return launch_typed<__nv_bfloat16>(a, stream);
+    case ElementType::kF16: return launch_typed<__half>(a, stream);
+    case ElementType::kF32: return launch_typed<float>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,127 @@
+"""CUDA backend: the contract of ``jax_ep.reference`` served by the extension's FFI targets.
+
+Each function runs per device inside ``shard_map``; the kernels reach the peers through the
+symmetric buffer set up by ``jax_ep.runtime.initialize()``. The EP axis index is passed as an
+operand so that the kernels can check it equals the process's NVSHMEM PE.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _native
+from jax_ep._types import (
+    EXPERT_MAJOR,
+    DispatchConfig,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+)
+
+
+def is_available() -> tuple[bool, str]:
+    module, why = _native.load()
+    if module is None:
+        return False, why
+    if not _native.gpu_present():
+        return False, "JAX has no GPU backend here"
+    if not module.is_initialized():
+        return False, "jax_ep.runtime.initialize() has not been called in this process"
+    return True, ""
+
+
+def _num_blocks() -> np.int64:
+    """CTAs per communication kernel (the SM budget); 0 lets the extension choose."""
+    return np.int64(int(os.environ.get("JAX_EP_NUM_BLOCKS", "0")))
+
+
+def _rank(axis_name):
+    return jax.lax.axis_index(axis_name).astype(jnp.int32)
+
+
+def _call(name, result_types, *args, **attrs):
+    _native.register()
+    return jax.ffi.ffi_call(name, result_types, has_side_effect=True)(*args, **attrs)
+
+
+def layout(topk_idx, *, num_experts, num_ranks):
+    T = topk_idx.shape[0]
+    per_rank, per_expert, in_rank = _call(
+        "jax_ep_layout",
+        (jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+         jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+         jax.ShapeDtypeStruct((T, num_ranks), jnp.bool_)),
+        topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
+    return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
+    T, H = x.shape
+    K, C, R, L = config.num_topk, config.capacity, config.num_ranks, config.num_local_experts
+    expert_major = config.layout == EXPERT_MAJOR
+    has_scales = x_scales is not None
+    row_meta = (C,) if expert_major else (C, K)
+    i32, f32 = jnp.int32, jnp.float32
+    types = (
+        jax.ShapeDtypeStruct((C, H), x.dtype),
+        jax.ShapeDtypeStruct((C, H // 128) if has_scales else (0,), f32),
+        jax.ShapeDtypeStruct(row_meta, i32),
+        jax.ShapeDtypeStruct(row_meta, f32),
+        jax.ShapeDtypeStruct((L,), i32),
+        jax.ShapeDtypeStruct((L,), i32),
+        jax.ShapeDtypeStruct((), i32),
+        jax.ShapeDtypeStruct((), i32),
+        jax.ShapeDtypeStruct((T, K if expert_major else R), i32),
+        jax.ShapeDtypeStruct((C,), i32),
+        jax.ShapeDtypeStruct((C,), i32),
+        jax.ShapeDtypeStruct((C,), i32),
+    )
+    (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
+     num_dropped, send_slot, src_rank, src_token, src_k) = _call(
+        "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
+        topk_weights, _rank(config.axis_name),
+        num_experts=np.int64(config.num_experts), capacity=np.int64(C),
+        expert_major=np.int64(expert_major), alignment=np.int64(config.alignment),
+        has_scales=np.int64(has_scales), num_blocks=_num_blocks())
+    handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
+                            src_token=src_token, src_k=src_k, num_received=num_received,
+                            config=config)
+    return DispatchOutput(x=out_x, x_scales=out_scales if has_scales else None, topk_idx=out_idx,
+                          topk_weights=out_weights, tokens_per_expert=per_expert,
+                          group_sizes=group_sizes, num_received=num_received,
+                          num_dropped=num_dropped, handle=handle)
+
+
+def cached_dispatch(x, handle: DispatchHandle):
+    C = handle.config.capacity
+    return _call("jax_ep_cached_dispatch", jax.ShapeDtypeStruct((C, x.shape[1]), x.dtype), x,
+                 handle.src_rank, handle.src_token, _rank(handle.config.axis_name),
+                 num_blocks=_num_blocks())
+
+
+def combine(y, weights, handle: DispatchHandle):
+    config = handle.config
+    if weights is None:
+        weights = jnp.ones((config.capacity,), jnp.float32)
+    return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
+                 y, weights.astype(jnp.float32), handle.topk_idx, handle.send_slot,
+                 handle.num_received, _rank(config.axis_name),
+                 num_experts=np.int64(config.num_experts),
+                 expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks())
+
+
+def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,
+                     dtype=jnp.bfloat16, layout="rank_major", fp8=False) -> int:
+    """Symmetric-buffer bytes a dispatch + combine of these shapes needs on every GPU."""
+    module, why = _native.load()
+    if module is None:
+        raise RuntimeError(why)
+    if capacity is None:
+        capacity = num_ranks * num_tokens * (num_topk if layout == EXPERT_MAJOR else 1)
+    return int(module.required_buffer_bytes(
+        num_ranks, num_tokens, hidden, jnp.dtype(dtype).itemsize, num_topk, num_experts,
+        capacity, layout == EXPERT_MAJOR, fp8))
