@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
+# suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,ll,example]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
+WHAT=${2:-build,test,bench,ll,example}
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-60} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=$(command -v python3)
+status=0
+step() { echo; echo "=== $* ($(date +%T))"; }
+if [[ $WHAT == *build* ]]; then
+  step build
+  nvidia-smi -L
+  $PY -c "import jax, nvidia.nvshmem as m; print('jax', jax.__version__, 'nvshmem', list(m.__path__))"
+  cmake -S . -B build/device -G Ninja -DPython_EXECUTABLE="$PY" -DJAX_EP_NATIVE=ON \
+      -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+    ninja -C build/device >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  cp build/device/_C*.so jax_ep/
+  grep -E "jax_ep:" "$OUT/build.log"
+  $PY -m pytest -q tests/test_native_build.py 2>&1 | tail -3
+fi
+if [[ $WHAT == *test* ]]; then
+  step "GPU suite on $N GPUs"
+  timeout 420 $PY -m jax_ep.launch -n "$N" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \
+    2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [[ $WHAT == *bench* ]]; then
+  step "intranode benchmark on $N GPUs"
+  timeout 300 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py 2>&1 |
+    tee "$OUT/bench_intranode_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED)" | sed 's/^\[rank 0\] //'
+fi
+if [[ $WHAT == *ll* ]]; then
+  step "low-latency benchmark on $N GPUs"
+  timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py 2>&1 |
+    tee "$OUT/bench_low_latency_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED)" | sed 's/^\[rank 0\] //'
+fi
+if [[ $WHAT == *example* ]]; then
+  step "example on $N GPUs"
+  timeout 200 $PY -m jax_ep.launch -n "$N" examples/moe_layer.py --backend cuda --steps 5 \
+    --experts 16 2>&1 | tee "$OUT/example_$N.log" | grep "\[rank 0\]" | tail -8
+fi
+exit $status

@@ -1,0 +1,210 @@
+"""GPU suite: the CUDA backend against the reference backend on the same inputs.
+
+Run on every GPU of a host, one process per GPU (the README's GPU test command):
+
+    python -m jax_ep.launch -n 2 -m pytest -q tests/test_gpu.py
+
+Data movement must be bit-identical; combine sums must match to float32 rounding (the same
+order; XLA may fuse the reference's multiply-add differently). Without GPUs, or when not
+started by the launcher, every test here is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+LAUNCHED = "JAX_EP_RANK" in os.environ
+
+
+def _gpu_reason():
+    if not LAUNCHED:
+        return ("GPU suite: start it with "
+                "`python -m jax_ep.launch -n <gpus> -m pytest tests/test_gpu.py`")
+    try:
+        if jax.default_backend() != "gpu":
+            return "GPU suite: JAX has no GPU backend here"
+    except RuntimeError as e:
+        return f"GPU suite: {e}"
+    from jax_ep import _native
+
+    module, why = _native.load()
+    return None if module is not None else f"GPU suite: {why}"
+
+
+if LAUNCHED:
+    from jax_ep import launch
+
+    launch.init_distributed()
+_skip = _gpu_reason()
+pytestmark = pytest.mark.skipif(_skip is not None, reason=_skip or "")
+
+import jax_ep  # noqa: E402
+from jax_ep import moe  # noqa: E402
+
+from ep import AXIS, run  # noqa: E402
+from test_reference import make_inputs  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    if _skip is not None:
+        yield
+        return
+    from jax_ep import runtime as rt
+
+    rt.initialize(int(os.environ.get("JAX_EP_BUFFER_BYTES", 1 << 30)))
+    yield
+    rt.finalize()
+
+
+def num_ranks():
+    return jax.device_count()
+
+
+def both(fn, *args):
+    """Run fn(backend, *per_rank_args) with the CUDA and the reference backend."""
+    R = num_ranks()
+    cuda = run(lambda *a: fn("cuda", *a), R, *args)
+    ref = run(lambda *a: fn("reference", *a), R, *args)
+    return cuda, ref
+
+
+def assert_trees_equal(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype == jnp.float8_e4m3fn:
+            a, b = a.view(np.uint8), b.view(np.uint8)
+        np.testing.assert_array_equal(a, b)
+
+
+def assert_sums_close(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
+    assert np.mean(got == want) > 0.99, "combine differs from the reference beyond rounding"
+
+
+def test_layout_matches_reference():
+    R = num_ranks()
+    E = 12 * R
+    _, idx, _ = make_inputs(np.random.default_rng(0), R, 300, 8, 6, E, "random", 0.2)
+
+    def fn(backend, idx):
+        return jax_ep.get_dispatch_layout(idx, E, axis_name=AXIS, backend=backend)
+
+    assert_trees_equal(*both(fn, idx))
+
+
+CASES = [
+    # T, H, K, experts per rank, routing, mask, dtype, capacity factor
+    (64, 256, 4, 3, "random", 0.0, jnp.bfloat16, None),
+    (96, 129, 8, 4, "random", 0.25, jnp.bfloat16, None),  # odd hidden: unaligned rows
+    (50, 72, 2, 5, "random", 0.1, jnp.float32, None),
+    (64, 256, 3, 4, "one_expert", 0.0, jnp.bfloat16, None),
+    (128, 512, 8, 8, "random", 0.0, jnp.bfloat16, 0.5),  # capacity overflow
+]
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("T,H,K,per_rank,kind,mask,dtype,cap", CASES)
+def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, cap, layout):
+    R = num_ranks()
+    E = per_rank * R
+    rng = np.random.default_rng(T * 31 + H + K)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, kind, mask)
+    x = np.asarray(jnp.asarray(x, dtype))
+    pairs = K if layout == "expert_major" else 1
+    capacity = None if cap is None else max(1, int(cap * T * pairs))
+    alignment = 4 if layout == "expert_major" else 1
+    C = capacity or jax_ep.default_capacity(T, R, K, per_rank, layout, alignment)
+    y = np.asarray(jnp.asarray(rng.standard_normal((R, C, H)), dtype))
+    row_w = rng.random((R, C)).astype(np.float32)
+    g = np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), dtype))
+
+    def fn(backend, x, idx, w, y, row_w, g):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
+                              layout=layout, expert_alignment=alignment, backend=backend)
+        back = jax_ep.combine(y, out.handle, weights=row_w)
+        plain = jax_ep.combine(out.x, out.handle)
+        rows = jax_ep.api._backend_module(backend).cached_dispatch(g, out.handle)
+        return out, back, plain, rows
+
+    (out, back, plain, rows), (out_r, back_r, plain_r, rows_r) = both(fn, x, idx, w, y, row_w, g)
+    assert_trees_equal(out, out_r)
+    assert_trees_equal(rows, rows_r)
+    assert_sums_close(back, back_r, dtype)
+    assert_sums_close(plain, plain_r, dtype)
+    if cap is not None:
+        assert np.asarray(out.num_dropped).sum() > 0
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_fp8_dispatch_matches_reference(layout):
+    R = num_ranks()
+    T, H, K, E = 80, 512, 4, 4 * R
+    x, idx, w = make_inputs(np.random.default_rng(9), R, T, H, K, E, "random", 0.1)
+
+    def fn(backend, x, idx, w):
+        return jax_ep.dispatch(jax_ep.quantize_fp8(x), idx, w, num_experts=E, axis_name=AXIS,
+                               layout=layout, backend=backend)
+
+    assert_trees_equal(*both(fn, x, idx, w))
+
+
+def test_repeated_calls_are_bit_identical():
+    R = num_ranks()
+    T, H, K, E = 128, 384, 8, 8 * R
+    rng = np.random.default_rng(1)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+
+    def fn(x, idx, w):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend="cuda")
+        return out.x, jax_ep.combine(out.x, out.handle)
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ep import fetch, mesh, put
+
+    m = mesh(R)
+    f = jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda v: v[None], fn(*[v[0] for v in a])),
+                              mesh=m, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))
+    sh = NamedSharding(m, P(AXIS))
+    args = [put(a, sh) for a in (x, idx, w)]
+    first = jax.tree.map(fetch, f(*args))
+    outs = [f(*args) for _ in range(100)]
+    for o in outs:
+        assert_trees_equal(jax.tree.map(fetch, o), first)
+
+
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_moe_gradients_match_reference(layout):
+    R = num_ranks()
+    T, H, F, E, top_k = 32, 64, 48, 4 * R, 2
+    key = jax.random.key(5)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    router = np.asarray(jax.random.normal(k1, (H, E)))
+    w_in = np.asarray(jax.random.normal(k2, (E, H, F)) / np.sqrt(H))
+    w_out = np.asarray(jax.random.normal(k3, (E, F, H)) / np.sqrt(F))
+    x = np.asarray(jax.random.normal(k4, (R, T, H)))
+    L = E // R
+    w_in_r, w_out_r = w_in.reshape(R, L, H, F), w_out.reshape(R, L, F, H)
+    router_r = np.broadcast_to(router, (R, H, E)).copy()
+
+    def fn(backend, x, router, w_in, w_out):
+        def loss(x, router, w_in, w_out):
+            out, _ = moe.moe_block(x, router, w_in, w_out, top_k=top_k, axis_name=AXIS,
+                                   layout=layout, backend=backend)
+            return jnp.sum(jnp.sin(out))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
+
+    got, want = both(fn, x, router_r, w_in_r, w_out_r)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
