@@ -43,9 +43,24 @@ def _rank(axis_name):
     return jax.lax.axis_index(axis_name).astype(jnp.int32)
 
 
-def _call(name, result_types, *args, **attrs):
+def _as_varying(value, axis_name):
+    """Mark a per-device result as varying over the EP axis, as shard_map's replication
+    checks expect of data that differs between devices (ffi_call cannot infer it). pcast
+    refuses values that already are (or are treated as, when checks are off): keep those."""
+    try:
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(value, axis_name, to="varying")
+        return jax.lax.pvary(value, axis_name)
+    except ValueError:
+        return value
+
+
+def _call(name, result_types, *args, axis_name, **attrs):
     _native.register()
-    return jax.ffi.ffi_call(name, result_types, has_side_effect=True)(*args, **attrs)
+    out = jax.ffi.ffi_call(name, result_types, has_side_effect=True)(*args, **attrs)
+    if axis_name is None:
+        return out
+    return jax.tree.map(lambda v: _as_varying(v, axis_name), out)
 
 
 def layout(topk_idx, *, num_experts, num_ranks):
@@ -55,7 +70,8 @@ def layout(topk_idx, *, num_experts, num_ranks):
         (jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
          jax.ShapeDtypeStruct((num_experts,), jnp.int32),
          jax.ShapeDtypeStruct((T, num_ranks), jnp.bool_)),
-        topk_idx, num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
+        topk_idx, axis_name=None, num_experts=np.int64(num_experts),
+        num_ranks=np.int64(num_ranks))
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 
@@ -83,7 +99,7 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
     (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
      num_dropped, send_slot, src_rank, src_token, src_k) = _call(
         "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
-        topk_weights, _rank(config.axis_name),
+        topk_weights, _rank(config.axis_name), axis_name=config.axis_name,
         num_experts=np.int64(config.num_experts), capacity=np.int64(C),
         expert_major=np.int64(expert_major), alignment=np.int64(config.alignment),
         has_scales=np.int64(has_scales), num_blocks=_num_blocks())
@@ -100,7 +116,7 @@ def cached_dispatch(x, handle: DispatchHandle):
     C = handle.config.capacity
     return _call("jax_ep_cached_dispatch", jax.ShapeDtypeStruct((C, x.shape[1]), x.dtype), x,
                  handle.src_rank, handle.src_token, _rank(handle.config.axis_name),
-                 num_blocks=_num_blocks())
+                 axis_name=handle.config.axis_name, num_blocks=_num_blocks())
 
 
 def combine(y, weights, handle: DispatchHandle):
@@ -109,7 +125,7 @@ def combine(y, weights, handle: DispatchHandle):
         weights = jnp.ones((config.capacity,), jnp.float32)
     return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
                  y, weights.astype(jnp.float32), handle.topk_idx, handle.send_slot,
-                 handle.num_received, _rank(config.axis_name),
+                 handle.num_received, _rank(config.axis_name), axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
                  expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks())
 

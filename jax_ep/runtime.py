@@ -1,35 +1,59 @@
-"""The communication runtime: NVSHMEM bootstrapped from jax.distributed, one process per GPU.
+"""The communication runtime: NVSHMEM bootstrapped from ``jax.distributed``, one process per GPU.
 
-Call ``initialize()`` after ``jax.distributed.initialize(...)`` (``jax_ep.launch`` does that for
-scripts it starts) and before the first CUDA-backend call. Process 0 creates NVSHMEM's unique id
-and publishes it through jax.distributed's key-value store; every process then joins, and
-allocates the symmetric communication buffer (the same size on every process).
+Typical use, in a script started by ``python -m jax_ep.launch -n <gpus> script.py``::
 
-GPU memory: XLA preallocates most of the GPU by default, while the NVSHMEM heap is allocated
-outside XLA. ``initialize`` therefore sets ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (only if unset and
-only if JAX has not created its GPU client yet); if JAX already holds the memory, lower that
-fraction yourself before JAX starts, or set ``XLA_PYTHON_CLIENT_PREALLOCATE=false``.
+    from jax_ep import launch, runtime
+    launch.init_distributed()      # jax.distributed.initialize(..., local_device_ids=[rank])
+    runtime.initialize()           # NVSHMEM + the symmetric buffer, before the first CUDA call
+
+``initialize`` must follow ``jax.distributed.initialize`` (a single process that owns one GPU may
+skip it). Process 0 creates NVSHMEM's unique id and publishes it through jax.distributed's
+key-value store; every process joins with it, checks that its NVSHMEM PE equals its JAX process
+index (the rank along the expert-parallel mesh axis), and allocates the symmetric buffer, the
+same size everywhere.
+
+Buffer size: ``buffer_bytes``, else a size computed from the shapes you pass (``num_tokens``,
+``hidden``, ...), else ``JAX_EP_BUFFER_BYTES``, else ``DEFAULT_BUFFER_BYTES`` (1 GiB, enough for
+DeepSeek-V3 shapes, 4096 tokens x 7168 bf16 per GPU, on up to 8 GPUs).
+
+GPU memory: the buffer is allocated outside XLA, while XLA preallocates 75% of each GPU by
+default. Importing this module lowers that default to 70% (only if
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` is unset and JAX has not created its GPU client yet). If the
+allocation fails, set ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lower or
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` before JAX starts.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import socket
+import sys
+import threading
 
 from jax_ep import _native
 
-DEFAULT_BUFFER_BYTES = 1 << 30  # enough for DeepSeek-V3 shapes on 8 GPUs at a tight capacity
-_UNIQUE_ID_KEY = "jax_ep/nvshmem_unique_id"
+DEFAULT_BUFFER_BYTES = 1 << 30
+_KEY_PREFIX = "jax_ep/runtime"
+_KV_TIMEOUT_MS = int(float(os.environ.get("JAX_EP_INIT_TIMEOUT_S", "300")) * 1000)
+_FINALIZE_TIMEOUT_S = float(os.environ.get("JAX_EP_FINALIZE_TIMEOUT_S", "60"))
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
+
+_generation = 0  # initialize() calls so far: a fresh key-value namespace for each
+_atexit_registered = False
 
 
-def _set_environment_defaults():
-    """NVSHMEM and XLA settings, never overriding the user's own (multicast always stays off)."""
-    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
+def default_buffer_bytes() -> int:
+    """The buffer size used when ``initialize`` is given neither a size nor shapes."""
+    return int(os.environ.get("JAX_EP_BUFFER_BYTES", DEFAULT_BUFFER_BYTES))
 
 
-_set_environment_defaults()
+def _module():
+    module, why = _native.load()
+    if module is None:
+        raise RuntimeError(why)
+    return module
 
 
 def _distributed_client():
@@ -43,56 +67,141 @@ def is_initialized() -> bool:
     return module is not None and module.is_initialized()
 
 
-def initialize(buffer_bytes: int | None = None) -> None:
+def buffer_bytes() -> int:
+    """Bytes of the symmetric buffer (0 before ``initialize``)."""
+    module, _ = _native.load()
+    return module.buffer_bytes() if module is not None else 0
+
+
+def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capacity, dtype,
+                      layout, fp8) -> int:
+    missing = [name for name, value in (("num_tokens", num_tokens), ("hidden", hidden),
+                                        ("num_topk", num_topk), ("num_experts", num_experts))
+               if value is None]
+    if missing:
+        raise ValueError(f"initialize: sizing the buffer from shapes also needs {missing}")
+    import jax.numpy as jnp
+
+    from jax_ep import _cuda
+
+    return int(_cuda.buffer_size_hint(
+        num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=capacity,
+        dtype=jnp.bfloat16 if dtype is None else dtype, layout=layout, fp8=fp8))
+
+
+def _all_on_one_host(client, rank, world, generation) -> bool:
+    if world == 1:
+        return True
+    prefix = f"{_KEY_PREFIX}/{generation}/host"
+    client.key_value_set(f"{prefix}/{rank}", socket.gethostname())
+    hosts = {client.blocking_key_value_get(f"{prefix}/{r}", _KV_TIMEOUT_MS) for r in range(world)}
+    return len(hosts) == 1
+
+
+def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None,
+               hidden: int | None = None, num_topk: int | None = None,
+               num_experts: int | None = None, capacity: int | None = None, dtype=None,
+               layout: str = "rank_major", fp8: bool = False) -> None:
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
+    Collective: every process calls it with the same arguments. A second call with the same
+    or a smaller size does nothing.
+
     Args:
-      buffer_bytes: symmetric buffer per GPU; default ``JAX_EP_BUFFER_BYTES`` or 1 GiB. Calls
-        that need more fail with an error naming the size they need.
+      buffer_bytes: symmetric buffer per GPU. If None and ``num_tokens``/``hidden``/``num_topk``
+        /``num_experts`` are given, the size a dispatch + combine of those per-GPU shapes
+        needs (``capacity``, ``dtype`` (bf16), ``layout`` and ``fp8`` refine it); otherwise
+        ``default_buffer_bytes()``.
     """
+    global _generation, _atexit_registered
     import jax
 
-    module, why = _native.load()
-    if module is None:
-        raise RuntimeError(why)
-    if buffer_bytes is None:
-        buffer_bytes = int(os.environ.get("JAX_EP_BUFFER_BYTES", DEFAULT_BUFFER_BYTES))
+    module = _module()
     local = jax.local_devices()
     if not local or local[0].platform != "gpu":
-        raise RuntimeError("jax_ep.runtime.initialize needs a GPU backend "
-                           f"(JAX sees {[d.platform for d in local]})")
+        raise RuntimeError("jax_ep.runtime.initialize needs JAX's GPU backend; this process "
+                           f"has {[d.platform for d in local]} devices")
     if len(local) != 1:
         raise RuntimeError(
-            f"this process owns {len(local)} GPUs; jax_ep runs one process per GPU: start it with "
-            "`python -m jax_ep.launch -n <gpus> script.py` or pass local_device_ids=[rank] to "
+            f"this process owns {len(local)} GPUs, but jax_ep runs one process per GPU: start "
+            "the script with `python -m jax_ep.launch -n <gpus> script.py` and call "
+            "jax_ep.launch.init_distributed(), or pass local_device_ids=[<gpu>] to "
             "jax.distributed.initialize")
     rank, world = jax.process_index(), jax.process_count()
     client = _distributed_client()
-    if world > 1 and client is None:
-        raise RuntimeError(
-            "call jax.distributed.initialize(...) before jax_ep.runtime.initialize()")
+    if client is None and world > 1:
+        raise RuntimeError("jax.distributed's client is missing: call jax.distributed.initialize"
+                           "(...) before jax_ep.runtime.initialize()")
+    if client is None and len(jax.devices()) > 1:
+        raise RuntimeError("call jax.distributed.initialize(...) (or jax_ep.launch."
+                           "init_distributed()) before jax_ep.runtime.initialize()")
+
+    if buffer_bytes is None:
+        if num_tokens is not None or hidden is not None:
+            buffer_bytes = _size_from_shapes(world, num_tokens, hidden, num_topk, num_experts,
+                                             capacity, dtype, layout, fp8)
+        else:
+            buffer_bytes = default_buffer_bytes()
+    buffer_bytes = int(buffer_bytes)
+    if buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+
+    if module.is_initialized():
+        module.initialize(rank, world, 0, buffer_bytes, b"", True)  # checks size and rank
+        return
+
+    generation = _generation
+    _generation += 1
+    single_host = _all_on_one_host(client, rank, world, generation)
+    # NVSHMEM reads these when the unique id is made (its bootstrap socket) and at init.
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    if single_host:
+        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+
+    key = f"{_KEY_PREFIX}/{generation}/nvshmem_unique_id"
     if rank == 0:
         unique_id = module.create_unique_id()
         if world > 1:
-            client.key_value_set_bytes(_UNIQUE_ID_KEY, unique_id)
+            client.key_value_set_bytes(key, unique_id)
     else:
-        unique_id = client.blocking_key_value_get_bytes(_UNIQUE_ID_KEY, 120_000)
-    hosts = {d.process_index: getattr(d, "slice_index", 0) for d in jax.devices()}
-    single_host = os.environ.get("JAX_EP_MULTI_HOST", "0") != "1" and len(set(hosts.values())) <= 1
-    device_id = local[0].local_hardware_id
-    module.initialize(rank, world, int(device_id if device_id is not None else 0),
-                      int(buffer_bytes), unique_id, single_host)
-    _native.register()
-    atexit.register(finalize)
+        unique_id = client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS)
+
+    device = local[0].local_hardware_id
+    module.initialize(rank, world, int(device if device is not None else 0), buffer_bytes,
+                      unique_id, single_host)
+    _native.register(force=True)
+    if not _atexit_registered:
+        atexit.register(_finalize_at_exit)
+        _atexit_registered = True
 
 
 def finalize() -> None:
-    """Free the symmetric buffer and leave NVSHMEM (if jax_ep started it). Idempotent."""
+    """Free the symmetric buffer and end NVSHMEM if ``initialize`` started it.
+
+    Collective (every process calls it); idempotent. Runs at exit by itself.
+    """
     module, _ = _native.load()
     if module is not None and module.is_initialized():
         module.finalize()
 
 
-def buffer_bytes() -> int:
-    module, _ = _native.load()
-    return module.buffer_bytes() if module is not None else 0
+def _finalize_at_exit() -> None:
+    # finalize() waits for every process: after an uncaught exception the others may never
+    # arrive, and a hang at exit would keep the launcher from noticing the failure.
+    if getattr(sys, "last_value", None) is not None or not is_initialized():
+        return
+    done = threading.Event()
+
+    def run():
+        try:
+            finalize()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="jax_ep-finalize", daemon=True).start()
+    if not done.wait(_FINALIZE_TIMEOUT_S):
+        sys.stderr.write(f"jax_ep: finalize did not complete in {_FINALIZE_TIMEOUT_S:.0f} s "
+                         "(another process did not reach it); exiting without it\n")
+        sys.stderr.flush()
+        os._exit(1)
