@@ -3,10 +3,14 @@
     python -m jax_ep.launch -n 2 benchmarks/bench_intranode.py            # one process per GPU
     python benchmarks/bench_intranode.py --tokens 256 --hidden 512         # CPU, reference only
 
-Every row is the time of one call as XLA runs it (a jitted function, median of repeats) and
-DeepEP's *logical* bandwidth: bytes of the rank-deduplicated tokens a rank receives (its own
-ones included) divided by that time. Baselines in the same run: ``jax.lax.ragged_all_to_all``
-(deduplicated rows) and a capacity-padded ``jax.lax.all_to_all``.
+Every row is the time of one call as XLA runs it: a jitted ``fori_loop`` of ``--iters`` calls,
+each depending on the previous one through a zero-weighted scalar (so nothing is hoisted or
+overlapped), divided by ``--iters``; median of ``--repeats``. Bandwidth is DeepEP's *logical*
+figure: bytes of the rank-deduplicated tokens a rank receives (its own ones included) over
+that time. Baselines: ``jax.lax.ragged_all_to_all`` (deduplicated rows) and a capacity-padded
+``jax.lax.all_to_all``. XLA refuses ragged_all_to_all across processes ("fallback to NCCL is
+not allowed"), so under the launcher that row comes from ``--baselines-only``, a second run
+in one process over all local GPUs with the same routing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")
+    p.add_argument("--baselines-only", action="store_true",
+                   help="only the JAX baselines, in one process over all local GPUs")
     p.add_argument("--cpu-devices", type=int, default=4, help="fake devices for CPU runs")
     return p.parse_args()
 
@@ -69,16 +75,29 @@ def put(array, sharding):
 
 
 def timeit(f, *a):
-    jax.block_until_ready(f(*a))
+    """Seconds per call of f, which runs args.iters chained calls in one program."""
     jax.block_until_ready(f(*a))
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        for _ in range(args.iters):
-            out = f(*a)
-        jax.block_until_ready(out)
+        jax.block_until_ready(f(*a))
         times.append((time.perf_counter() - t0) / args.iters)
     return float(np.median(times))
+
+
+def looped(body, chained=0):
+    """body(*a) -> scalar, run args.iters times; argument `chained` carries the dependency."""
+
+    def run(*a):
+        def step(_, carried):
+            operands = list(a)
+            operands[chained] = carried
+            s = body(*operands)
+            return carried + (s * 0).astype(carried.dtype)
+
+        return jax.lax.fori_loop(0, args.iters, step, a[chained])[:1]
+
+    return run
 
 
 def main():
@@ -112,8 +131,9 @@ def main():
     bytes_fp8 = mean_recv * (H + H // 128 * 4)
     rows = []
 
-    def record(name, f, *a, nbytes=bytes_bf16):
+    def record(name, body, *a, chained=0, nbytes=bytes_bf16):
         try:
+            f = jax.jit(smap(looped(body, chained), in_specs=(P(AXIS),) * len(a)))
             t = timeit(f, *a)
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
         except Exception as e:  # a failing row must not hide the others
@@ -121,69 +141,70 @@ def main():
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
+    if args.baselines_only:
+        baselines(R, T, H, in_rank, counts, x, shard, record)
+        report(rows, R, T, H, K, E, mean_recv, bytes_bf16, "JAX baselines only")
+        return
+
     # ------------------------------------------------------------------ jax_ep
     capacity = int(recv_tokens.max())  # tight static capacity: nothing dropped
+    em_capacity = int(np.bincount(idx.reshape(-1), minlength=E).reshape(R, L).sum(1).max())
 
-    @jax.jit
-    @partial(smap, in_specs=(P(AXIS),))
     def layout(idx):
-        out = jax_ep.get_dispatch_layout(idx, E, axis_name=AXIS, backend=backend)
-        return out.num_tokens_per_rank[None]
+        return jax_ep.get_dispatch_layout(idx, E, axis_name=AXIS,
+                                          backend=backend).num_tokens_per_rank[0]
 
-    def make_dispatch(fp8, layout_name="rank_major", cap=capacity):
-        @jax.jit
-        @partial(smap, in_specs=(P(AXIS),) * 3)
-        def run(x, idx, w):
-            xin = jax_ep.quantize_fp8(x) if fp8 else x
-            out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, capacity=cap,
-                                  layout=layout_name, backend=backend)
-            return out.x[:1], out.num_received[None]
-        return run
+    def dispatch(x, idx, w, fp8=False, layout="rank_major", cap=capacity):
+        xin = jax_ep.quantize_fp8(x) if fp8 else x
+        out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, capacity=cap,
+                              layout=layout, backend=backend)
+        return out.num_received.astype(jnp.float32)
 
     @jax.jit
     @partial(smap, in_specs=(P(AXIS),) * 3)
     def dispatch_for_combine(x, idx, w):
         out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
                               backend=backend)
-        return out.x, jax.tree.map(lambda a: a[None], out.handle)
+        return out.x, jnp.ones((1, capacity), jnp.float32), jax.tree.map(
+            lambda a: a[None], out.handle)
 
-    @jax.jit
-    @partial(smap, in_specs=(P(AXIS), P(AXIS)))
-    def combine(y, handle):
-        return jax_ep.combine(y, jax.tree.map(lambda a: a[0], handle))
+    def combine(y, row_weights, handle):
+        out = jax_ep.combine(y, jax.tree.map(lambda a: a[0], handle), weights=row_weights[0])
+        return out[0, 0].astype(jnp.float32)
 
-    @jax.jit
-    @partial(smap, in_specs=(P(AXIS),) * 3)
-    def quantize_only(x, idx, w):
-        return jax_ep.quantize_fp8(x)[0][:1]
+    def quantize(x, w):
+        return jax_ep.quantize_fp8(x)[1][0, 0] + w[0, 0]
 
     record("jax_ep layout", layout, idx_d, nbytes=0)
-    record("jax_ep dispatch BF16", make_dispatch(False), x, idx_d, w)
-    t_q = timeit(quantize_only, x, idx_d, w)
-    record("jax_ep dispatch FP8 (incl. quantize)", make_dispatch(True), x, idx_d, w,
-           nbytes=bytes_fp8)
-    em_cap = int(np.bincount(idx.reshape(-1), minlength=E).reshape(R, L).sum(1).max())
+    record("jax_ep dispatch BF16", dispatch, x, idx_d, w, chained=2)
+    record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0)
+    record("jax_ep dispatch FP8 (incl. quantize)", partial(dispatch, fp8=True), x, idx_d, w,
+           chained=2, nbytes=bytes_fp8)
     pairs_bytes = float(np.mean(np.bincount(dest.reshape(-1), minlength=R))) * H * 2
-    record("jax_ep dispatch BF16 expert_major (per pair)",
-           make_dispatch(False, "expert_major", em_cap), x, idx_d, w, nbytes=pairs_bytes)
-    record("jax_ep combine BF16", combine, *dispatch_for_combine(x, idx_d, w))
+    record("jax_ep dispatch BF16 expert_major (bytes per pair)",
+           partial(dispatch, layout="expert_major", cap=em_capacity), x, idx_d, w, chained=2,
+           nbytes=pairs_bytes)
+    record("jax_ep combine BF16", combine, *dispatch_for_combine(x, idx_d, w), chained=1)
 
     # ------------------------------------------------------------------ baselines
     if not args.skip_baselines:
-        rows.extend(baselines(R, T, H, in_rank, counts, x, shard, smap, bytes_bf16))
+        baselines(R, T, H, in_rank, counts, x, shard, record)
+    report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
 
+
+def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
     if jax.process_index() == 0:
-        print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "
-              f"top-{K} of {E} ({args.routing} routing); mean received tokens/rank "
-              f"{mean_recv:.0f} ({bytes_bf16 / 1e6:.1f} MB BF16); quantize alone "
-              f"{t_q * 1e6:.1f} µs")
+        print(f"\n{R}×{jax.devices()[0].device_kind} {what}, {jax.process_count()} process(es), "
+              f"T={T}/rank H={H} top-{K} of {E} ({args.routing} routing); mean received "
+              f"tokens/rank {mean_recv:.0f} ({bytes_bf16 / 1e6:.1f} MB BF16); "
+              f"{args.iters} chained calls per timing")
         print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} |")
         print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|")
         for name, us, gbs in rows:
             print(f"| {name:52s} | {us:9.1f} | {gbs:12.1f} |")
 
 
-def baselines(R, T, H, in_rank, counts, x, shard, smap, nbytes):
+def baselines(R, T, H, in_rank, counts, x, shard, record):
     """ragged_all_to_all (deduplicated rows) and a capacity-padded all_to_all."""
     S = int(counts.sum(1).max())
     Rv = int(counts.sum(0).max())
@@ -201,35 +222,24 @@ def baselines(R, T, H, in_rank, counts, x, shard, smap, nbytes):
             didx[r, d, : len(tok)] = tok
     for d in range(R):
         out_off[:, d] = np.concatenate([[0], np.cumsum(counts[:, d])[:-1]])
-    flat = lambda a: put(a.reshape((R * a.shape[1],) + a.shape[2:]), shard)  # noqa: E731
-    ragged_args = (flat(idx), flat(in_off), flat(counts), flat(out_off),
-                   flat(np.ascontiguousarray(counts.T)))
+    flat = lambda a: put(a.reshape((R * a.shape[1], *a.shape[2:])), shard)  # noqa: E731
 
-    @jax.jit
-    @partial(smap, in_specs=(P(AXIS),) * 6)
     def ragged(x, idx, in_off, sizes, out_off, recv_sizes):
         send = jnp.take(x, idx, axis=0)
         out = jnp.zeros((Rv, H), x.dtype)
-        return jax.lax.ragged_all_to_all(send, out, in_off, sizes, out_off, recv_sizes,
-                                         axis_name=AXIS)
+        got = jax.lax.ragged_all_to_all(send, out, in_off, sizes, out_off, recv_sizes,
+                                        axis_name=AXIS)
+        return got[0, 0].astype(jnp.float32)
 
-    @jax.jit
-    @partial(smap, in_specs=(P(AXIS),) * 2)
     def padded(x, didx):
         send = jnp.take(x, didx.reshape(-1), axis=0).reshape(R, C, H)
-        return jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True).reshape(R * C, H)
+        got = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)
+        return got[0, 0, 0].astype(jnp.float32)
 
-    rows = []
-    for name, f, a in [("jax.lax.ragged_all_to_all", ragged, (x, *ragged_args)),
-                       ("jax.lax.all_to_all (capacity-padded)", padded, (x, flat(didx)))]:
-        try:
-            t = timeit(f, *a)
-            rows.append((name, t * 1e6, nbytes / t / 1e9))
-        except Exception as e:
-            rows.append((name, float("nan"), float("nan")))
-            if jax.process_index() == 0:
-                print(f"{name} FAILED: {type(e).__name__}: {str(e)[:300]}")
-    return rows
+    if jax.process_count() == 1:
+        record("jax.lax.ragged_all_to_all", ragged, x, flat(idx), flat(in_off), flat(counts),
+               flat(out_off), flat(np.ascontiguousarray(counts.T)))
+    record("jax.lax.all_to_all (capacity-padded)", padded, x, flat(didx))
 
 
 if __name__ == "__main__":

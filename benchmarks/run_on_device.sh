@@ -26,7 +26,7 @@ if [[ $WHAT == *build* ]]; then
 fi
 if [[ $WHAT == *test* ]]; then
   step "GPU suite on $N GPUs"
-  timeout 420 $PY -m jax_ep.launch -n "$N" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \
+  timeout 420 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
   status=${PIPESTATUS[0]}
 fi
@@ -34,6 +34,9 @@ if [[ $WHAT == *bench* ]]; then
   step "intranode benchmark on $N GPUs"
   timeout 300 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py 2>&1 |
     tee "$OUT/bench_intranode_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED)" | sed 's/^\[rank 0\] //'
+  # ragged_all_to_all runs only within one process: the same routing, one process, all GPUs
+  timeout 200 $PY benchmarks/bench_intranode.py --baselines-only 2>&1 |
+    tee "$OUT/bench_baselines_$N.log" | grep -E "^(\||[0-9]|.*FAILED)"
 fi
 if [[ $WHAT == *ll* ]]; then
   step "low-latency benchmark on $N GPUs"
