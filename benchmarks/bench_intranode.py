@@ -108,7 +108,7 @@ def main():
     R, T, H, K, E = jax.device_count(), args.tokens, args.hidden, args.topk, args.experts
     L = E // R
     backend = args.backend
-    if backend != "reference" and jax.default_backend() == "gpu":
+    if backend != "reference" and jax.default_backend() == "gpu" and not args.baselines_only:
         from jax_ep import runtime
 
         runtime.initialize()

@@ -173,6 +173,9 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
     return err;
   if (send_slot.element_count() != size_t(T) * (expert_major ? K : a.ctx.num_ranks))
     return invalid("combine: send_slot does not match the layout");
+  if ((expert_major ? K : a.ctx.num_ranks) > kMaxSources)
+    return invalid("combine: at most " + std::to_string(kMaxSources) +
+                   (expert_major ? " top-k slots" : " ranks") + " per token are supported");
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);

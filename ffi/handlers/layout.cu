@@ -1,4 +1,7 @@
 // jax_ep_layout: tokens per rank, (token, k) pairs per expert, token-in-rank mask.
+#include <cstdint>
+#include <string>
+
 #include "handlers/common.h"
 #include "handlers/handlers.h"
 #include "kernels/layout.h"
@@ -13,8 +16,12 @@ ffi::Error layout_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                        int64_t num_ranks) {
   auto dims = topk_idx.dimensions();
   if (dims.size() != 2) return invalid("layout: topk_idx must be [tokens, top_k]");
-  if (num_ranks < 1 || num_experts % num_ranks != 0)
-    return invalid("layout: num_experts must be a multiple of num_ranks");
+  if (num_ranks < 1 || num_experts < num_ranks || num_experts % num_ranks != 0)
+    return invalid("layout: num_experts (" + std::to_string(num_experts) +
+                   ") must be a positive multiple of num_ranks (" + std::to_string(num_ranks) +
+                   ")");
+  if (dims[0] > INT32_MAX || dims[1] > INT32_MAX || num_experts > INT32_MAX)
+    return invalid("layout: shapes must fit in 32 bits");
   if (tokens_per_rank->element_count() != num_ranks ||
       tokens_per_expert->element_count() != num_experts ||
       is_token_in_rank->element_count() != dims[0] * num_ranks)

@@ -128,13 +128,14 @@ __device__ __forceinline__ void copy_row(void* dst, const void* src, size_t byte
     const int4* s = static_cast<const int4*>(src);
     int4* d = static_cast<int4*>(dst);
     const size_t n = bytes / 16;
+    constexpr int kInFlight = 8;  // loads issued per lane before the first store
     size_t i = lane;
-    for (; i + 3 * width < n; i += 4 * width) {  // four loads in flight per lane
-      int4 a = s[i], b = s[i + width], c = s[i + 2 * width], e = s[i + 3 * width];
-      d[i] = a;
-      d[i + width] = b;
-      d[i + 2 * width] = c;
-      d[i + 3 * width] = e;
+    for (; i + (kInFlight - 1) * width < n; i += kInFlight * width) {
+      int4 v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) v[u] = s[i + u * width];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) d[i + u * width] = v[u];
     }
     for (; i < n; i += width) d[i] = s[i];
   } else if ((bits & 3) == 0) {

@@ -59,6 +59,9 @@ struct CachedDispatchArgs {
 
 enum class ElementType { kBF16, kF16, kF32 };
 
+// Rows one token sums in combine: ranks (rank_major) or top-k slots (expert_major).
+constexpr int kMaxSources = 16;
+
 struct CombineArgs {
   PeerContext ctx;
   int num_tokens, num_topk, num_experts, capacity, hidden;

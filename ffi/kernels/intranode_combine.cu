@@ -10,6 +10,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kLoadBatch = 8;  // source rows loaded before they are added (memory parallelism)
 
 template <typename T> struct Element;
 template <> struct Element<float> {
@@ -42,7 +43,9 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
   if (last_block(ctx, 4) && threadIdx.x == 0) signal_all(ctx, /*done=*/false, call);
 }
 
-// One warp per token. `kVector` elements per lane access (16 bytes) when rows allow it.
+// One warp per token. `kVector` elements per lane access (16 bytes) when rows allow it. The
+// token's source rows are found once, then every chunk loads all of them before adding, so
+// the reads from different peers are in flight together; the adds keep the contract's order.
 template <typename T, int kVector>
 __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t row_bytes) {
   const PeerContext& ctx = a.ctx;
@@ -55,32 +58,52 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int chunks = H / kVector;
   for (int t = warp; t < a.num_tokens; t += gridDim.x * kWarps) {
+    // Compile-time indices only, so that these stay in registers.
+    const T* rows[kMaxSources];
+    float weights[kMaxSources];
+#pragma unroll
+    for (int j = 0; j < kMaxSources; ++j) {  // fixed order: ranks (or k) ascending
+      rows[j] = nullptr;
+      weights[j] = 0.f;
+      if (j >= sources) continue;
+      const int slot = a.send_slot[size_t(t) * sources + j];
+      if (slot < 0) continue;
+      int r = j;
+      if (a.expert_major) {
+        const int e = a.topk_idx[size_t(t) * K + j];
+        if (e < 0 || e >= a.num_experts) continue;
+        r = e / L;
+      }
+      weights[j] = region<float>(ctx, r, plan.meta_weights)[slot];
+      rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
+    }
     T* out = static_cast<T*>(a.out) + size_t(t) * H;
     for (int c = lane; c < chunks; c += 32) {
       float acc[kVector];
 #pragma unroll
       for (int v = 0; v < kVector; ++v) acc[v] = 0.f;
-      for (int j = 0; j < sources; ++j) {  // fixed order: ranks (or k) ascending
-        const int slot = a.send_slot[size_t(t) * sources + j];
-        if (slot < 0) continue;
-        int r = j;
-        if (a.expert_major) {
-          const int e = a.topk_idx[size_t(t) * K + j];
-          if (e < 0 || e >= a.num_experts) continue;
-          r = e / L;
-        }
-        const float w = region<float>(ctx, r, plan.meta_weights)[slot];
-        const T* row = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
-        T values[kVector];
-        if constexpr (kVector * sizeof(T) == 16) {
-          *reinterpret_cast<int4*>(values) = reinterpret_cast<const int4*>(row)[c];
-        } else {
 #pragma unroll
-          for (int v = 0; v < kVector; ++v) values[v] = row[c * kVector + v];
+      for (int base = 0; base < kMaxSources; base += kLoadBatch) {
+        T values[kLoadBatch][kVector];
+#pragma unroll
+        for (int j = 0; j < kLoadBatch; ++j) {
+          if (rows[base + j] == nullptr) continue;
+          if constexpr (kVector * sizeof(T) == 16) {
+            *reinterpret_cast<int4*>(values[j]) =
+                reinterpret_cast<const int4*>(rows[base + j])[c];
+          } else {
+#pragma unroll
+            for (int v = 0; v < kVector; ++v) values[j][v] = rows[base + j][c * kVector + v];
+          }
         }
 #pragma unroll
-        for (int v = 0; v < kVector; ++v)  // no FMA contraction: the sum order is the contract
-          acc[v] = __fadd_rn(acc[v], __fmul_rn(w, Element<T>::load(values[v])));
+        for (int j = 0; j < kLoadBatch; ++j) {
+          if (rows[base + j] == nullptr) continue;
+#pragma unroll
+          for (int v = 0; v < kVector; ++v)  // no FMA contraction: the order is the contract
+            acc[v] = __fadd_rn(acc[v],
+                               __fmul_rn(weights[base + j], Element<T>::load(values[j][v])));
+        }
       }
       T packed[kVector];
 #pragma unroll
