@@ -98,7 +98,7 @@ def main():
     x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
     w = put(rng.random((R * T, K)).astype(np.float32), shard)
     idx_d = put(idx, shard)
-    ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=backend)
+    ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
     rows = []
 
     def record(name, f, *a):
