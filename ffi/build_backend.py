@@ -3,6 +3,11 @@
 When a CUDA compiler is available the CMake build reads the XLA FFI headers from jaxlib and
 links NVSHMEM from the nvidia-nvshmem wheel of the same CUDA major version as nvcc; both are
 large, so they are build requirements only then. ``JAX_EP_NATIVE=OFF`` skips the native build.
+
+An isolated build gets the newest jaxlib and NVSHMEM from the index. NVSHMEM's device library is
+linked into the extension and must match the host library it loads at run time (the runtime
+checks), so where an environment already has its own NVSHMEM (and jaxlib) build against them:
+``pip install --no-build-isolation .`` (with scikit-build-core and nanobind installed).
 """
 
 from __future__ import annotations

@@ -1,21 +1,29 @@
 """Start one process per local GPU: ``python -m jax_ep.launch -n N script.py [args...]``.
 
-Each process gets ``JAX_EP_RANK``, ``JAX_EP_WORLD_SIZE``, ``JAX_EP_LOCAL_RANK`` and
-``JAX_EP_COORDINATOR``; the script calls ``jax_ep.launch.init_distributed()``, which runs
-``jax.distributed.initialize`` with ``local_device_ids=[local rank]`` (it does nothing when the
-script was not launched). Output lines are prefixed with ``[rank k]``. If any process exits
-with an error, the others are stopped and the launcher exits with that status.
+Each process gets ``JAX_EP_RANK`` (global process index), ``JAX_EP_WORLD_SIZE``,
+``JAX_EP_LOCAL_RANK`` and ``JAX_EP_LOCAL_DEVICE`` (its GPU among the visible ones; the launcher
+leaves ``CUDA_VISIBLE_DEVICES`` alone) and ``JAX_EP_COORDINATOR`` (host:port of
+jax.distributed's coordinator, by default 127.0.0.1 and a free port). The script calls
+``jax_ep.launch.init_distributed()``, which runs ``jax.distributed.initialize`` with
+``local_device_ids=[JAX_EP_LOCAL_DEVICE]`` and does nothing when the script was not launched.
 
-``script.py`` may also be ``-m module`` (e.g. ``-m pytest tests/test_gpu_dispatch.py``).
+Output lines are prefixed with ``[rank k] ``. If a process exits with an error, the others are
+stopped and the launcher exits with that process's status. Ctrl-C is forwarded to every
+process (a second one kills them). ``script.py`` may also be ``-m module [args]``, e.g.
+``python -m jax_ep.launch -n 2 -m pytest -q tests/test_gpu.py``.
 
 Several hosts: run the launcher once per host with the same ``--coordinator host:port`` (an
-address of the first host), ``--num-processes`` (all GPUs of all hosts) and this host's
-``--process-id-offset`` (sum of GPUs on the hosts before it). Under SLURM, for example::
+address of the first host, reachable from the others), ``--num-processes`` (processes of all
+hosts) and this host's ``--process-id-offset`` (processes on the hosts before it). Under SLURM,
+with one task per node and 8 GPUs per node::
 
     srun --ntasks-per-node=1 bash -c 'python -m jax_ep.launch -n 8 \\
         --coordinator "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):29400" \\
         --num-processes $((8 * SLURM_NNODES)) --process-id-offset $((8 * SLURM_NODEID)) \\
         train.py'
+
+(jax_ep's kernels reach peers over NVLink/PCIe only so far, so its runtime still needs every
+process on one host; the launcher itself does not.)
 """
 
 from __future__ import annotations
@@ -29,16 +37,18 @@ import sys
 import threading
 import time
 
+_STOP_GRACE_S = 10.0
+
 
 def _local_gpu_count() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
     except (OSError, subprocess.SubprocessError):
         return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
 def _free_port() -> int:
@@ -47,16 +57,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _uses_gpu() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return not platforms or any(p in platforms for p in ("cuda", "gpu", "rocm"))
+
+
 def init_distributed() -> bool:
-    """``jax.distributed.initialize`` from the launcher's variables; False if not launched."""
+    """``jax.distributed.initialize`` from the launcher's variables; False when not launched."""
     if "JAX_EP_RANK" not in os.environ:
         return False
     import jax
 
-    local_rank = int(os.environ["JAX_EP_LOCAL_RANK"])
     kwargs = {}
-    if os.environ.get("JAX_PLATFORMS", "") != "cpu":
-        kwargs["local_device_ids"] = [local_rank]
+    if _uses_gpu():
+        device = os.environ.get("JAX_EP_LOCAL_DEVICE", os.environ.get("JAX_EP_LOCAL_RANK", "0"))
+        kwargs["local_device_ids"] = [int(device)]
     jax.distributed.initialize(
         coordinator_address=os.environ["JAX_EP_COORDINATOR"],
         num_processes=int(os.environ["JAX_EP_WORLD_SIZE"]),
@@ -65,56 +80,70 @@ def init_distributed() -> bool:
     return True
 
 
-def _pump(stream, prefix, sink, lock):
+def _pump(stream, prefix: str, sink, lock: threading.Lock) -> None:
     for line in iter(stream.readline, b""):
+        text = line.decode(errors="replace")
         with lock:
-            sink.write(prefix + line.decode(errors="replace"))
+            sink.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
             sink.flush()
     stream.close()
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     parser = argparse.ArgumentParser(
         prog="python -m jax_ep.launch", description=__doc__.split("\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--nproc", type=int, default=None,
                         help="processes on this host (default: its visible GPUs)")
     parser.add_argument("--coordinator", default=None,
-                        help="host:port of jax.distributed's coordinator (default: loopback)")
+                        help="host:port of jax.distributed's coordinator (default: 127.0.0.1 "
+                             "and a free port)")
     parser.add_argument("--num-processes", type=int, default=None,
                         help="processes on all hosts (default: --nproc)")
     parser.add_argument("--process-id-offset", type=int, default=0,
-                        help="global rank of this host's first process")
+                        help="global rank of this host's first process (default 0)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="script.py [args] or -m module [args]")
+                        help="script.py [args...] or -m module [args...]")
     args = parser.parse_args(argv)
-    if not args.command:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
         parser.error("give a script (or -m module) to run")
     nproc = args.nproc if args.nproc is not None else _local_gpu_count()
     if nproc < 1:
-        parser.error("no GPUs found: pass -n")
-    world = args.num_processes or nproc
+        parser.error("found no GPUs: pass -n")
+    world = args.num_processes if args.num_processes is not None else nproc
+    if args.process_id_offset < 0 or args.process_id_offset + nproc > world:
+        parser.error(f"ranks {args.process_id_offset}..{args.process_id_offset + nproc - 1} do "
+                     f"not fit in --num-processes {world}")
+    if world > nproc and args.coordinator is None:
+        parser.error("several hosts need --coordinator host:port")
+    return args, command, nproc, world
+
+
+def main(argv=None) -> int:
+    args, command, nproc, world = _parse(argv)
     coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
-    command = args.command[1:] if args.command[0] == "--" else args.command
     lock = threading.Lock()
-    procs, pumps = [], []
+    procs, pumps, ranks = [], [], []
     for local_rank in range(nproc):
         rank = args.process_id_offset + local_rank
-        env = dict(os.environ,
-                   JAX_EP_RANK=str(rank), JAX_EP_WORLD_SIZE=str(world),
-                   JAX_EP_LOCAL_RANK=str(local_rank), JAX_EP_COORDINATOR=coordinator,
-                   PYTHONUNBUFFERED="1", NVSHMEM_DISABLE_NVLS="1")
+        env = dict(os.environ, JAX_EP_RANK=str(rank), JAX_EP_WORLD_SIZE=str(world),
+                   JAX_EP_LOCAL_RANK=str(local_rank), JAX_EP_LOCAL_DEVICE=str(local_rank),
+                   JAX_EP_COORDINATOR=coordinator, PYTHONUNBUFFERED="1",
+                   NVSHMEM_DISABLE_NVLS="1")  # multicast stays off, whatever the caller set
         env.setdefault("NCCL_NVLS_ENABLE", "0")
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
-        proc = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(proc)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ",
-                                                    sys.stdout, lock), daemon=True)
+        # Own process group each: a signal for one rank reaches its children too.
+        proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", sys.stdout,
+                                                    lock), daemon=True)
         pump.start()
+        procs.append(proc)
         pumps.append(pump)
+        ranks.append(rank)
 
-    def stop_all(sig=signal.SIGTERM):
+    def signal_all(sig):
         for p in procs:
             if p.poll() is None:
                 try:
@@ -122,32 +151,41 @@ def main(argv=None) -> int:
                 except ProcessLookupError:
                     pass
 
-    signal.signal(signal.SIGINT, lambda *_: stop_all(signal.SIGINT))
-    signal.signal(signal.SIGTERM, lambda *_: stop_all())
+    interrupts = 0
+
+    def on_interrupt(*_):
+        nonlocal interrupts
+        interrupts += 1
+        signal_all(signal.SIGINT if interrupts == 1 else signal.SIGKILL)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    signal.signal(signal.SIGTERM, lambda *_: signal_all(signal.SIGTERM))
+
     status = 0
     try:
         while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed:
-                status = failed[0].returncode
+            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            if failed is not None:
+                status = procs[failed].returncode
                 with lock:
-                    sys.stderr.write(f"[launch] rank {procs.index(failed[0])} exited with "
-                                     f"{status}: stopping the others\n")
-                stop_all()
-                deadline = time.time() + 10
-                while time.time() < deadline and any(p.poll() is None for p in procs):
-                    time.sleep(0.1)
-                stop_all(signal.SIGKILL)
+                    sys.stderr.write(f"[launch] rank {ranks[failed]} exited with {status}: "
+                                     "stopping the others\n")
+                    sys.stderr.flush()
+                signal_all(signal.SIGTERM)
+                deadline = time.monotonic() + _STOP_GRACE_S
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+                signal_all(signal.SIGKILL)
                 break
-            time.sleep(0.1)
+            time.sleep(0.05)
     finally:
         for p in procs:
             p.wait()
-        for t in pumps:
-            t.join(timeout=5)
+        for pump in pumps:
+            pump.join(timeout=5)
     if status == 0:
         status = next((p.returncode for p in procs if p.returncode != 0), 0)
-    return 1 if status < 0 else status
+    return 128 - status if status < 0 else status  # killed by signal N: 128 + N, like a shell
 
 
 if __name__ == "__main__":

@@ -23,15 +23,22 @@ def launch(tmp_path, body, n=2, timeout=120):
 
 def test_ranks_join_one_jax_distributed_job(tmp_path):
     out = launch(tmp_path, """
+        import os
         import jax
+        from jax._src import distributed
         from jax_ep import launch
         assert launch.init_distributed()
-        print("process", jax.process_index(), "of", jax.process_count(),
-              "devices", jax.device_count())
+        assert os.environ["JAX_EP_LOCAL_DEVICE"] == os.environ["JAX_EP_RANK"]
+        me = jax.process_index()
+        client = distributed.global_state.client
+        client.key_value_set(f"test/{me}", f"hello from {me}")
+        other = client.blocking_key_value_get(f"test/{1 - me}", 60_000)
+        print("process", me, "of", jax.process_count(), "devices", jax.device_count(),
+              "heard", repr(other))
     """)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "[rank 0] process 0 of 2 devices 2" in out.stdout
-    assert "[rank 1] process 1 of 2 devices 2" in out.stdout
+    assert "[rank 0] process 0 of 2 devices 2 heard 'hello from 1'" in out.stdout
+    assert "[rank 1] process 1 of 2 devices 2 heard 'hello from 0'" in out.stdout
 
 
 def test_one_failing_rank_stops_all_and_fails(tmp_path):
@@ -55,3 +62,13 @@ def test_not_launched_is_a_no_op():
     if "JAX_EP_RANK" in os.environ:
         pytest.skip("running under the launcher")
     assert launch.init_distributed() is False
+
+
+def test_several_hosts_need_a_coordinator(tmp_path):
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    out = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--num-processes",
+                          "4", str(script)], capture_output=True, text=True, cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+    assert out.returncode == 2
+    assert "--coordinator" in out.stderr

@@ -1,10 +1,16 @@
-"""The CUDA extension, when built: exports nothing but its entry point, and has every target."""
+"""The CUDA extension, when built: exports only its entry point, has every target, and (on a GPU)
+computes the dispatch layout exactly like NumPy.
+
+Without the extension (no nvcc at install time) or without a GPU, the tests say so and skip.
+``JAX_PLATFORMS=cuda python -m pytest tests/test_native_build.py`` runs the GPU part on one GPU.
+"""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from jax_ep import _native
@@ -13,29 +19,105 @@ module, why = _native.load()
 needs_module = pytest.mark.skipif(module is None, reason=f"extension not built: {why}")
 
 
+def _gpu_skip_reason():
+    if module is None:
+        return f"extension not built: {why}"
+    import jax
+
+    try:
+        backend = jax.default_backend()
+    except RuntimeError as e:
+        return f"no JAX backend: {e}"
+    if backend != "gpu":
+        return f"needs a GPU: JAX's backend is {backend!r} (set JAX_PLATFORMS=cuda on a GPU host)"
+    return None
+
+
 @needs_module
 def test_module_exports_only_its_entry_point():
     # Exported libstdc++ template instances once made NVSHMEM's host library bind to them and
     # crash during initialisation: the module must export PyInit__C alone.
     nm = shutil.which("nm")
     if nm is None:
-        pytest.skip("nm is not installed")
+        pytest.skip("nm (binutils) is not installed")
     out = subprocess.run([nm, "-D", "--defined-only", module.__file__], capture_output=True,
                          text=True, check=True).stdout
     exported = [line.split()[-1] for line in out.splitlines() if line.strip()]
     assert exported == ["PyInit__C"], exported
+    demangled = subprocess.run([nm, "-D", "-C", "--defined-only", module.__file__],
+                               capture_output=True, text=True, check=True).stdout
+    assert "std::" not in demangled
 
 
 @needs_module
 def test_ffi_targets_are_capsules():
     targets = module.ffi_targets()
     assert "jax_ep_layout" in targets
+    assert all(name.startswith("jax_ep_") for name in targets)
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())
     assert module.unique_id_size() > 0
     assert not module.is_initialized()
+    assert module.buffer_bytes() == 0
 
 
 def test_missing_extension_is_reported_clearly():
     if module is not None:
         pytest.skip("the extension is built")
     assert "jax_ep._C" in why
+
+
+def numpy_layout(topk_idx, num_experts, num_ranks):
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    per_expert = np.bincount(topk_idx[valid], minlength=num_experts).astype(np.int32)
+    ranks = np.where(valid, topk_idx // (num_experts // num_ranks), num_ranks)
+    in_rank = np.zeros((topk_idx.shape[0], num_ranks + 1), bool)
+    np.put_along_axis(in_rank, ranks, True, axis=1)
+    in_rank = in_rank[:, :num_ranks]
+    return in_rank.sum(0).astype(np.int32), per_expert, in_rank
+
+
+def random_topk(rng, num_tokens, num_topk, num_experts):
+    ids = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_tokens)])
+    ids = ids.astype(np.int32)
+    ids[rng.random(ids.shape) < 0.1] = -1                          # no expert
+    ids[rng.random(ids.shape) < 0.02] = num_experts + 3            # out of range: ignored
+    return ids
+
+
+def ffi_layout(topk_idx, num_experts, num_ranks):
+    import jax
+    import jax.numpy as jnp
+
+    _native.register()
+    num_tokens = topk_idx.shape[0]
+    call = jax.ffi.ffi_call(
+        "jax_ep_layout",
+        (jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+         jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+         jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_)))
+    fn = jax.jit(lambda t: call(t, num_experts=np.int64(num_experts),
+                                num_ranks=np.int64(num_ranks)))
+    return [np.asarray(a) for a in fn(jnp.asarray(topk_idx))]
+
+
+@pytest.mark.parametrize("num_tokens,num_topk,num_experts,num_ranks",
+                         [(4096, 8, 256, 8), (1000, 6, 64, 2), (37, 4, 96, 48), (0, 8, 16, 4),
+                          (300, 2, 8, 1)])
+def test_layout_on_gpu_matches_numpy(num_tokens, num_topk, num_experts, num_ranks):
+    reason = _gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    rng = np.random.default_rng(num_tokens + num_experts)
+    topk_idx = random_topk(rng, num_tokens, num_topk, num_experts)
+    got = ffi_layout(topk_idx, num_experts, num_ranks)
+    for g, w, name in zip(got, numpy_layout(topk_idx, num_experts, num_ranks),
+                          ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank")):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def test_layout_rejects_bad_attributes_on_gpu():
+    reason = _gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with pytest.raises(Exception, match="multiple of num_ranks"):
+        ffi_layout(np.zeros((4, 2), np.int32), 10, 4)

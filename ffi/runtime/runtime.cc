@@ -18,27 +18,87 @@ namespace {
 std::mutex g_mutex;
 Transport g_transport;
 bool g_initialized = false;
-bool g_we_initialized_nvshmem = false;
+int g_device = -1;
+// True while NVSHMEM runs because we started it; an NVSHMEM someone else in the process
+// started is reused and left running at finalize().
+bool g_owns_nvshmem = false;
 void** g_peers_device = nullptr;
 
+[[noreturn]] void fail(const std::string& message) {
+  throw std::runtime_error("jax_ep runtime: " + message);
+}
+
 void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("jax_ep runtime: ") + what + ": " +
-                             cudaGetErrorString(status));
+  if (status != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+std::string rank_text(int rank, int num_ranks) {
+  return "rank " + std::to_string(rank) + " of " + std::to_string(num_ranks);
+}
+
+// Settings NVSHMEM reads at initialisation. A user's own value always wins, except multicast
+// (NVLS), which is forced off: it can take a shared host's GPUs out of service.
+void set_environment_defaults(size_t buffer_bytes, bool single_host) {
+  setenv("NVSHMEM_DISABLE_NVLS", "1", /*overwrite=*/1);
+  if (single_host) {
+    setenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo", /*overwrite=*/0);
+    setenv("NVSHMEM_REMOTE_TRANSPORT", "none", /*overwrite=*/0);
+  }
+  // The heap holds our buffer plus NVSHMEM's own allocations (teams, barriers, signals).
+  const size_t heap = buffer_bytes + (size_t(256) << 20);
+  setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), /*overwrite=*/0);
+}
+
+std::string compiled_nvshmem_version() {
+  return std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." +
+         std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
+         std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);
+}
+
+// The device library is linked statically into the module while the host library is loaded
+// from the environment: a mismatch corrupts NVSHMEM's shared device state, so refuse it.
+void check_nvshmem_versions() {
+  const char* skip = std::getenv("JAX_EP_SKIP_NVSHMEM_VERSION_CHECK");
+  if (skip != nullptr && std::strcmp(skip, "1") == 0) return;
+  const std::string loaded = nvshmem_version(), compiled = compiled_nvshmem_version();
+  if (loaded != compiled) {
+    fail("jax_ep._C was built against NVSHMEM " + compiled + " but loaded NVSHMEM " + loaded +
+         "'s host library. Rebuild in this environment (pip install --no-build-isolation .) "
+         "or install the matching nvidia-nvshmem wheel");
   }
 }
 
-// Environment defaults that NVSHMEM reads at init; a user's own setting always wins,
-// except multicast (NVLS), which stays off: it can take a shared host's GPUs out of service.
-void set_env_defaults(size_t buffer_bytes, bool single_host) {
-  setenv("NVSHMEM_DISABLE_NVLS", "1", /*overwrite=*/1);
-  if (single_host) {
-    setenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo", 0);
-    setenv("NVSHMEM_REMOTE_TRANSPORT", "none", 0);
+bool nvshmem_running() {
+  const int status = nvshmemx_init_status();
+  return status >= NVSHMEM_STATUS_IS_INITIALIZED && status != NVSHMEM_STATUS_INVALID;
+}
+
+void start_nvshmem(const InitOptions& options) {
+  if (options.unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
+    fail("the unique id has " + std::to_string(options.unique_id.size()) +
+         " bytes, NVSHMEM's has " + std::to_string(sizeof(nvshmemx_uniqueid_t)));
   }
-  // The symmetric heap must hold our buffer plus NVSHMEM's own allocations.
-  size_t heap = buffer_bytes + (size_t(256) << 20);
-  setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 0);
+  nvshmemx_uniqueid_t uid;
+  std::memcpy(&uid, options.unique_id.data(), sizeof(uid));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  int status = nvshmemx_set_attr_uniqueid_args(options.rank, options.num_ranks, &uid, &attr);
+  if (status == 0) {
+    // What nvshmemx_init_attr() does, minus its exit(-1) on failure: a failed bootstrap must
+    // reach Python as an exception, not end the process silently.
+    int provided = 0;
+    const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION,
+                                        NVSHMEM_VENDOR_MINOR_VERSION,
+                                        NVSHMEM_VENDOR_PATCH_VERSION};
+    status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided,
+                                  NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
+  }
+  if (status != 0) {
+    fail("NVSHMEM initialisation failed with status " + std::to_string(status) + " (" +
+         rank_text(options.rank, options.num_ranks) +
+         "); NVSHMEM_DEBUG=INFO shows why. Every rank must call initialize() with the same "
+         "unique id");
+  }
+  g_owns_nvshmem = true;
 }
 
 }  // namespace
@@ -47,124 +107,114 @@ const Transport* transport() { return g_initialized ? &g_transport : nullptr; }
 
 bool is_initialized() { return g_initialized; }
 
-std::string create_unique_id() {
-  nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;
-  int status = nvshmemx_get_uniqueid(&uid);
-  if (status != 0) {
-    throw std::runtime_error("jax_ep runtime: nvshmemx_get_uniqueid failed with status " +
-                             std::to_string(status));
-  }
-  return std::string(reinterpret_cast<const char*>(&uid), sizeof(uid));
+size_t unique_id_size() { return sizeof(nvshmemx_uniqueid_t); }
+
+std::string nvshmem_version() {
+  int major = 0, minor = 0, patch = 0;
+  nvshmemx_vendor_get_version_info(&major, &minor, &patch);
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
 }
 
-size_t unique_id_size() { return sizeof(nvshmemx_uniqueid_t); }
+std::string create_unique_id() {
+  check_nvshmem_versions();
+  setenv("NVSHMEM_DISABLE_NVLS", "1", /*overwrite=*/1);
+  nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;
+  const int status = nvshmemx_get_uniqueid(&uid);
+  if (status != 0) fail("nvshmemx_get_uniqueid failed with status " + std::to_string(status));
+  return std::string(reinterpret_cast<const char*>(&uid), sizeof(uid));
+}
 
 void initialize(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_initialized) {
     if (options.rank != g_transport.rank || options.num_ranks != g_transport.num_ranks) {
-      throw std::runtime_error("jax_ep runtime: already initialised as rank " +
-                               std::to_string(g_transport.rank) + " of " +
-                               std::to_string(g_transport.num_ranks) + "; call finalize() first");
+      fail("already initialised as " + rank_text(g_transport.rank, g_transport.num_ranks) +
+           "; call finalize() first");
     }
     if (options.buffer_bytes > g_transport.bytes) {
-      throw std::runtime_error("jax_ep runtime: already initialised with a " +
-                               std::to_string(g_transport.bytes) + "-byte buffer, " +
-                               std::to_string(options.buffer_bytes) +
-                               " requested; call finalize() first");
+      fail("already initialised with a " + std::to_string(g_transport.bytes) +
+           "-byte buffer, " + std::to_string(options.buffer_bytes) +
+           " bytes requested; call finalize() first");
     }
     return;
   }
   if (options.num_ranks < 1 || options.rank < 0 || options.rank >= options.num_ranks) {
-    throw std::runtime_error("jax_ep runtime: invalid rank " + std::to_string(options.rank) +
-                             " of " + std::to_string(options.num_ranks));
+    fail("invalid " + rank_text(options.rank, options.num_ranks));
   }
-  if (options.buffer_bytes == 0) throw std::runtime_error("jax_ep runtime: buffer_bytes is 0");
-  check_cuda(cudaSetDevice(options.local_device), "cudaSetDevice");
+  if (options.buffer_bytes == 0) fail("buffer_bytes must be positive");
+  check_nvshmem_versions();
+  check_cuda(cudaSetDevice(options.local_device),
+             ("cudaSetDevice(" + std::to_string(options.local_device) + ")").c_str());
+  set_environment_defaults(options.buffer_bytes, options.single_host);
+  if (!nvshmem_running()) start_nvshmem(options);
 
-  int status = nvshmemx_init_status();
-  if (status == NVSHMEM_STATUS_IS_INITIALIZED) {
-    // Someone in this process (XLA's own NVSHMEM path, another library) already did: reuse it.
-    g_we_initialized_nvshmem = false;
-  } else {
-    if (options.unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
-      throw std::runtime_error("jax_ep runtime: unique id has " +
-                               std::to_string(options.unique_id.size()) + " bytes, expected " +
-                               std::to_string(sizeof(nvshmemx_uniqueid_t)));
-    }
-    set_env_defaults(options.buffer_bytes, options.single_host);
-    nvshmemx_uniqueid_t uid;
-    std::memcpy(&uid, options.unique_id.data(), sizeof(uid));
-    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-    status = nvshmemx_set_attr_uniqueid_args(options.rank, options.num_ranks, &uid, &attr);
-    if (status == 0) status = nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
-    if (status != 0) {
-      throw std::runtime_error("jax_ep runtime: NVSHMEM initialisation failed with status " +
-                               std::to_string(status) + " (rank " + std::to_string(options.rank) +
-                               " of " + std::to_string(options.num_ranks) + ")");
-    }
-    g_we_initialized_nvshmem = true;
-  }
-  int me = nvshmem_my_pe(), n = nvshmem_n_pes();
+  const int me = nvshmem_my_pe(), n = nvshmem_n_pes();
   if (me != options.rank || n != options.num_ranks) {
-    throw std::runtime_error("jax_ep runtime: NVSHMEM says PE " + std::to_string(me) + " of " +
-                             std::to_string(n) + ", but this process is rank " +
-                             std::to_string(options.rank) + " of " +
-                             std::to_string(options.num_ranks));
+    fail("NVSHMEM runs as PE " + std::to_string(me) + " of " + std::to_string(n) +
+         " but this process is " + rank_text(options.rank, options.num_ranks));
   }
 
   void* local = nvshmem_malloc(options.buffer_bytes);
   if (local == nullptr) {
-    throw std::runtime_error(
-        "jax_ep runtime: could not allocate a " + std::to_string(options.buffer_bytes) +
-        "-byte symmetric buffer. The GPU memory may be held by XLA's preallocated pool: set "
-        "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.7) or XLA_PYTHON_CLIENT_PREALLOCATE=false "
-        "before JAX starts, or ask for a smaller buffer");
+    fail("could not allocate the " + std::to_string(options.buffer_bytes) +
+         "-byte symmetric buffer (" + rank_text(me, n) +
+         "). XLA's preallocated pool may hold the GPU memory: start JAX with "
+         "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false; "
+         "NVSHMEM_SYMMETRIC_SIZE, if you set it, must exceed the buffer; or ask for a smaller "
+         "buffer");
   }
+  // Flags in the buffer start at zero on every PE before any peer may signal into it.
   check_cuda(cudaMemset(local, 0, options.buffer_bytes), "zeroing the symmetric buffer");
+  check_cuda(cudaDeviceSynchronize(), "zeroing the symmetric buffer");
 
   std::vector<void*> peers(n);
   for (int pe = 0; pe < n; ++pe) {
     peers[pe] = nvshmem_ptr(local, pe);
     if (peers[pe] == nullptr) {
-      nvshmem_free(local);
-      throw std::runtime_error("jax_ep runtime: PE " + std::to_string(pe) +
-                               " is not reachable by peer-to-peer loads and stores from PE " +
-                               std::to_string(me) +
-                               "; only NVLink/PCIe peers on one host are supported so far");
+      nvshmem_free(local);  // collective: reachability is symmetric, so every PE gets here
+      fail("PE " + std::to_string(pe) + "'s buffer cannot be mapped into PE " +
+           std::to_string(me) +
+           " (no peer-to-peer access); jax_ep supports GPUs of one host over NVLink/PCIe so far");
     }
   }
-  check_cuda(cudaMalloc(&g_peers_device, sizeof(void*) * n), "allocating the peer table");
-  check_cuda(cudaMemcpy(g_peers_device, peers.data(), sizeof(void*) * n, cudaMemcpyHostToDevice),
-             "copying the peer table");
-  nvshmem_barrier_all();  // every PE's buffer is zeroed before anyone signals into it
+  void** peers_device = nullptr;
+  cudaError_t status = cudaMalloc(&peers_device, sizeof(void*) * n);
+  if (status == cudaSuccess) {
+    status = cudaMemcpy(peers_device, peers.data(), sizeof(void*) * n, cudaMemcpyHostToDevice);
+  }
+  if (status != cudaSuccess) {
+    cudaFree(peers_device);
+    nvshmem_free(local);
+    check_cuda(status, "copying the peer table to the GPU");
+  }
+  nvshmem_barrier_all();
 
+  g_device = options.local_device;
+  g_peers_device = peers_device;
   g_transport.rank = me;
   g_transport.num_ranks = n;
   g_transport.local = local;
   g_transport.bytes = options.buffer_bytes;
-  g_transport.peers = g_peers_device;
+  g_transport.peers = peers_device;
   g_initialized = true;
 }
 
 void finalize() {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_initialized) return;
-  cudaDeviceSynchronize();
-  nvshmem_barrier_all();
+  // May run on a thread (atexit) whose current device is not ours.
+  cudaSetDevice(g_device);
+  cudaDeviceSynchronize();  // kernels still reading peers' buffers finish first
+  nvshmem_barrier_all();    // ... on every PE, before anyone frees
   nvshmem_free(g_transport.local);
   cudaFree(g_peers_device);
   g_peers_device = nullptr;
   g_transport = Transport{};
   g_initialized = false;
-  if (g_we_initialized_nvshmem) nvshmem_finalize();
-  g_we_initialized_nvshmem = false;
-}
-
-std::string nvshmem_version() {
-  int major = 0, minor = 0, patch = 0;
-  nvshmemx_vendor_get_version_info(&major, &minor, &patch);
-  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
+  if (g_owns_nvshmem) {
+    nvshmem_finalize();
+    g_owns_nvshmem = false;
+  }
 }
 
 }  // namespace jax_ep
