@@ -77,7 +77,8 @@ def numpy_layout(topk_idx, num_experts, num_ranks):
 
 
 def random_topk(rng, num_tokens, num_topk, num_experts):
-    ids = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_tokens)])
+    # distinct experts per token, like a router's top-k
+    ids = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :num_topk]
     ids = ids.astype(np.int32)
     ids[rng.random(ids.shape) < 0.1] = -1                          # no expert
     ids[rng.random(ids.shape) < 0.02] = num_experts + 3            # out of range: ignored
