@@ -176,14 +176,17 @@ def main():
         return jax_ep.quantize_fp8(x)[1][0, 0] + w[0, 0]
 
     record("jax_ep layout", layout, idx_d, nbytes=0)
-    record("jax_ep dispatch BF16", dispatch, x, idx_d, w, chained=2)
-    record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0)
-    record("jax_ep dispatch FP8 (incl. quantize)", partial(dispatch, fp8=True), x, idx_d, w,
-           chained=2, nbytes=bytes_fp8)
     pairs_bytes = float(np.mean(np.bincount(dest.reshape(-1), minlength=R))) * H * 2
-    record("jax_ep dispatch BF16 expert_major (bytes per pair)",
-           partial(dispatch, layout="expert_major", cap=em_capacity), x, idx_d, w, chained=2,
-           nbytes=pairs_bytes)
+    record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0)
+    for mode in ("pull", "push"):  # JAX_EP_DISPATCH, read when the call is traced
+        os.environ["JAX_EP_DISPATCH"] = mode
+        record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
+        record(f"jax_ep dispatch FP8, quantize included [{mode}]", partial(dispatch, fp8=True),
+               x, idx_d, w, chained=2, nbytes=bytes_fp8)
+        record(f"jax_ep dispatch BF16 expert_major, per pair [{mode}]",
+               partial(dispatch, layout="expert_major", cap=em_capacity), x, idx_d, w,
+               chained=2, nbytes=pairs_bytes)
+    os.environ.pop("JAX_EP_DISPATCH")
     record("jax_ep combine BF16", combine, *dispatch_for_combine(x, idx_d, w), chained=1)
 
     # ------------------------------------------------------------------ baselines

@@ -39,6 +39,15 @@ def _num_blocks() -> np.int64:
     return np.int64(int(os.environ.get("JAX_EP_NUM_BLOCKS", "0")))
 
 
+def _push_dispatch() -> np.int64:
+    """JAX_EP_DISPATCH=push: senders store rows into the receivers' buffers over NVLink;
+    otherwise (pull, the default) receivers load them from the senders' buffers."""
+    mode = os.environ.get("JAX_EP_DISPATCH", "pull")
+    if mode not in ("pull", "push"):
+        raise ValueError(f"JAX_EP_DISPATCH must be 'pull' or 'push', got {mode!r}")
+    return np.int64(mode == "push")
+
+
 def _rank(axis_name):
     return jax.lax.axis_index(axis_name).astype(jnp.int32)
 
@@ -102,7 +111,7 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
         topk_weights, _rank(config.axis_name), axis_name=config.axis_name,
         num_experts=np.int64(config.num_experts), capacity=np.int64(C),
         expert_major=np.int64(expert_major), alignment=np.int64(config.alignment),
-        has_scales=np.int64(has_scales), num_blocks=_num_blocks())
+        has_scales=np.int64(has_scales), num_blocks=_num_blocks(), push=_push_dispatch())
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
                             config=config)

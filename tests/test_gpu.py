@@ -110,9 +110,16 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["pull", "push"])
+def dispatch_mode(request, monkeypatch):
+    monkeypatch.setenv("JAX_EP_DISPATCH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
 @pytest.mark.parametrize("T,H,K,per_rank,kind,mask,dtype,cap", CASES)
-def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, cap, layout):
+def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, cap, layout,
+                                          dispatch_mode):
     R = num_ranks()
     E = per_rank * R
     rng = np.random.default_rng(T * 31 + H + K)
@@ -144,7 +151,7 @@ def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, 
 
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
-def test_fp8_dispatch_matches_reference(layout):
+def test_fp8_dispatch_matches_reference(layout, dispatch_mode):
     R = num_ranks()
     T, H, K, E = 80, 512, 4, 4 * R
     x, idx, w = make_inputs(np.random.default_rng(9), R, T, H, K, E, "random", 0.1)
@@ -156,7 +163,7 @@ def test_fp8_dispatch_matches_reference(layout):
     assert_trees_equal(*both(fn, x, idx, w))
 
 
-def test_repeated_calls_are_bit_identical():
+def test_repeated_calls_are_bit_identical(dispatch_mode):
     R = num_ranks()
     T, H, K, E = 128, 384, 8, 8 * R
     rng = np.random.default_rng(1)

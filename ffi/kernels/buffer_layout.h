@@ -30,7 +30,10 @@ struct Control {
   uint32_t block_counter[16];   // arrival counters of the "last block" pattern, per kernel
   uint64_t ready[kMaxRanks];    // ready[s] = e: PE s has staged its data of call e
   uint64_t done[kMaxRanks];     // done[s] = e: PE s has finished every access of call e
+  uint64_t pushed[kMaxRanks];   // pushed[s] = e: PE s has written its rows of call e into ours
 };
+
+enum class Flag { kReady, kDone, kPushed };
 
 constexpr size_t kRegionAlign = 256;
 
@@ -66,6 +69,33 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch(int num_ranks, int num_tokens
   offset = align_up(offset + row_stride(x_row_bytes) * num_tokens, kRegionAlign);
   p.scales = offset;
   offset = align_up(offset + row_stride(scale_row_bytes) * num_tokens, kRegionAlign);
+  p.end = offset;
+  return p;
+}
+
+// Push-mode dispatch: senders write rows straight to their final position in the receiver's
+// region (rows from this PE go straight to the output), with a metadata record per row.
+struct PushPlan {
+  size_t matrix = 0, rows = 0, scales = 0, meta = 0, meta_stride = 0, end = 0;
+};
+
+JAX_EP_HOST_DEVICE inline PushPlan plan_dispatch_push(int num_ranks, int num_topk,
+                                                      int num_experts, bool expert_major,
+                                                      int capacity, size_t x_row_bytes,
+                                                      size_t scale_row_bytes) {
+  PushPlan p;
+  size_t offset = align_up(sizeof(Control), kRegionAlign);
+  const size_t width = expert_major ? num_experts : num_ranks;
+  p.matrix = offset;
+  offset = align_up(offset + sizeof(int32_t) * num_ranks * width, kRegionAlign);
+  p.rows = offset;
+  offset = align_up(offset + row_stride(x_row_bytes) * capacity, kRegionAlign);
+  p.scales = offset;
+  offset = align_up(offset + row_stride(scale_row_bytes) * capacity, kRegionAlign);
+  // token, k, then K local expert ids and K weights (expert_major uses the first of each)
+  p.meta_stride = align_up(sizeof(int32_t) * 2 + (sizeof(int32_t) + sizeof(float)) * num_topk, 16);
+  p.meta = offset;
+  offset = align_up(offset + p.meta_stride * capacity, kRegionAlign);
   p.end = offset;
   return p;
 }

@@ -19,9 +19,15 @@
 
 namespace jax_ep {
 
+// Rows one token sums in combine, or destinations one token has in dispatch: ranks
+// (rank_major) or top-k slots (expert_major).
+constexpr int kMaxSources = 16;
+
 struct DispatchArgs {
   PeerContext ctx;
-  RegionPlan plan;
+  RegionPlan plan;  // pull mode
+  PushPlan push;    // push mode
+  bool use_push;
   int num_tokens, num_topk, num_experts, capacity, alignment;
   bool expert_major;
   int num_blocks;  // CTAs of the gather kernel (SM budget)
@@ -58,9 +64,6 @@ struct CachedDispatchArgs {
 };
 
 enum class ElementType { kBF16, kF16, kF32 };
-
-// Rows one token sums in combine: ranks (rank_major) or top-k slots (expert_major).
-constexpr int kMaxSources = 16;
 
 struct CombineArgs {
   PeerContext ctx;

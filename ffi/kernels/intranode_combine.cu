@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
   float* weights = region<float>(ctx, ctx.rank, plan.meta_weights);
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < used; i += gridDim.x * kThreads)
     weights[i] = a.weights[i];
-  if (last_block(ctx, 4) && threadIdx.x == 0) signal_all(ctx, /*done=*/false, call);
+  if (last_block(ctx, 4) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
 }
 
 // One warp per token. `kVector` elements per lane access (16 bytes) when rows allow it. The
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
     }
   }
   if (last_block(ctx, 5) && threadIdx.x == 0) {
-    signal_all(ctx, /*done=*/true, call);
+    signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;
   }
 }

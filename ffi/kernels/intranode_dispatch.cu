@@ -18,7 +18,7 @@ __device__ __forceinline__ bool valid_expert(int e, int num_experts) {
 // Block w (a destination rank, or an expert) lists this PE's tokens (or (token, k) pairs)
 // for w in order, writes each one's rank in that list to send_slot, and publishes the count
 // in every peer's matrix. Then all blocks stage the tokens, ids and weights for the peers.
-template <bool kExpertMajor>
+template <bool kExpertMajor, bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
@@ -31,7 +31,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   for (int w = blockIdx.x; w < W; w += gridDim.x) {
-    int32_t* list = region<int32_t>(ctx, ctx.rank, a.plan.lists) + size_t(w) * a.plan.list_len;
+    int32_t* list = kPull ? region<int32_t>(ctx, ctx.rank, a.plan.lists) +
+                                size_t(w) * a.plan.list_len
+                          : nullptr;
     int running = 0;
     for (int base = 0; base < n; base += kThreads) {
       const int i = base + threadIdx.x;
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
       int position, total;
       Scan(scan_storage).ExclusiveSum(hit, position, total);
       if (i < n) {
-        if (hit) list[running + position] = i;
+        if (kPull && hit) list[running + position] = i;
         if (kExpertMajor) {
           if (hit) a.send_slot[i] = running + position;
         } else {
@@ -61,8 +63,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
       running += total;
       __syncthreads();  // scan_storage is reused
     }
+    const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
     for (int p = threadIdx.x; p < R; p += kThreads)
-      region<int32_t>(ctx, p, a.plan.matrix)[size_t(ctx.rank) * W + w] = running;
+      region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * W + w] = running;
+  }
+  if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
+    if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+    return;
   }
 
   // Stage this PE's tokens once; every destination reads the rows it needs.
@@ -85,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
     ids[i] = a.topk_idx[i];
     weights[i] = a.topk_weights[i];
   }
-  if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, /*done=*/false, call);
+  if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
 }
 
 // ------------------------------------------------------------------------------ gather
@@ -115,18 +122,12 @@ __device__ __forceinline__ int last_at_most(const int32_t* table, int n, int val
   return lo;
 }
 
+// Offsets of every row from the count matrix M[s * W + w] (identical on every PE).
 template <bool kExpertMajor>
-__global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
-  const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  wait_all_ready(ctx, call, "dispatch");
-  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
-  const int E = a.num_experts, L = E / R, C = a.capacity;
+__device__ void build_tables(const DispatchArgs& a, const int32_t* M, int32_t* tables,
+                             GatherTables& tb) {
+  const int R = a.ctx.num_ranks, me = a.ctx.rank, E = a.num_experts, L = E / R;
   const int W = kExpertMajor ? E : R;
-  const int32_t* M = region<int32_t>(ctx, me, a.plan.matrix);  // M[s * W + w]
-
-  extern __shared__ int32_t tables[];
-  GatherTables tb;
   if (kExpertMajor) {
     tb.pairs = tables;
     tb.base = tb.pairs + E;
@@ -179,6 +180,95 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
     }
   }
   __syncthreads();
+}
+
+// Which source PE row i of this PE's output comes from (-1: unused row), its position in that
+// source's list for us, and (expert_major) its local expert.
+template <bool kExpertMajor>
+__device__ __forceinline__ int source_of_row(const GatherTables& tb, int i, int R, int L,
+                                             int* position, int* local) {
+  if (kExpertMajor) {
+    const int l = last_at_most(tb.group_start, L, i);
+    const int32_t* offsets = tb.src_offset + l * (R + 1);
+    if (i < tb.group_start[l] || i >= offsets[R]) return -1;
+    const int s = last_at_most(offsets, R, i);  // the last such source: empty ones are skipped
+    *position = i - offsets[s];
+    *local = l;
+    return s;
+  }
+  if (i >= tb.src_offset[R]) return -1;
+  const int s = last_at_most(tb.src_offset, R, i);
+  *position = i - tb.src_offset[s];
+  return s;
+}
+
+// Row index at the destination of this PE's k-th pair (expert_major) or of its token for
+// rank r (rank_major), from its rank in the list; -1 when past the capacity.
+template <bool kExpertMajor>
+__device__ __forceinline__ int destination_row(const DispatchArgs& a, const GatherTables& tb,
+                                               int entry, int rank_in_list) {
+  const int row = kExpertMajor ? tb.base[a.topk_idx[entry]] + rank_in_list
+                               : tb.my_offset_at[entry % a.ctx.num_ranks] + rank_in_list;
+  return row < a.capacity ? row : -1;
+}
+
+// Counts of the output; the last block then releases the peers and closes the call.
+template <bool kExpertMajor>
+__device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
+                                int counter) {
+  const PeerContext& ctx = a.ctx;
+  const int me = ctx.rank, L = a.num_experts / ctx.num_ranks, C = a.capacity;
+  if (blockIdx.x == 0 && kExpertMajor) {
+    for (int l = threadIdx.x; l < L; l += kThreads) {
+      const int start = tb.group_start[l], n = tb.pairs[me * L + l];
+      const int end = start + aligned(n, a.alignment);
+      a.group_sizes[l] = max(0, min(end, C) - min(start, C));
+      a.tokens_per_expert[l] = max(0, min(n, C - start));
+    }
+  }
+  if (last_block(ctx, counter) && threadIdx.x == 0) {
+    if (kExpertMajor) {
+      int received = 0, dropped = 0;
+      for (int l = 0; l < L; ++l) {
+        received += a.group_sizes[l];
+        dropped += tb.pairs[me * L + l] - a.tokens_per_expert[l];
+      }
+      *a.num_received = received;
+      *a.num_dropped = dropped;
+    } else {
+      const int total = tb.src_offset[ctx.num_ranks];
+      *a.num_received = min(total, C);
+      *a.num_dropped = max(total - C, 0);
+      for (int l = 0; l < L; ++l) a.group_sizes[l] = a.tokens_per_expert[l];
+    }
+    signal_all(ctx, Flag::kDone, call);
+    control_of(ctx, me)->epoch = call;
+  }
+}
+
+__device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, int out_k,
+                                                 int lane) {
+  zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
+  if (a.scales != nullptr)
+    zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+             a.scale_row_bytes, lane, 32);
+  for (int j = lane; j < out_k; j += 32) {
+    a.out_topk_idx[size_t(i) * out_k + j] = -1;
+    a.out_topk_weights[size_t(i) * out_k + j] = 0.f;
+  }
+  if (lane == 0) a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
+}
+
+template <bool kExpertMajor>
+__global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  wait_all_ready(ctx, call, "dispatch");
+  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
+  const int E = a.num_experts, L = E / R, C = a.capacity;
+  extern __shared__ int32_t tables[];
+  GatherTables tb;
+  build_tables<kExpertMajor>(a, region<int32_t>(ctx, me, a.plan.matrix), tables, tb);
 
   // Rows of the output, one warp per row.
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
@@ -186,35 +276,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
   const int out_k = kExpertMajor ? 1 : K;
   for (int i = warp; i < C; i += warps) {
-    int s = -1, t = -1, k = -1, local = -1;
+    int position = 0, local = -1, t = -1, k = -1;
+    const int s = source_of_row<kExpertMajor>(tb, i, R, L, &position, &local);
+    if (s < 0) {
+      write_unused_row(a, i, out_k, lane);
+      continue;
+    }
     if (kExpertMajor) {
-      const int l = last_at_most(tb.group_start, L, i);
-      const int32_t* offsets = tb.src_offset + l * (R + 1);
-      if (i >= tb.group_start[l] && i < offsets[R]) {
-        s = last_at_most(offsets, R, i);  // the last such source: empty ones are skipped
-        const int pair = region<int32_t>(ctx, s, a.plan.lists)[size_t(me * L + l) *
-                                                                a.plan.list_len + i - offsets[s]];
-        t = pair / K;
-        k = pair % K;
-        local = l;
-      }
-    } else if (i < tb.src_offset[R]) {
-      s = last_at_most(tb.src_offset, R, i);
-      t = region<int32_t>(ctx, s, a.plan.lists)[size_t(me) * a.plan.list_len + i -
-                                                 tb.src_offset[s]];
+      const int pair = region<int32_t>(ctx, s, a.plan.lists)[size_t(me * L + local) *
+                                                              a.plan.list_len + position];
+      t = pair / K;
+      k = pair % K;
+    } else {
+      t = region<int32_t>(ctx, s, a.plan.lists)[size_t(me) * a.plan.list_len + position];
     }
     char* out_row = static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes;
     char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes;
-    if (s < 0) {
-      zero_row(out_row, a.x_row_bytes, lane, 32);
-      if (a.scales != nullptr) zero_row(out_scales, a.scale_row_bytes, lane, 32);
-      for (int j = lane; j < out_k; j += 32) {
-        a.out_topk_idx[size_t(i) * out_k + j] = -1;
-        a.out_topk_weights[size_t(i) * out_k + j] = 0.f;
-      }
-      if (lane == 0) a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
-      continue;
-    }
     copy_row(out_row, region<char>(ctx, s, a.plan.rows) + t * stride, a.x_row_bytes, lane, 32);
     if (a.scales != nullptr)
       copy_row(out_scales, region<char>(ctx, s, a.plan.scales) + t * scale_stride,
@@ -246,42 +323,162 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * (kExpertMajor ? K : R);
        i += gridDim.x * kThreads) {
     const int rank_in_list = a.send_slot[i];
-    if (rank_in_list < 0) continue;
-    int row;
-    if (kExpertMajor) {
-      row = tb.base[a.topk_idx[i]] + rank_in_list;
-    } else {
-      row = tb.my_offset_at[i % R] + rank_in_list;
-    }
-    a.send_slot[i] = row < C ? row : -1;
+    if (rank_in_list >= 0) a.send_slot[i] = destination_row<kExpertMajor>(a, tb, i, rank_in_list);
   }
+  finish_dispatch<kExpertMajor>(a, tb, call, 1);
+}
 
-  if (blockIdx.x == 0 && kExpertMajor) {
-    for (int l = threadIdx.x; l < L; l += kThreads) {
-      const int start = tb.group_start[l], n = tb.pairs[me * L + l];
-      const int end = start + aligned(n, a.alignment);
-      a.group_sizes[l] = max(0, min(end, C) - min(start, C));
-      a.tokens_per_expert[l] = max(0, min(n, C - start));
-    }
-  }
-  if (last_block(ctx, 1) && threadIdx.x == 0) {
-    if (kExpertMajor) {
-      int received = 0, dropped = 0;
-      for (int l = 0; l < L; ++l) {
-        received += a.group_sizes[l];
-        dropped += tb.pairs[me * L + l] - a.tokens_per_expert[l];
+// ------------------------------------------------------------------------------ push mode
+
+// Copies one row to every non-null destination, reading it once; the lanes of a warp stride
+// through it with the widest access all addresses allow.
+__device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const char* src,
+                                              size_t bytes, int lane) {
+  uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+#pragma unroll
+  for (int j = 0; j < kMaxSources; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
+  if ((bits & 15) == 0) {
+    constexpr int kInFlight = 4;
+    const int4* s = reinterpret_cast<const int4*>(src);
+    const size_t n = bytes / 16;
+    for (size_t i = lane; i < n; i += 32 * kInFlight) {
+      int4 v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n) v[u] = s[i + u * 32];
+#pragma unroll
+      for (int j = 0; j < kMaxSources; ++j) {
+        if (dsts[j] == nullptr) continue;
+        int4* d = reinterpret_cast<int4*>(dsts[j]);
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u)
+          if (i + u * 32 < n) d[i + u * 32] = v[u];
       }
-      *a.num_received = received;
-      *a.num_dropped = dropped;
-    } else {
-      const int total = tb.src_offset[R];
-      *a.num_received = min(total, C);
-      *a.num_dropped = max(total - C, 0);
-      for (int l = 0; l < L; ++l) a.group_sizes[l] = a.tokens_per_expert[l];
     }
-    signal_all(ctx, /*done=*/true, call);
-    control_of(ctx, me)->epoch = call;
+  } else {
+    for (size_t i = lane; i < bytes; i += 32) {
+      const char v = src[i];
+#pragma unroll
+      for (int j = 0; j < kMaxSources; ++j)
+        if (dsts[j] != nullptr) dsts[j][i] = v;
+    }
   }
+}
+
+// Senders write each row once per destination, straight to its final position: into the
+// receiver's region over NVLink, or into their own output when they are the destination. A
+// warp reads a token's row once and stores it to all of its destinations.
+template <bool kExpertMajor>
+__global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  wait_all_ready(ctx, call, "dispatch");
+  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
+  const int E = a.num_experts, L = E / R;
+  extern __shared__ int32_t tables[];
+  GatherTables tb;
+  build_tables<kExpertMajor>(a, region<int32_t>(ctx, me, a.push.matrix), tables, tb);
+
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int sources = kExpertMajor ? K : R;  // destinations of one token, in order
+  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+  for (int t = warp; t < T; t += gridDim.x * kWarps) {
+    char* rows[kMaxSources];
+    char* scales[kMaxSources];
+#pragma unroll
+    for (int j = 0; j < kMaxSources; ++j) {  // compile-time indices: registers
+      rows[j] = scales[j] = nullptr;
+      if (j >= sources) continue;
+      const int entry = t * sources + j;
+      const int rank_in_list = a.send_slot[entry];
+      if (rank_in_list < 0) continue;  // masked, or not for this rank
+      const int row = destination_row<kExpertMajor>(a, tb, entry, rank_in_list);
+      __syncwarp();
+      if (lane == 0) a.send_slot[entry] = row;
+      if (row < 0) continue;  // dropped at the destination's capacity
+      const int r = kExpertMajor ? a.topk_idx[entry] / L : j;
+      // the metadata record: token, k, then local ids and weights for that destination
+      char* meta = region<char>(ctx, r, a.push.meta) + size_t(row) * a.push.meta_stride;
+      int32_t* ids = reinterpret_cast<int32_t*>(meta) + 2;
+      float* weights = reinterpret_cast<float*>(ids + K);
+      if (lane == 0) {
+        reinterpret_cast<int32_t*>(meta)[0] = t;
+        reinterpret_cast<int32_t*>(meta)[1] = kExpertMajor ? j : -1;
+      }
+      if (kExpertMajor) {
+        if (lane == 0) {
+          ids[0] = a.topk_idx[entry] % L;
+          weights[0] = a.topk_weights[entry];
+        }
+      } else {
+        for (int kk = lane; kk < K; kk += 32) {
+          const int e = a.topk_idx[size_t(t) * K + kk];
+          const bool here = valid_expert(e, E) && e / L == r;
+          ids[kk] = here ? e % L : -1;
+          weights[kk] = here ? a.topk_weights[size_t(t) * K + kk] : 0.f;
+        }
+      }
+      if (r == me) {
+        rows[j] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
+        scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
+      } else {
+        rows[j] = region<char>(ctx, r, a.push.rows) + size_t(row) * stride;
+        scales[j] = region<char>(ctx, r, a.push.scales) + size_t(row) * scale_stride;
+      }
+    }
+    broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
+                  a.x_row_bytes, lane);
+    if (a.scales != nullptr)
+      broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+                    a.scale_row_bytes, lane);
+  }
+  if (last_block(ctx, 6) && threadIdx.x == 0) signal_all(ctx, Flag::kPushed, call);
+}
+
+// Receivers move the rows that peers pushed into their region to the output (their own rows
+// are there already), write the metadata outputs and zero the unused rows.
+template <bool kExpertMajor>
+__global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  wait_all_pushed(ctx, call, "dispatch");
+  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
+  extern __shared__ int32_t tables[];
+  GatherTables tb;
+  build_tables<kExpertMajor>(a, region<int32_t>(ctx, me, a.push.matrix), tables, tb);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+  const int out_k = kExpertMajor ? 1 : K;
+  for (int i = warp; i < a.capacity; i += gridDim.x * kWarps) {
+    int position = 0, local = -1;
+    const int s = source_of_row<kExpertMajor>(tb, i, R, L, &position, &local);
+    if (s < 0) {
+      write_unused_row(a, i, out_k, lane);
+      continue;
+    }
+    if (s != me) {
+      copy_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
+               region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr)
+        copy_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+                 region<char>(ctx, me, a.push.scales) + size_t(i) * scale_stride,
+                 a.scale_row_bytes, lane, 32);
+    }
+    const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
+    const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 2;
+    const float* weights = reinterpret_cast<const float*>(ids + K);
+    for (int j = lane; j < out_k; j += 32) {
+      a.out_topk_idx[size_t(i) * out_k + j] = ids[j];
+      a.out_topk_weights[size_t(i) * out_k + j] = weights[j];
+      if (!kExpertMajor && ids[j] >= 0) atomicAdd(&a.tokens_per_expert[ids[j]], 1);
+    }
+    if (lane == 0) {
+      a.src_rank[i] = s;
+      a.src_token[i] = reinterpret_cast<const int32_t*>(meta)[0];
+      a.src_k[i] = reinterpret_cast<const int32_t*>(meta)[1];
+    }
+  }
+  finish_dispatch<kExpertMajor>(a, tb, call, 7);
 }
 
 // ------------------------------------------------------------------------------ cached
@@ -296,7 +493,7 @@ __global__ void __launch_bounds__(kThreads) stage_rows(CachedDispatchArgs a) {
   for (int t = warp; t < a.num_tokens; t += gridDim.x * kWarps)
     copy_row(rows + t * row_stride(a.row_bytes), static_cast<const char*>(a.x) + t * a.row_bytes,
              a.row_bytes, lane, 32);
-  if (last_block(ctx, 2) && threadIdx.x == 0) signal_all(ctx, /*done=*/false, call);
+  if (last_block(ctx, 2) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
 }
 
 __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
@@ -316,38 +513,51 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
     }
   }
   if (last_block(ctx, 3) && threadIdx.x == 0) {
-    signal_all(ctx, /*done=*/true, call);
+    signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;
   }
+}
+
+template <bool kExpertMajor>
+cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStream_t stream) {
+  const int W = kExpertMajor ? a.num_experts : a.ctx.num_ranks;
+  const int stage_blocks = W > a.num_blocks ? W : a.num_blocks;
+  cudaError_t status = cudaSuccess;
+  auto allow_tables = [&](auto kernel) {
+    if (tables > 48 * 1024)
+      status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(tables));
+    return status == cudaSuccess;
+  };
+  if (a.use_push) {
+    dispatch_stage<kExpertMajor, false><<<stage_blocks, kThreads, 0, stream>>>(a);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    if (!allow_tables(dispatch_push<kExpertMajor>)) return status;
+    dispatch_push<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    if (!allow_tables(dispatch_receive<kExpertMajor>)) return status;
+    dispatch_receive<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+  } else {
+    dispatch_stage<kExpertMajor, true><<<stage_blocks, kThreads, 0, stream>>>(a);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    if (!allow_tables(dispatch_gather<kExpertMajor>)) return status;
+    dispatch_gather<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
   const int R = a.ctx.num_ranks, E = a.num_experts, L = E / R;
-  const int W = a.expert_major ? E : R;
-  cudaError_t status = cudaSuccess;
-  if (!a.expert_major)
-    status = cudaMemsetAsync(a.tokens_per_expert, 0, sizeof(int32_t) * L, stream);
-  if (status != cudaSuccess) return status;
-  const int stage_blocks = W > a.num_blocks ? W : a.num_blocks;
+  if (!a.expert_major) {
+    cudaError_t status = cudaMemsetAsync(a.tokens_per_expert, 0, sizeof(int32_t) * L, stream);
+    if (status != cudaSuccess) return status;
+  }
   const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
                                        : sizeof(int32_t) * (2 * R + 1);
-  if (a.expert_major) {
-    dispatch_stage<true><<<stage_blocks, kThreads, 0, stream>>>(a);
-    if ((status = cudaGetLastError()) != cudaSuccess) return status;
-    if (tables > 48 * 1024 &&
-        (status = cudaFuncSetAttribute(dispatch_gather<true>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(tables))) != cudaSuccess)
-      return status;
-    dispatch_gather<true><<<a.num_blocks, kThreads, tables, stream>>>(a);
-  } else {
-    dispatch_stage<false><<<stage_blocks, kThreads, 0, stream>>>(a);
-    if ((status = cudaGetLastError()) != cudaSuccess) return status;
-    dispatch_gather<false><<<a.num_blocks, kThreads, tables, stream>>>(a);
-  }
-  return cudaGetLastError();
+  return a.expert_major ? launch_dispatch_mode<true>(a, tables, stream)
+                        : launch_dispatch_mode<false>(a, tables, stream);
 }
 
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& a, cudaStream_t stream) {
