@@ -20,6 +20,9 @@ from jax_ep._types import (
     DispatchHandle,
     DispatchLayout,
     DispatchOutput,
+    LowLatencyConfig,
+    LowLatencyHandle,
+    LowLatencyOutput,
 )
 
 
@@ -84,10 +87,11 @@ def layout(topk_idx, *, num_experts, num_ranks):
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 
-def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
+def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
+                   expert_major, alignment, axis_name, block=0):
+    """The jax_ep_dispatch custom call; returns its 12 results (see DispatchOutput/Handle)."""
     T, H = x.shape
-    K, C, R, L = config.num_topk, config.capacity, config.num_ranks, config.num_local_experts
-    expert_major = config.layout == EXPERT_MAJOR
+    K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
     has_scales = x_scales is not None
     row_meta = (C,) if expert_major else (C, K)
     i32, f32 = jnp.int32, jnp.float32
@@ -100,25 +104,34 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
         jax.ShapeDtypeStruct((L,), i32),
         jax.ShapeDtypeStruct((), i32),
         jax.ShapeDtypeStruct((), i32),
-        jax.ShapeDtypeStruct((T, K if expert_major else R), i32),
+        jax.ShapeDtypeStruct((T, K if expert_major else num_ranks), i32),
         jax.ShapeDtypeStruct((C,), i32),
         jax.ShapeDtypeStruct((C,), i32),
         jax.ShapeDtypeStruct((C,), i32),
     )
-    (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
-     num_dropped, send_slot, src_rank, src_token, src_k) = _call(
+    return _call(
         "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
-        topk_weights, _rank(config.axis_name), axis_name=config.axis_name,
-        num_experts=np.int64(config.num_experts), capacity=np.int64(C),
-        expert_major=np.int64(expert_major), alignment=np.int64(config.alignment),
-        has_scales=np.int64(has_scales), num_blocks=_num_blocks(), push=_push_dispatch())
+        topk_weights, _rank(axis_name), axis_name=axis_name,
+        num_experts=np.int64(num_experts), capacity=np.int64(C),
+        expert_major=np.int64(expert_major), alignment=np.int64(alignment),
+        has_scales=np.int64(has_scales), num_blocks=_num_blocks(), push=_push_dispatch(),
+        block=np.int64(block))
+
+
+def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
+    (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
+     num_dropped, send_slot, src_rank, src_token, src_k) = _dispatch_call(
+        x, x_scales, topk_idx, topk_weights, num_experts=config.num_experts,
+        num_ranks=config.num_ranks, capacity=config.capacity,
+        expert_major=config.layout == EXPERT_MAJOR, alignment=config.alignment,
+        axis_name=config.axis_name)
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
                             config=config)
-    return DispatchOutput(x=out_x, x_scales=out_scales if has_scales else None, topk_idx=out_idx,
-                          topk_weights=out_weights, tokens_per_expert=per_expert,
-                          group_sizes=group_sizes, num_received=num_received,
-                          num_dropped=num_dropped, handle=handle)
+    return DispatchOutput(x=out_x, x_scales=out_scales if x_scales is not None else None,
+                          topk_idx=out_idx, topk_weights=out_weights,
+                          tokens_per_expert=per_expert, group_sizes=group_sizes,
+                          num_received=num_received, num_dropped=num_dropped, handle=handle)
 
 
 def cached_dispatch(x, handle: DispatchHandle):
@@ -137,6 +150,91 @@ def combine(y, weights, handle: DispatchHandle):
                  handle.num_received, _rank(config.axis_name), axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
                  expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks())
+
+
+# ----------------------------------------------------------------------------- low latency
+#
+# First CUDA version of the low-latency mode: the normal-mode expert_major kernels with fixed
+# blocks of R*M rows per local expert (the low-latency layout). Correct and graph-safe; not
+# yet the dedicated decode kernels, and the send half does all the work (no overlap yet).
+
+
+def _ll_block(config: LowLatencyConfig) -> int:
+    return config.num_ranks * config.max_tokens_per_rank
+
+
+def _ll_flat_handle(handle: LowLatencyHandle) -> DispatchHandle:
+    """The expert_major view of a low-latency handle (global rows instead of rows per block)."""
+    c = handle.config
+    L, block = c.num_local_experts, _ll_block(c)
+    local = jnp.where(handle.topk_idx >= 0, handle.topk_idx % L, 0)
+    flat_config = DispatchConfig(
+        num_experts=c.num_experts, num_ranks=c.num_ranks, num_tokens=c.num_tokens,
+        hidden=c.hidden, num_topk=c.num_topk, capacity=L * block, layout=EXPERT_MAJOR,
+        axis_name=c.axis_name, backend="cuda")
+    return DispatchHandle(
+        topk_idx=handle.topk_idx,
+        send_slot=jnp.where(handle.send_slot >= 0, local * block + handle.send_slot, -1),
+        src_rank=handle.src_rank.reshape(-1), src_token=handle.src_token.reshape(-1),
+        src_k=handle.src_k.reshape(-1), num_received=jnp.int32(L * block), config=flat_config)
+
+
+def low_latency_send(x, topk_idx, config: LowLatencyConfig):
+    from jax_ep.fp8 import quantize_fp8
+
+    L, block, K = config.num_local_experts, _ll_block(config), config.num_topk
+    data, scales = quantize_fp8(x, ue8m0=config.ue8m0) if config.use_fp8 else (x, None)
+    (out_x, out_scales, _, _, per_expert, _, _, num_dropped, send_slot, src_rank, src_token,
+     src_k) = _dispatch_call(
+        data, scales, topk_idx, jnp.zeros((config.num_tokens, K), jnp.float32),
+        num_experts=config.num_experts, num_ranks=config.num_ranks, capacity=L * block,
+        expert_major=True, alignment=1, axis_name=config.axis_name, block=block)
+    local = jnp.where(topk_idx >= 0, topk_idx % L, 0)
+    return dict(
+        x=out_x.reshape(L, block, -1),
+        x_scales=None if scales is None else out_scales.reshape(L, block, -1),
+        recv_count=per_expert, num_dropped=num_dropped,
+        send_slot=jnp.where(send_slot >= 0, send_slot - local * block, -1),
+        src_rank=src_rank.reshape(L, block), src_token=src_token.reshape(L, block),
+        src_k=src_k.reshape(L, block), topk_idx=topk_idx)
+
+
+def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
+    handle = LowLatencyHandle(topk_idx=sent["topk_idx"], send_slot=sent["send_slot"],
+                              src_rank=sent["src_rank"], src_token=sent["src_token"],
+                              src_k=sent["src_k"], config=config)
+    return LowLatencyOutput(x=sent["x"], x_scales=sent["x_scales"],
+                            recv_count=sent["recv_count"], num_dropped=sent["num_dropped"],
+                            handle=handle)
+
+
+def low_latency_dispatch(x, topk_idx, config: LowLatencyConfig) -> LowLatencyOutput:
+    return low_latency_receive(low_latency_send(x, topk_idx, config), config)
+
+
+def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
+    c = handle.config
+    rows = cached_dispatch(x, _ll_flat_handle(handle))
+    return rows.reshape(c.num_local_experts, _ll_block(c), -1)
+
+
+def low_latency_combine_send(y, handle: LowLatencyHandle):
+    return dict(y=y)  # the weights arrive with the receive half: all work happens there
+
+
+def low_latency_combine_receive(sent, topk_weights, handle: LowLatencyHandle):
+    """out[t] = sum over k ascending of topk_weights[t, k] * row(t, k), float32."""
+    flat = _ll_flat_handle(handle)
+    y = sent["y"].reshape(flat.config.capacity, -1)
+    # every row's gate, fetched from its source token
+    gates = cached_dispatch(topk_weights.astype(jnp.float32), flat)  # [C, K]
+    k = jnp.maximum(flat.src_k, 0)
+    row_weights = jnp.take_along_axis(gates, k[:, None], axis=1)[:, 0]
+    return combine(y, row_weights, flat)
+
+
+def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
+    return low_latency_combine_receive(low_latency_combine_send(y, handle), topk_weights, handle)
 
 
 def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,

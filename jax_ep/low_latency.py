@@ -42,11 +42,6 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
     if use_fp8 and H % _fp8.BLOCK:
         raise ValueError(f"FP8 dispatch needs hidden divisible by {_fp8.BLOCK}, got {H}")
     resolved = api._resolve_backend(backend)
-    if resolved == "cuda" and not hasattr(api._cuda_module(), "low_latency_dispatch"):
-        if backend == "cuda":
-            raise RuntimeError("the low-latency CUDA kernels are not implemented yet: use "
-                               "backend='reference' (or 'auto', which falls back to it)")
-        resolved = "reference"
     config = LowLatencyConfig(
         num_experts=int(num_experts), num_ranks=R, num_tokens=T, hidden=H,
         num_topk=topk_idx.shape[1], max_tokens_per_rank=int(max_tokens_per_rank),

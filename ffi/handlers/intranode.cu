@@ -68,7 +68,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
                          int64_t num_experts, int64_t capacity, int64_t expert_major,
                          int64_t alignment, int64_t has_scales, int64_t num_blocks,
-                         int64_t push_mode) {
+                         int64_t push_mode, int64_t block) {
   auto x_dims = x.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0])
@@ -88,6 +88,9 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       out_x->element_count() != size_t(capacity) * H)
     return invalid("dispatch: result shapes do not match the capacity and EP size");
   const bool push = push_mode != 0;
+  if (block > 0 && (!expert_major || alignment != 1 || capacity != num_experts / R * block))
+    return invalid("dispatch: fixed blocks need expert_major, alignment 1 and capacity = "
+                   "local experts x block");
   if (push && (expert_major ? K : R) > kMaxSources)
     return invalid("dispatch: push mode supports at most " + std::to_string(kMaxSources) +
                    (expert_major ? " top-k slots" : " ranks"));
@@ -107,6 +110,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.num_experts = static_cast<int>(num_experts);
   a.capacity = static_cast<int>(capacity);
   a.alignment = static_cast<int>(alignment);
+  a.block = static_cast<int>(block);
   a.expert_major = expert_major != 0;
   a.num_blocks = blocks_or_default(num_blocks);
   a.x = x.untyped_data();
@@ -235,7 +239,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                                   .Attr<int64_t>("alignment")
                                   .Attr<int64_t>("has_scales")
                                   .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("push"));
+                                  .Attr<int64_t>("push")
+                                  .Attr<int64_t>("block"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
                               ffi::Ffi::Bind()

@@ -29,6 +29,7 @@ struct DispatchArgs {
   PushPlan push;    // push mode
   bool use_push;
   int num_tokens, num_topk, num_experts, capacity, alignment;
+  int block;  // expert_major with fixed blocks of this many rows per expert (low latency); 0: off
   bool expert_major;
   int num_blocks;  // CTAs of the gather kernel (SM budget)
   // inputs

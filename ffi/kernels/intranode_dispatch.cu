@@ -148,6 +148,7 @@ __device__ void build_tables(const DispatchArgs& a, const int32_t* M, int32_t* t
     for (int r = threadIdx.x; r < R; r += kThreads) {
       int start = 0;
       for (int l = 0; l < L; ++l) {
+        if (a.block > 0) start = l * a.block;  // fixed blocks (low-latency layout)
         tb.base[r * L + l] += start;
         if (r == me) tb.group_start[l] = start;
         start += aligned(tb.pairs[r * L + l], a.alignment);
@@ -186,11 +187,12 @@ __device__ void build_tables(const DispatchArgs& a, const int32_t* M, int32_t* t
 // source's list for us, and (expert_major) its local expert.
 template <bool kExpertMajor>
 __device__ __forceinline__ int source_of_row(const GatherTables& tb, int i, int R, int L,
-                                             int* position, int* local) {
+                                             int block, int* position, int* local) {
   if (kExpertMajor) {
-    const int l = last_at_most(tb.group_start, L, i);
+    const int l = block > 0 ? min(i / block, L - 1) : last_at_most(tb.group_start, L, i);
     const int32_t* offsets = tb.src_offset + l * (R + 1);
-    if (i < tb.group_start[l] || i >= offsets[R]) return -1;
+    const int end = block > 0 ? min(offsets[R], tb.group_start[l] + block) : offsets[R];
+    if (i < tb.group_start[l] || i >= end) return -1;
     const int s = last_at_most(offsets, R, i);  // the last such source: empty ones are skipped
     *position = i - offsets[s];
     *local = l;
@@ -209,6 +211,10 @@ __device__ __forceinline__ int destination_row(const DispatchArgs& a, const Gath
                                                int entry, int rank_in_list) {
   const int row = kExpertMajor ? tb.base[a.topk_idx[entry]] + rank_in_list
                                : tb.my_offset_at[entry % a.ctx.num_ranks] + rank_in_list;
+  if (kExpertMajor && a.block > 0) {  // each expert's block holds `block` rows
+    const int local = a.topk_idx[entry] % (a.num_experts / a.ctx.num_ranks);
+    return row < (local + 1) * a.block ? row : -1;
+  }
   return row < a.capacity ? row : -1;
 }
 
@@ -221,6 +227,11 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
   if (blockIdx.x == 0 && kExpertMajor) {
     for (int l = threadIdx.x; l < L; l += kThreads) {
       const int start = tb.group_start[l], n = tb.pairs[me * L + l];
+      if (a.block > 0) {
+        a.group_sizes[l] = a.block;
+        a.tokens_per_expert[l] = min(n, a.block);
+        continue;
+      }
       const int end = start + aligned(n, a.alignment);
       a.group_sizes[l] = max(0, min(end, C) - min(start, C));
       a.tokens_per_expert[l] = max(0, min(n, C - start));
@@ -277,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   const int out_k = kExpertMajor ? 1 : K;
   for (int i = warp; i < C; i += warps) {
     int position = 0, local = -1, t = -1, k = -1;
-    const int s = source_of_row<kExpertMajor>(tb, i, R, L, &position, &local);
+    const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
     if (s < 0) {
       write_unused_row(a, i, out_k, lane);
       continue;
@@ -451,7 +462,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   const int out_k = kExpertMajor ? 1 : K;
   for (int i = warp; i < a.capacity; i += gridDim.x * kWarps) {
     int position = 0, local = -1;
-    const int s = source_of_row<kExpertMajor>(tb, i, R, L, &position, &local);
+    const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
     if (s < 0) {
       write_unused_row(a, i, out_k, lane);
       continue;
