@@ -147,7 +147,8 @@ def combine(y, weights, handle: DispatchHandle):
         weights = jnp.ones((config.capacity,), jnp.float32)
     return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
                  y, weights.astype(jnp.float32), handle.topk_idx, handle.send_slot,
-                 handle.num_received, _rank(config.axis_name), axis_name=config.axis_name,
+                 handle.num_received, handle.src_rank, _rank(config.axis_name),
+                 axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
                  expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks())
 

@@ -129,8 +129,9 @@ class DispatchLayout(NamedTuple):
 # Decode-time contract: every rank sends at most M = max_tokens_per_rank tokens; each
 # (token, k) pair is one row in the receive block of its expert. Local expert l's block is
 # [R * M] rows; its first recv_count[l] rows are used, ordered by (source rank, source
-# token, k); the rest are zero with -1 handle entries. Combine weights each row by the
-# source's gate and sums a token's K rows in k order, in float32.
+# token, k); the rest have -1 handle entries and unspecified data (the reference backend
+# zeroes it; the CUDA kernels leave it, as a decode step must not write L*R*M rows). Combine
+# weights each row by the source's gate and sums a token's K rows in k order, in float32.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -238,8 +238,14 @@ def test_low_latency_matches_reference(kind, mask, T, M, use_fp8, dispatch_mode)
         return out, split, back
 
     (out, split, back), (out_r, split_r, back_r) = both(fn, x, idx, w, y)
-    assert_trees_equal(out, out_r)
-    assert_trees_equal(split, out_r)
+    used = np.asarray(out_r.handle.src_rank) >= 0  # data past recv_count is unspecified
+
+    def used_rows(o):
+        return o._replace(x=np.asarray(o.x)[used],
+                          x_scales=None if o.x_scales is None else np.asarray(o.x_scales)[used])
+
+    assert_trees_equal(used_rows(out), used_rows(out_r))
+    assert_trees_equal(used_rows(split), used_rows(out_r))
     assert_sums_close(back, back_r, jnp.bfloat16)
 
 

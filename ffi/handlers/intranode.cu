@@ -162,7 +162,8 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
 
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
-                        ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> rank,
+                        ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> src_rank,
+                        ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
                         int64_t expert_major, int64_t num_blocks) {
   auto y_dims = y.dimensions();
@@ -178,7 +179,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   }
   const int C = static_cast<int>(y_dims[0]), H = static_cast<int>(y_dims[1]);
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
-  if (weights.element_count() != size_t(C)) return invalid("combine: weights must be [C]");
+  if (weights.element_count() != size_t(C) || src_rank.element_count() != size_t(C))
+    return invalid("combine: weights and src_rank must be [C]");
   if (out->element_count() != size_t(T) * H) return invalid("combine: result must be [T, H]");
   CombineArgs a{};
   if (auto err = peer_context("combine", rank,
@@ -204,6 +206,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.topk_idx = topk_idx.typed_data();
   a.send_slot = send_slot.typed_data();
   a.num_received = num_received.typed_data();
+  a.src_rank = src_rank.typed_data();
   a.out = out->untyped_data();
   return cuda_error(launch_combine(a, stream), "combine");
 }
@@ -257,6 +260,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

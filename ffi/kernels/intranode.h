@@ -77,6 +77,7 @@ struct CombineArgs {
   const int32_t* topk_idx;
   const int32_t* send_slot;
   const int32_t* num_received;
+  const int32_t* src_rank;  // [C]: rows with -1 are not staged
   void* out;
 };
 

@@ -34,9 +34,11 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
   const int used = min(*a.num_received, a.capacity);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   char* rows = region<char>(ctx, ctx.rank, plan.rows);
-  for (int i = warp; i < used; i += gridDim.x * kWarps)
+  for (int i = warp; i < used; i += gridDim.x * kWarps) {
+    if (a.src_rank[i] < 0) continue;  // padding / empty rows are never read
     copy_row(rows + i * row_stride(row_bytes), static_cast<const char*>(a.y) + i * row_bytes,
              row_bytes, lane, 32);
+  }
   float* weights = region<float>(ctx, ctx.rank, plan.meta_weights);
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < used; i += gridDim.x * kThreads)
     weights[i] = a.weights[i];

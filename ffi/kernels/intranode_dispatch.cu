@@ -257,12 +257,17 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
   }
 }
 
+// Unused rows get -1 / 0 metadata; their data is zeroed too, except in the fixed-block
+// (low-latency) layout, whose blocks are mostly empty: there it is left as it was (DeepEP's
+// contract too), which keeps a decode step from writing R*M*L rows of zeros.
 __device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, int out_k,
                                                  int lane) {
-  zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
-  if (a.scales != nullptr)
-    zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
-             a.scale_row_bytes, lane, 32);
+  if (a.block == 0) {
+    zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
+    if (a.scales != nullptr)
+      zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+               a.scale_row_bytes, lane, 32);
+  }
   for (int j = lane; j < out_k; j += 32) {
     a.out_topk_idx[size_t(i) * out_k + j] = -1;
     a.out_topk_weights[size_t(i) * out_k + j] = 0.f;
