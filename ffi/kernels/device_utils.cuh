@@ -90,9 +90,11 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
 // system-wide. `slot` picks the arrival counter; the last block resets it.
 __device__ inline bool last_block(const PeerContext& ctx, int slot) {
   __shared__ bool is_last;
-  __threadfence_system();
+  // The barrier orders the block's writes before thread 0's fence, which is cumulative: one
+  // system-scope fence per block, not one per thread (each costs microseconds under load).
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     unsigned* counter = &control_of(ctx, ctx.rank)->block_counter[slot];
     unsigned arrived = atomicAdd(counter, 1u);
     is_last = arrived == gridDim.x - 1;
