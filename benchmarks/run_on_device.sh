@@ -22,7 +22,7 @@ if [[ $WHAT == *build* ]]; then
     ninja -C build/device >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   cp build/device/_C*.so jax_ep/
   grep -E "jax_ep:" "$OUT/build.log"
-  $PY -m pytest -q tests/test_native_build.py 2>&1 | tail -3
+  $PY -m pytest -q tests/test_native_build.py tests/test_gpu_failures.py 2>&1 | tail -3
 fi
 if [[ $WHAT == *test* ]]; then
   step "GPU suite on $N GPUs"

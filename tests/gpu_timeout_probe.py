@@ -1,0 +1,48 @@
+"""A peer that never arrives: the waiting kernels must stop with a message, not hang.
+
+    JAX_EP_TIMEOUT_S=3 python -m jax_ep.launch -n 2 tests/gpu_timeout_probe.py
+
+Rank 0 dispatches; rank 1 does not. Rank 0's kernel waits for rank 1, gives up after
+JAX_EP_TIMEOUT_S with a message naming PE 1, and traps; the launcher then stops everyone.
+Run by tests/test_gpu_failures.py (not a pytest module itself).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+from jax_ep import launch
+
+launch.init_distributed()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+from jax_ep import runtime  # noqa: E402
+
+runtime.initialize(64 << 20)
+R = jax.device_count()
+mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@jax.jit
+@partial(jax.shard_map, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+def step(x, idx):
+    return jax_ep.dispatch(x, idx, num_experts=2 * R, axis_name="ep", backend="cuda").x
+
+
+if jax.process_index() == 0:
+    sharding = NamedSharding(mesh, P("ep"))
+    x = jax.make_array_from_callback((8 * R, 256), sharding,
+                                     lambda i: jnp.ones((8, 256), jnp.bfloat16))
+    idx = jax.make_array_from_callback((8 * R, 2), sharding,
+                                       lambda i: jnp.zeros((8, 2), jnp.int32))
+    # Only this process runs the program: its dispatch waits for PE 1, which never comes.
+    jax.block_until_ready(step(x, idx))
+    print("UNEXPECTED: the dispatch returned")
+else:
+    time.sleep(120)
