@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from functools import partial
 
 
@@ -51,6 +50,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
+from timing import looped, put, seconds_per_call  # noqa: E402
+
 AXIS = "ep"
 
 
@@ -66,38 +67,6 @@ def routing(R, T, E, K, kind, seed=0):
         scores = rng.standard_normal((R, T, E))
         scores[..., 0] = 1e9
     return np.argsort(-scores, axis=-1)[..., :K].astype(np.int32)
-
-
-def put(array, sharding):
-    if jax.process_count() == 1:
-        return jax.device_put(array, sharding)
-    return jax.make_array_from_callback(array.shape, sharding, lambda i: array[i])
-
-
-def timeit(f, *a):
-    """Seconds per call of f, which runs args.iters chained calls in one program."""
-    jax.block_until_ready(f(*a))
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        times.append((time.perf_counter() - t0) / args.iters)
-    return float(np.median(times))
-
-
-def looped(body, chained=0):
-    """body(*a) -> scalar, run args.iters times; argument `chained` carries the dependency."""
-
-    def run(*a):
-        def step(_, carried):
-            operands = list(a)
-            operands[chained] = carried
-            s = body(*operands)
-            return carried + (s * 0).astype(carried.dtype)
-
-        return jax.lax.fori_loop(0, args.iters, step, a[chained])[:1]
-
-    return run
 
 
 def main():
@@ -133,8 +102,8 @@ def main():
 
     def record(name, body, *a, chained=0, nbytes=bytes_bf16):
         try:
-            f = jax.jit(smap(looped(body, chained), in_specs=(P(AXIS),) * len(a)))
-            t = timeit(f, *a)
+            f = jax.jit(smap(looped(body, args.iters, chained), in_specs=(P(AXIS),) * len(a)))
+            t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan"), float("nan")))

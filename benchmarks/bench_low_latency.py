@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from functools import partial
 
 
@@ -45,37 +44,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
+from timing import looped, put, seconds_per_call  # noqa: E402
+
 AXIS = "ep"
-
-
-def put(array, sharding):
-    if jax.process_count() == 1:
-        return jax.device_put(array, sharding)
-    return jax.make_array_from_callback(array.shape, sharding, lambda i: array[i])
-
-
-def per_call(f, *a):
-    """Seconds per call of a function that runs ``args.calls`` calls in one program."""
-    jax.block_until_ready(f(*a))
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        times.append((time.perf_counter() - t0) / args.calls)
-    return float(np.median(times))
-
-
-def looped(body):
-    """fori_loop of args.calls calls of body(x) -> scalar, chained through x."""
-
-    def run(x, *rest):
-        def step(_, x):
-            s = body(x, *rest)
-            return x + (s * 0).astype(x.dtype)
-
-        return jax.lax.fori_loop(0, args.calls, step, x)[:1]
-
-    return run
 
 
 def main():
@@ -103,8 +74,9 @@ def main():
 
     def record(name, f, *a):
         try:
-            rows.append((name, per_call(jax.jit(smap(looped(f), in_specs=(P(AXIS),) * len(a))),
-                                        *a) * 1e6))
+            looped_f = jax.jit(smap(looped(f, args.calls), in_specs=(P(AXIS),) * len(a)))
+            t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
+            rows.append((name, t * 1e6))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan")))
             if jax.process_index() == 0:
