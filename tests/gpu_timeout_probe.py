@@ -9,6 +9,8 @@ Run by tests/test_gpu_failures.py (not a pytest module itself).
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from functools import partial
 
@@ -23,6 +25,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep import runtime  # noqa: E402
+
+sys.stdout.reconfigure(line_buffering=True)
 
 runtime.initialize(64 << 20)
 R = jax.device_count()
@@ -42,7 +46,14 @@ if jax.process_index() == 0:
     idx = jax.make_array_from_callback((8 * R, 2), sharding,
                                        lambda i: jnp.zeros((8, 2), jnp.int32))
     # Only this process runs the program: its dispatch waits for PE 1, which never comes.
-    jax.block_until_ready(step(x, idx))
-    print("UNEXPECTED: the dispatch returned")
+    try:
+        jax.block_until_ready(step(x, idx))
+        print("UNEXPECTED: the dispatch returned", flush=True)
+    except Exception as e:  # the trapped kernel surfaces as an XLA runtime error
+        print(f"dispatch failed as expected: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    # Skip the interpreter's exit handlers: jax.distributed's shutdown barrier would wait for
+    # rank 1, and a context whose kernel trapped cannot be torn down cleanly.
+    os._exit(3)
 else:
-    time.sleep(120)
+    time.sleep(30)
+    os._exit(0)

@@ -19,8 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _reason():
     if os.environ.get("JAX_EP_RUN_FAILURE_TESTS") != "1":
-        # On 2xH200 (2026-11-23) this job hung past 240 s instead of ending with the timeout
-        # message: whether XLA, the trap or the shutdown holds it is not known yet.
+        # On 2xH200 (2026-11-23) an earlier version of the probe (no os._exit, rank 1 asleep
+        # for 120 s) hung past 240 s: most likely jax.distributed's shutdown barrier or the
+        # teardown of the trapped context, not the kernel's wait. Not rerun since.
         return "opt-in (JAX_EP_RUN_FAILURE_TESTS=1) until the hang seen on 2xH200 is understood"
     if "JAX_EP_RANK" in os.environ:
         return "starts its own processes: run it outside the launcher"
