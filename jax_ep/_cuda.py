@@ -239,13 +239,17 @@ def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
 
 
 def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,
-                     dtype=jnp.bfloat16, layout="rank_major", fp8=False) -> int:
-    """Symmetric-buffer bytes a dispatch + combine of these shapes needs on every GPU."""
+                     dtype=jnp.bfloat16, layout="rank_major", fp8=False, alignment=1) -> int:
+    """Symmetric-buffer bytes that every call of a dispatch / combine of these per-GPU shapes
+    needs (forward and backward, pull or push dispatch); the kernels' own formula."""
     module, why = _native.load()
     if module is None:
         raise RuntimeError(why)
     if capacity is None:
-        capacity = num_ranks * num_tokens * (num_topk if layout == EXPERT_MAJOR else 1)
+        from jax_ep.api import default_capacity
+
+        capacity = default_capacity(num_tokens, num_ranks, num_topk, num_experts // num_ranks,
+                                    layout, alignment)
     return int(module.required_buffer_bytes(
         num_ranks, num_tokens, hidden, jnp.dtype(dtype).itemsize, num_topk, num_experts,
         capacity, layout == EXPERT_MAJOR, fp8))

@@ -99,8 +99,10 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   PushPlan push_plan = plan_dispatch_push(R, K, static_cast<int>(num_experts), expert_major != 0,
                                           static_cast<int>(capacity), size_t(H) * elem, scale_row);
   DispatchArgs a{};
-  if (auto err = peer_context("dispatch", rank, push ? push_plan.end : plan.end, &a.ctx);
-      err.failure())
+  const size_t needed = dispatch_bytes(R, T, K, static_cast<int>(num_experts), expert_major != 0,
+                                       static_cast<int>(capacity), size_t(H) * elem, scale_row,
+                                       push);
+  if (auto err = peer_context("dispatch", rank, needed, &a.ctx); err.failure())
     return err;
   a.plan = plan;
   a.push = push_plan;
@@ -146,7 +148,8 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
   if (out->element_count() != size_t(C) * dims[1] || src_token.element_count() != size_t(C))
     return invalid("cached_dispatch: result must be [capacity, D]");
   CachedDispatchArgs a{};
-  if (auto err = peer_context("cached_dispatch", rank, plan_combine(T, row_bytes).end, &a.ctx);
+  if (auto err =
+          peer_context("cached_dispatch", rank, cached_dispatch_bytes(T, row_bytes), &a.ctx);
       err.failure())
     return err;
   a.num_tokens = T;
@@ -184,7 +187,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (out->element_count() != size_t(T) * H) return invalid("combine: result must be [T, H]");
   CombineArgs a{};
   if (auto err = peer_context("combine", rank,
-                              plan_combine(C, size_t(H) * element_bytes(y.element_type())).end,
+                              combine_bytes(C, size_t(H) * element_bytes(y.element_type())),
                               &a.ctx);
       err.failure())
     return err;

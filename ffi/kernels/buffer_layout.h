@@ -112,16 +112,46 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_combine(int capacity, size_t y_row_byt
   return p;
 }
 
-// Bytes a dispatch + combine pair of these shapes needs (what buffer_size_hint reports).
+// Bytes each operation needs; the FFI handlers check these, so the hint below cannot drift.
+JAX_EP_HOST_DEVICE inline size_t dispatch_bytes(int num_ranks, int num_tokens, int num_topk,
+                                                int num_experts, bool expert_major, int capacity,
+                                                size_t x_row_bytes, size_t scale_row_bytes,
+                                                bool push) {
+  return push ? plan_dispatch_push(num_ranks, num_topk, num_experts, expert_major, capacity,
+                                   x_row_bytes, scale_row_bytes).end
+              : plan_dispatch(num_ranks, num_tokens, num_topk, num_experts, expert_major,
+                              x_row_bytes, scale_row_bytes).end;
+}
+
+JAX_EP_HOST_DEVICE inline size_t combine_bytes(int capacity, size_t y_row_bytes) {
+  return plan_combine(capacity, y_row_bytes).end;
+}
+
+// Cached dispatch stages the source's T rows in the combine plan's row region.
+JAX_EP_HOST_DEVICE inline size_t cached_dispatch_bytes(int num_tokens, size_t row_bytes) {
+  return plan_combine(num_tokens, row_bytes).end;
+}
+
+// Bytes that every call of a dispatch / combine pair of these shapes needs, backward passes
+// included (combine's backward is a cached dispatch of T rows, dispatch's a combine of C rows,
+// both in elem_bytes per element), in either dispatch mode. What buffer_size_hint reports.
 inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, int elem_bytes,
                                     int num_topk, int num_experts, int capacity, bool expert_major,
                                     bool fp8) {
-  size_t x_row = fp8 ? size_t(hidden) : size_t(hidden) * elem_bytes;
-  size_t scale_row = fp8 ? sizeof(float) * (hidden / 128) : 0;
-  size_t dispatch = plan_dispatch(num_ranks, num_tokens, num_topk, num_experts, expert_major,
-                                  x_row, scale_row).end;
-  size_t combine = plan_combine(capacity, size_t(hidden) * elem_bytes).end;
-  return dispatch > combine ? dispatch : combine;
+  const size_t x_row = fp8 ? size_t(hidden) : size_t(hidden) * elem_bytes;
+  const size_t scale_row = fp8 ? sizeof(float) * (hidden / 128) : 0;
+  const size_t y_row = size_t(hidden) * elem_bytes;
+  const size_t sizes[] = {
+      dispatch_bytes(num_ranks, num_tokens, num_topk, num_experts, expert_major, capacity, x_row,
+                     scale_row, /*push=*/false),
+      dispatch_bytes(num_ranks, num_tokens, num_topk, num_experts, expert_major, capacity, x_row,
+                     scale_row, /*push=*/true),
+      combine_bytes(capacity, y_row),
+      cached_dispatch_bytes(num_tokens, y_row),
+  };
+  size_t need = 0;
+  for (size_t s : sizes) need = s > need ? s : need;
+  return need;
 }
 
 }  // namespace jax_ep
