@@ -107,6 +107,10 @@ CASES = [
     (50, 72, 2, 5, "random", 0.1, jnp.float32, None),
     (64, 256, 3, 4, "one_expert", 0.0, jnp.bfloat16, None),
     (128, 512, 8, 8, "random", 0.0, jnp.bfloat16, 0.5),  # capacity overflow
+    (64, 256, 3, 4, "one_expert", 0.0, jnp.bfloat16, 0.3),  # one expert, overflow
+    (40, 1, 2, 2, "random", 0.2, jnp.float32, None),  # one column: scalar paths only
+    (37, 3, 4, 3, "random", 0.1, jnp.float32, 0.5),  # tiny odd rows, overflow
+    (48, 24, 2, 2, "random", 0.0, jnp.float16, None),
 ]
 
 
@@ -148,6 +152,59 @@ def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, 
     assert_sums_close(plain, plain_r, dtype)
     if cap is not None:
         assert np.asarray(out.num_dropped).sum() > 0
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_out_of_range_expert_ids_are_ignored(layout, dispatch_mode):
+    """Under jit the ids cannot be validated: the kernels must treat them as -1, as the
+    reference does, and never address memory with them."""
+    R = num_ranks()
+    T, H, K, E = 48, 136, 4, 3 * R
+    rng = np.random.default_rng(11)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.1)
+    junk = rng.choice(np.array([-7, -2, E, E + 1, 1 << 20, -(1 << 20)], np.int32), idx.shape)
+    idx = np.where(rng.random(idx.shape) < 0.3, junk, idx).astype(np.int32)
+    y = rng.standard_normal((R, R * T * K, H)).astype(np.float32)
+
+    def fn(backend, x, idx, w, y):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout=layout,
+                              backend=backend)
+        return out, jax_ep.combine(y[:out.x.shape[0]], out.handle, weights=out.topk_weights
+                                   if layout == "expert_major" else None)
+
+    (out, back), (out_r, back_r) = both(fn, x, idx, w, y)
+    assert_trees_equal(out, out_r)
+    assert_sums_close(back, back_r, jnp.float32)
+
+
+def test_too_small_buffer_is_an_error_naming_the_bytes():
+    """A call that needs more symmetric memory than the runtime has fails before any kernel
+    runs (on every rank alike, so later calls still work), saying how much it needs; the
+    hint covers it."""
+    import re
+
+    from jax_ep import _cuda
+    from jax_ep import runtime as rt
+    from jax_ep._types import DispatchConfig, DispatchHandle
+
+    R, have = num_ranks(), rt.buffer_bytes()
+    H, C = 4096, 8
+    T = have // (4 * H) + 64  # cached dispatch stages T float32 rows: more than the buffer
+    config = DispatchConfig(num_experts=R, num_ranks=R, num_tokens=T, hidden=H, num_topk=1,
+                            capacity=C, axis_name=AXIS, backend="cuda")
+
+    def fn(unused):
+        handle = DispatchHandle(topk_idx=jnp.zeros((T, 1), jnp.int32),
+                                send_slot=jnp.full((T, R), -1, jnp.int32), src_rank=unused,
+                                src_token=unused, src_k=unused, num_received=jnp.int32(0),
+                                config=config)
+        return _cuda.cached_dispatch(jnp.zeros((T, H), jnp.float32), handle)
+
+    with pytest.raises(Exception, match="needs a symmetric buffer of") as info:
+        run(fn, R, np.full((R, C), -1, np.int32))
+    needed = int(re.search(r"buffer of (\d+) bytes", str(info.value)).group(1))
+    assert have < needed <= _cuda.buffer_size_hint(T, H, 1, R, R, capacity=C, dtype=jnp.float32)
+    test_layout_matches_reference()  # the runtime still works
 
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
