@@ -82,7 +82,26 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return invalid("dispatch: x_scales must be [T, H / 128]");
   const Transport* t = transport();
   const int R = t ? t->num_ranks : 1;
-  if (num_experts % R != 0) return invalid("dispatch: num_experts must be a multiple of R");
+  if (num_experts < R || num_experts % R != 0)
+    return invalid("dispatch: num_experts must be a positive multiple of the " +
+                   std::to_string(R) + " NVSHMEM PEs");
+  if (capacity < 1 || alignment < 1)
+    return invalid("dispatch: capacity and alignment must be >= 1");
+  const size_t local_experts = size_t(num_experts / R);
+  if (tokens_per_expert->element_count() != local_experts)
+    // The kernels exchange data with every PE: the EP axis must span all of them, in order.
+    return invalid("dispatch: the expert-parallel mesh axis has " +
+                   std::to_string(tokens_per_expert->element_count()
+                                      ? num_experts / tokens_per_expert->element_count()
+                                      : 0) +
+                   " devices but NVSHMEM has " + std::to_string(R) +
+                   " PEs; the EP axis must span every process, one GPU each");
+  if (topk_weights.element_count() != size_t(T) * K)
+    return invalid("dispatch: topk_weights must be [T, K] like topk_idx");
+  if (out_topk_idx->element_count() != size_t(capacity) * (expert_major ? 1 : K) ||
+      out_topk_weights->element_count() != out_topk_idx->element_count() ||
+      group_sizes->element_count() != local_experts)
+    return invalid("dispatch: result shapes do not match the layout");
   if (send_slot->element_count() != size_t(T) * (expert_major ? K : R) ||
       src_rank->element_count() != size_t(capacity) ||
       out_x->element_count() != size_t(capacity) * H)
@@ -191,6 +210,9 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
                               &a.ctx);
       err.failure())
     return err;
+  if (num_experts < a.ctx.num_ranks || num_experts % a.ctx.num_ranks != 0)
+    return invalid("combine: num_experts must be a positive multiple of the " +
+                   std::to_string(a.ctx.num_ranks) + " NVSHMEM PEs");
   if (send_slot.element_count() != size_t(T) * (expert_major ? K : a.ctx.num_ranks))
     return invalid("combine: send_slot does not match the layout");
   if ((expert_major ? K : a.ctx.num_ranks) > kMaxSources)
