@@ -1,0 +1,60 @@
+"""Symmetric-buffer sizing (``jax_ep._cuda.buffer_size_hint``): the extension's own formula,
+which the FFI handlers also check, must cover every call of a dispatch / combine pair.
+
+Needs the built extension, not a GPU. Lower bounds below are the row regions each kernel
+stages (see ffi/kernels/buffer_layout.h); the hint may only exceed them by small headers.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jax_ep import _native
+
+module, why = _native.load()
+pytestmark = pytest.mark.skipif(module is None, reason=f"extension not built: {why}")
+
+
+def hint(**kw):
+    from jax_ep import _cuda
+
+    return _cuda.buffer_size_hint(**kw)
+
+
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+def test_push_dispatch_rows_and_records_are_covered():
+    # Push mode stages C rows plus one metadata record (token, k, K ids, K weights) per row.
+    R, T, H, K, E, C = 2, 100, 64, 8, 16, 200
+    row = H * 2
+    need = C * (row + _align16(8 + 8 * K))
+    assert hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R, capacity=C,
+                dtype=jnp.bfloat16) >= need
+
+
+def test_cached_dispatch_of_all_tokens_is_covered():
+    # Combine's backward stages the source's T rows, which exceeds C rows when C < T.
+    R, T, H, K, E, C = 2, 4096, 1024, 2, 4, 16
+    assert hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R, capacity=C,
+                dtype=jnp.float32) >= T * H * 4
+
+
+def test_default_capacity_is_the_worst_case_with_alignment_padding():
+    R, T, H, K, E = 4, 256, 512, 8, 64
+    plain = hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R,
+                 layout="expert_major")
+    padded = hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R,
+                  layout="expert_major", alignment=128)
+    assert plain >= R * T * K * H * 2
+    assert padded >= plain + (E // R) * 127 * H * 2
+
+
+def test_rank_major_deepseek_shapes_fit_the_default_buffer():
+    from jax_ep.runtime import DEFAULT_BUFFER_BYTES
+
+    for R in (2, 4, 8):
+        need = hint(num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, num_ranks=R)
+        assert R * 4096 * 7168 * 2 <= need <= DEFAULT_BUFFER_BYTES, R
