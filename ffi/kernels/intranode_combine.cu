@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
       weights[j] = 0.f;
       if (j >= sources) continue;
       const int slot = a.send_slot[size_t(t) * sources + j];
-      if (slot < 0) continue;
+      if (slot < 0 || slot >= a.capacity) continue;  // not sent, dropped (or not a handle's)
       int r = j;
       if (a.expert_major) {
         const int e = a.topk_idx[size_t(t) * K + j];

@@ -520,11 +520,12 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   for (int i = warp; i < a.capacity; i += gridDim.x * kWarps) {
     char* out = static_cast<char*>(a.out) + size_t(i) * a.row_bytes;
-    const int s = a.src_rank[i];
-    if (s < 0) {
+    const int s = a.src_rank[i], t = a.src_token[i];
+    // A handle entry out of range (not one dispatch made) reads nothing: a zero row.
+    if (s < 0 || s >= ctx.num_ranks || t < 0 || t >= a.num_tokens) {
       zero_row(out, a.row_bytes, lane, 32);
     } else {
-      copy_row(out, region<char>(ctx, s, plan.rows) + a.src_token[i] * row_stride(a.row_bytes),
+      copy_row(out, region<char>(ctx, s, plan.rows) + size_t(t) * row_stride(a.row_bytes),
                a.row_bytes, lane, 32);
     }
   }
