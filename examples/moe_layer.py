@@ -126,7 +126,7 @@ def main():
     params = jax.device_put(init_params(key, H, F, E),
                             [jax.tree.map(lambda s: NamedSharding(mesh, s), sp) for sp in specs])
     zeros = jax.tree.map(jnp.zeros_like, params)
-    opt = (jnp.zeros((), jnp.float32), zeros, zeros)
+    opt = (jax.device_put(jnp.zeros((), jnp.float32), NamedSharding(mesh, P())), zeros, zeros)
     teacher_key = jax.random.fold_in(key, 99)
     backend = jax_ep.api._resolve_backend(args.backend)
     if jax.process_index() == 0:
