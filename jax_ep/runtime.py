@@ -74,7 +74,7 @@ def buffer_bytes() -> int:
 
 
 def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capacity, dtype,
-                      layout, fp8) -> int:
+                      layout, fp8, alignment=1) -> int:
     missing = [name for name, value in (("num_tokens", num_tokens), ("hidden", hidden),
                                         ("num_topk", num_topk), ("num_experts", num_experts))
                if value is None]
@@ -86,7 +86,8 @@ def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capa
 
     return int(_cuda.buffer_size_hint(
         num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=capacity,
-        dtype=jnp.bfloat16 if dtype is None else dtype, layout=layout, fp8=fp8))
+        dtype=jnp.bfloat16 if dtype is None else dtype, layout=layout, fp8=fp8,
+        alignment=alignment))
 
 
 def _all_on_one_host(client, rank, world, generation) -> bool:
@@ -101,7 +102,7 @@ def _all_on_one_host(client, rank, world, generation) -> bool:
 def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None,
                hidden: int | None = None, num_topk: int | None = None,
                num_experts: int | None = None, capacity: int | None = None, dtype=None,
-               layout: str = "rank_major", fp8: bool = False) -> None:
+               layout: str = "rank_major", fp8: bool = False, alignment: int = 1) -> None:
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
     Collective: every process calls it with the same arguments. A second call with the same
@@ -110,7 +111,8 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     Args:
       buffer_bytes: symmetric buffer per GPU. If None and ``num_tokens``/``hidden``/``num_topk``
         /``num_experts`` are given, the size a dispatch + combine of those per-GPU shapes
-        needs (``capacity``, ``dtype`` (bf16), ``layout`` and ``fp8`` refine it); otherwise
+        needs (``capacity``, ``dtype`` (bf16), ``layout``, ``fp8`` and ``alignment`` refine it);
+        otherwise
         ``default_buffer_bytes()``.
     """
     global _generation, _atexit_registered
@@ -136,7 +138,7 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     if buffer_bytes is None:
         if num_tokens is not None or hidden is not None:
             buffer_bytes = _size_from_shapes(world, num_tokens, hidden, num_topk, num_experts,
-                                             capacity, dtype, layout, fp8)
+                                             capacity, dtype, layout, fp8, alignment)
         else:
             buffer_bytes = default_buffer_bytes()
     buffer_bytes = int(buffer_bytes)
