@@ -3,7 +3,7 @@
     python -m jax_ep.launch -n 2 benchmarks/bench_intranode.py            # one process per GPU
     python benchmarks/bench_intranode.py --tokens 256 --hidden 512         # CPU, reference only
 
-Every row is the time of one call as XLA runs it: a jitted ``fori_loop`` of ``--iters`` calls,
+Every row is the time of one call as XLA runs it: one jitted program of ``--iters`` unrolled calls,
 each depending on the previous one through a zero-weighted scalar (so nothing is hoisted or
 overlapped), divided by ``--iters``; median of ``--repeats``. Bandwidth is DeepEP's *logical*
 figure: bytes of the rank-deduplicated tokens a rank receives (its own ones included) over

@@ -3,7 +3,7 @@
     python -m jax_ep.launch -n 2 benchmarks/bench_low_latency.py      # one process per GPU
     JAX_PLATFORMS=cpu python benchmarks/bench_low_latency.py --hidden 512   # reference, CPU
 
-Each figure is (time of a jitted ``fori_loop`` of ``--calls`` calls) / calls, median of
+Each figure is (time of one jitted program of ``--calls`` unrolled calls) / calls, median of
 repeats: XLA's own launch cost is included, Python's is not. Consecutive calls depend on each
 other through a zero-weighted feedback, so XLA can neither hoist nor overlap them. Baselines in
 the same run: a capacity-padded ``jax.lax.all_to_all`` and ``jax.lax.ragged_all_to_all``.
@@ -74,7 +74,7 @@ def main():
 
     def record(name, f, *a):
         try:
-            looped_f = jax.jit(smap(looped(f, args.calls), in_specs=(P(AXIS),) * len(a)))
+            looped_f = jax.jit(smap(looped(f, args.calls, chained=1), in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
             rows.append((name, t * 1e6))
         except Exception as e:  # a failing row must not hide the others

@@ -39,7 +39,7 @@ def test_missing_peer_times_out_with_its_name():
     env.pop("JAX_PLATFORMS", None)  # conftest pins this process to the CPU; the job needs GPUs
     probe = os.path.join(REPO, "tests", "gpu_timeout_probe.py")
     out = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", "2", probe],
-                         capture_output=True, text=True, env=env, timeout=240)
+                         capture_output=True, text=True, env=env, timeout=90)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-3000:]
     assert "UNEXPECTED" not in text
