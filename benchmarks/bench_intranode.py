@@ -34,6 +34,9 @@ def parse_args():
     p.add_argument("--baselines-only", action="store_true",
                    help="only the JAX baselines, in one process over all local GPUs")
     p.add_argument("--cpu-devices", type=int, default=4, help="fake devices for CPU runs")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each kernel's phases (entered / done waiting / finished) "
+                        "for one call of every jax_ep row (CUDA backend)")
     return p.parse_args()
 
 
@@ -99,12 +102,16 @@ def main():
     bytes_bf16 = mean_recv * H * 2
     bytes_fp8 = mean_recv * (H + H // 128 * 4)
     rows = []
+    profiles = []
 
     def record(name, body, *a, chained=0, nbytes=bytes_bf16):
         try:
             f = jax.jit(smap(looped(body, args.iters, chained), in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
+            if args.profile and name.startswith("jax_ep") and backend == "cuda":
+                one = jax.jit(smap(looped(body, 1, chained), in_specs=(P(AXIS),) * len(a)))
+                profiles.append((name, kernel_phases(one, *a)))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan"), float("nan")))
             if jax.process_index() == 0:
@@ -162,6 +169,37 @@ def main():
     if not args.skip_baselines:
         baselines(R, T, H, in_rank, counts, x, shard, record)
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
+    if profiles and jax.process_index() == 0:
+        print("\nKernel phases of one call on rank 0, µs from the first kernel's start: "
+              "entered (first block) / done waiting for peers (last block) / finished "
+              "(first block, last block)")
+        for name, phases in profiles:
+            print(f"{name}:")
+            for kernel, times in phases:
+                print(f"    {kernel:24s} " + " / ".join(f"{v:7.1f}" for v in times))
+
+
+# Slots of Control::profile (ffi/kernels/buffer_layout.h, ProfileSlot).
+KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_receive",
+           "cached_stage", "cached_gather", "combine_stage", "combine_reduce"]
+
+
+def kernel_phases(f, *a):
+    """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
+    end) µs from the earliest start)] for the kernels it ran."""
+    from jax_ep import _native
+
+    module = _native.load()[0]
+    jax.block_until_ready(f(*a))
+    module.profile_reset()
+    jax.block_until_ready(f(*a))
+    values = module.profile_read()
+    used = [(k, values[4 * i: 4 * i + 4]) for i, k in enumerate(KERNELS)
+            if values[4 * i + 3] != 0]
+    if not used:
+        return []
+    t0 = min(v[0] for _, v in used)
+    return [(k, tuple((x - t0) / 1e3 for x in v)) for k, v in sorted(used, key=lambda u: u[1][0])]
 
 
 def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):

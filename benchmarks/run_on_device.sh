@@ -22,7 +22,9 @@ if [[ $WHAT == *build* ]]; then
     ninja -C build/device >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   cp build/device/_C*.so jax_ep/
   grep -E "jax_ep:" "$OUT/build.log"
-  $PY -m pytest -q tests/test_native_build.py tests/test_gpu_failures.py 2>&1 | tail -3
+  JAX_EP_FAILURE_LOG=$OUT/failure_probe.log $PY -m pytest -q tests/test_native_build.py \
+    tests/test_gpu_failures.py 2>&1 | tail -3
+  grep -E "jax_ep|initialised|compiled|failed|launch" $OUT/failure_probe.log 2>/dev/null | head -20
 fi
 if [[ $WHAT == *test* ]]; then
   step "GPU suite on $N GPUs"

@@ -4,9 +4,11 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "handlers/handlers.h"
 #include "kernels/buffer_layout.h"
+#include "runtime/diagnostics.h"
 #include "runtime/runtime.h"
 
 namespace nb = nanobind;
@@ -74,6 +76,20 @@ NB_MODULE(_C, m) {
     return t ? t->num_ranks : 0;
   });
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
+  m.def("profile_reset", [] {
+    nb::gil_scoped_release release;
+    jax_ep::reset_profile();
+  }, "Clears the communication kernels' phase timestamps (synchronises the device)");
+  m.def("profile_read", [] {
+    std::vector<unsigned long long> values;
+    {
+      nb::gil_scoped_release release;
+      values = jax_ep::read_profile();
+    }
+    nb::list out;
+    for (unsigned long long v : values) out.append(v);
+    return out;
+  }, "Phase timestamps [kernel slot][enter, waited, first end, last end] in ns (synchronises)");
   m.def("required_buffer_bytes", &jax_ep::required_buffer_bytes, nb::arg("num_ranks"),
         nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("elem_bytes"), nb::arg("num_topk"),
         nb::arg("num_experts"), nb::arg("capacity"), nb::arg("expert_major"), nb::arg("fp8"),

@@ -16,6 +16,7 @@ from functools import partial
 
 from jax_ep import launch
 
+START = time.monotonic()
 launch.init_distributed()
 
 import jax  # noqa: E402
@@ -29,6 +30,7 @@ from jax_ep import runtime  # noqa: E402
 sys.stdout.reconfigure(line_buffering=True)
 
 runtime.initialize(64 << 20)
+print(f"runtime initialised at {time.monotonic() - START:.1f} s", flush=True)
 R = jax.device_count()
 mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -46,11 +48,14 @@ if jax.process_index() == 0:
     idx = jax.make_array_from_callback((8 * R, 2), sharding,
                                        lambda i: jnp.zeros((8, 2), jnp.int32))
     # Only this process runs the program: its dispatch waits for PE 1, which never comes.
+    compiled = step.lower(x, idx).compile()
+    print(f"compiled at {time.monotonic() - START:.1f} s; running", flush=True)
     try:
-        jax.block_until_ready(step(x, idx))
+        jax.block_until_ready(compiled(x, idx))
         print("UNEXPECTED: the dispatch returned", flush=True)
     except Exception as e:  # the trapped kernel surfaces as an XLA runtime error
-        print(f"dispatch failed as expected: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(f"dispatch failed as expected at {time.monotonic() - START:.1f} s: "
+              f"{type(e).__name__}: {str(e)[:300]}", flush=True)
     # Skip the interpreter's exit handlers: jax.distributed's shutdown barrier would wait for
     # rank 1, and a context whose kernel trapped cannot be torn down cleanly.
     os._exit(3)

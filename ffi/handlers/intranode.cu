@@ -8,6 +8,7 @@
 #include "handlers/handlers.h"
 #include "kernels/buffer_layout.h"
 #include "kernels/intranode.h"
+#include "runtime/diagnostics.h"
 #include "runtime/runtime.h"
 
 namespace jax_ep {
@@ -36,7 +37,8 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
                    std::to_string(t->bytes) + "; pass buffer_bytes >= " +
                    std::to_string(needed) + " to jax_ep.runtime.initialize()");
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
-  *ctx = PeerContext{t->peers, t->rank, t->num_ranks, timeout_ns(), rank.typed_data()};
+  *ctx = PeerContext{t->peers,    t->rank,          t->num_ranks,
+                    timeout_ns(), rank.typed_data(), device_fault_record()};
   return ffi::Error::Success();
 }
 

@@ -24,6 +24,20 @@
 namespace jax_ep {
 
 constexpr int kMaxRanks = 1024;
+constexpr int kProfileKernels = 16;
+
+// Kernels that stamp their phases into Control::profile (the index is the kernel's slot).
+enum ProfileSlot {
+  kProfDispatchStage = 0,
+  kProfDispatchGather,
+  kProfDispatchPush,
+  kProfDispatchReceive,
+  kProfCachedStage,
+  kProfCachedGather,
+  kProfCombineStage,
+  kProfCombineReduce,
+  kProfNumSlots
+};
 
 struct Control {
   uint64_t epoch;               // calls this PE has completed
@@ -31,6 +45,10 @@ struct Control {
   uint64_t ready[kMaxRanks];    // ready[s] = e: PE s has staged its data of call e
   uint64_t done[kMaxRanks];     // done[s] = e: PE s has finished every access of call e
   uint64_t pushed[kMaxRanks];   // pushed[s] = e: PE s has written its rows of call e into ours
+  // Phase timestamps of the last call of each kernel (globaltimer ns), read by the benchmarks:
+  // [kernel][0] first block entered, [1] last block done waiting for peers, [2] first block
+  // finished, [3] last block finished. Reset by the host (runtime profile_reset).
+  unsigned long long profile[kProfileKernels][4];
 };
 
 enum class Flag { kReady, kDone, kPushed };

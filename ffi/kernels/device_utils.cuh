@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "kernels/buffer_layout.h"
+#include "runtime/diagnostics.h"
 
 namespace jax_ep {
 
@@ -17,6 +18,7 @@ struct PeerContext {
   int num_ranks;
   uint64_t timeout_ns;   // a wait longer than this ends in a trap naming the peer
   const int32_t* expected_rank;  // the EP axis index the program computed (must equal rank)
+  FaultRecord* fault;    // mapped host memory for the timeout report (may be null)
 };
 
 __device__ __forceinline__ Control* control_of(const PeerContext& ctx, int pe) {
@@ -44,6 +46,51 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Thread 0 of each block stamps a phase of this kernel into Control::profile (one atomic per
+// block and phase: negligible next to the kernel). kEnter/kFirstEnd keep the earliest time,
+// kWaited/kLastEnd the latest.
+enum ProfilePhase { kEnter = 0, kWaited = 1, kFirstEnd = 2, kLastEnd = 3 };
+
+__device__ __forceinline__ void profile_mark(const PeerContext& ctx, int slot, ProfilePhase ph) {
+  if (threadIdx.x != 0) return;
+  unsigned long long* p = &control_of(ctx, ctx.rank)->profile[slot][ph];
+  const unsigned long long now = global_timer_ns();
+  if (ph == kEnter || ph == kFirstEnd) atomicMin(p, now); else atomicMax(p, now);
+}
+
+__device__ __forceinline__ void profile_end(const PeerContext& ctx, int slot) {
+  profile_mark(ctx, slot, kFirstEnd);
+  profile_mark(ctx, slot, kLastEnd);
+}
+
+__device__ inline void copy_text(char* dst, const char* src, int capacity) {
+  int i = 0;
+  for (; i < capacity - 1 && src[i] != 0; ++i) dst[i] = src[i];
+  dst[i] = 0;
+}
+
+// The first thread to time out in this process fills the host-visible fault record, which the
+// runtime's watchdog prints even if the device's printf buffer is never flushed.
+__device__ inline void report_timeout(const PeerContext& ctx, const char* op, const char* what,
+                                      int peer, uint64_t want, uint64_t saw) {
+  FaultRecord* f = ctx.fault;
+  if (f != nullptr && atomicCAS(&f->claimed, 0, 1) == 0) {
+    f->rank = ctx.rank;
+    f->peer = peer;
+    f->want = want;
+    f->saw = saw;
+    f->timeout_s = ctx.timeout_ns * 1e-9;
+    copy_text(f->op, op, sizeof(f->op));
+    copy_text(f->what, what, sizeof(f->what));
+    __threadfence_system();
+    f->written = 1;
+    __threadfence_system();
+  }
+  printf("jax_ep %s: PE %d timed out after %.1f s waiting for PE %d (%s, call %llu, saw %llu)\n",
+         op, ctx.rank, ctx.timeout_ns * 1e-9, peer, what, (unsigned long long)want,
+         (unsigned long long)saw);
+}
+
 // Spins until *flag >= want; after ctx.timeout_ns reports who was waited for and traps.
 __device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, uint64_t want,
                                  const char* op, const char* what, int peer) {
@@ -51,9 +98,7 @@ __device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, u
   const uint64_t start = global_timer_ns();
   while (load_acquire(flag) < want) {
     if (global_timer_ns() - start > ctx.timeout_ns) {
-      printf("jax_ep %s: PE %d timed out after %.1f s waiting for PE %d (%s, call %llu, saw %llu)\n",
-             op, ctx.rank, ctx.timeout_ns * 1e-9, peer, what, (unsigned long long)want,
-             (unsigned long long)load_acquire(flag));
+      report_timeout(ctx, op, what, peer, want, load_acquire(flag));
       __trap();
     }
   }

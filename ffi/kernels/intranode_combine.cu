@@ -10,7 +10,6 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kLoadBatch = 8;  // source rows loaded before they are added (memory parallelism)
 
 template <typename T> struct Element;
 template <> struct Element<float> {
@@ -26,45 +25,56 @@ template <> struct Element<__half> {
   __device__ static __half store(float v) { return __float2half_rn(v); }
 };
 
+// Stages the rows that peers will read: rows whose token lives on another PE. Rows of this
+// PE's own tokens stay where they are; the reduce reads them straight from y.
 __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t row_bytes) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCombineStage, kEnter);
   enter_call(ctx, call, "combine");
+  profile_mark(ctx, kProfCombineStage, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
   const int used = min(*a.num_received, a.capacity);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   char* rows = region<char>(ctx, ctx.rank, plan.rows);
   for (int i = warp; i < used; i += gridDim.x * kWarps) {
-    if (a.src_rank[i] < 0) continue;  // padding / empty rows are never read
+    const int source = a.src_rank[i];
+    if (source < 0 || source == ctx.rank) continue;  // padding, or read locally from y
     copy_row(rows + i * row_stride(row_bytes), static_cast<const char*>(a.y) + i * row_bytes,
              row_bytes, lane, 32);
   }
   float* weights = region<float>(ctx, ctx.rank, plan.meta_weights);
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < used; i += gridDim.x * kThreads)
     weights[i] = a.weights[i];
+  profile_end(ctx, kProfCombineStage);
   if (last_block(ctx, 4) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
 }
 
-// One warp per token. `kVector` elements per lane access (16 bytes) when rows allow it. The
-// token's source rows are found once, then every chunk loads all of them before adding, so
-// the reads from different peers are in flight together; the adds keep the contract's order.
-template <typename T, int kVector>
+// One warp per token, `kVector` elements per lane access (16 bytes when rows allow it). The
+// token's source rows (at most kSources) are found once; then each lane loads kUnroll chunks
+// of every source before adding, so about 16 loads per lane are in flight (over NVLink that
+// latency, not bandwidth, bounds a warp). The adds keep the contract's order.
+template <typename T, int kVector, int kSources>
 __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t row_bytes) {
+  constexpr int kUnroll = kSources >= 16 ? 1 : 16 / kSources;
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCombineReduce, kEnter);
   wait_all_ready(ctx, call, "combine");
+  profile_mark(ctx, kProfCombineReduce, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
-  const int R = ctx.num_ranks, K = a.num_topk, L = a.num_experts / R, H = a.hidden;
+  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
+  const int H = a.hidden;
   const int sources = a.expert_major ? K : R;
   const size_t stride = row_stride(row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int chunks = H / kVector;
   for (int t = warp; t < a.num_tokens; t += gridDim.x * kWarps) {
     // Compile-time indices only, so that these stay in registers.
-    const T* rows[kMaxSources];
-    float weights[kMaxSources];
+    const T* rows[kSources];
+    float weights[kSources];
 #pragma unroll
-    for (int j = 0; j < kMaxSources; ++j) {  // fixed order: ranks (or k) ascending
+    for (int j = 0; j < kSources; ++j) {  // fixed order: ranks (or k) ascending
       rows[j] = nullptr;
       weights[j] = 0.f;
       if (j >= sources) continue;
@@ -76,51 +86,75 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
         if (e < 0 || e >= a.num_experts) continue;
         r = e / L;
       }
-      weights[j] = region<float>(ctx, r, plan.meta_weights)[slot];
-      rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
+      if (r == me) {  // our own expert outputs: straight from y
+        weights[j] = a.weights[slot];
+        rows[j] = reinterpret_cast<const T*>(static_cast<const char*>(a.y) + slot * row_bytes);
+      } else {
+        weights[j] = region<float>(ctx, r, plan.meta_weights)[slot];
+        rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
+      }
     }
     T* out = static_cast<T*>(a.out) + size_t(t) * H;
-    for (int c = lane; c < chunks; c += 32) {
-      float acc[kVector];
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+      T values[kUnroll][kSources][kVector];
 #pragma unroll
-      for (int v = 0; v < kVector; ++v) acc[v] = 0.f;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + 32 * u;
 #pragma unroll
-      for (int base = 0; base < kMaxSources; base += kLoadBatch) {
-        T values[kLoadBatch][kVector];
-#pragma unroll
-        for (int j = 0; j < kLoadBatch; ++j) {
-          if (rows[base + j] == nullptr) continue;
+        for (int j = 0; j < kSources; ++j) {
+          if (rows[j] == nullptr || c >= chunks) continue;
           if constexpr (kVector * sizeof(T) == 16) {
-            *reinterpret_cast<int4*>(values[j]) =
-                reinterpret_cast<const int4*>(rows[base + j])[c];
+            *reinterpret_cast<int4*>(values[u][j]) = reinterpret_cast<const int4*>(rows[j])[c];
           } else {
 #pragma unroll
-            for (int v = 0; v < kVector; ++v) values[j][v] = rows[base + j][c * kVector + v];
+            for (int v = 0; v < kVector; ++v) values[u][j][v] = rows[j][c * kVector + v];
           }
         }
+      }
 #pragma unroll
-        for (int j = 0; j < kLoadBatch; ++j) {
-          if (rows[base + j] == nullptr) continue;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= chunks) break;
+        float acc[kVector];
+#pragma unroll
+        for (int v = 0; v < kVector; ++v) acc[v] = 0.f;
+#pragma unroll
+        for (int j = 0; j < kSources; ++j) {
+          if (rows[j] == nullptr) continue;
 #pragma unroll
           for (int v = 0; v < kVector; ++v)  // no FMA contraction: the order is the contract
-            acc[v] = __fadd_rn(acc[v],
-                               __fmul_rn(weights[base + j], Element<T>::load(values[j][v])));
+            acc[v] = __fadd_rn(acc[v], __fmul_rn(weights[j], Element<T>::load(values[u][j][v])));
         }
-      }
-      T packed[kVector];
+        T packed[kVector];
 #pragma unroll
-      for (int v = 0; v < kVector; ++v) packed[v] = Element<T>::store(acc[v]);
-      if constexpr (kVector * sizeof(T) == 16) {
-        reinterpret_cast<int4*>(out)[c] = *reinterpret_cast<int4*>(packed);
-      } else {
+        for (int v = 0; v < kVector; ++v) packed[v] = Element<T>::store(acc[v]);
+        if constexpr (kVector * sizeof(T) == 16) {
+          reinterpret_cast<int4*>(out)[c] = *reinterpret_cast<int4*>(packed);
+        } else {
 #pragma unroll
-        for (int v = 0; v < kVector; ++v) out[c * kVector + v] = packed[v];
+          for (int v = 0; v < kVector; ++v) out[c * kVector + v] = packed[v];
+        }
       }
     }
   }
+  profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;
+  }
+}
+
+template <typename T, int kVector>
+void launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
+  const int sources = a.expert_major ? a.num_topk : a.ctx.num_ranks;
+  if (sources <= 2) {
+    combine_reduce<T, kVector, 2><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+  } else if (sources <= 4) {
+    combine_reduce<T, kVector, 4><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+  } else if (sources <= 8) {
+    combine_reduce<T, kVector, 8><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+  } else {
+    combine_reduce<T, kVector, kMaxSources><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
   }
 }
 
@@ -131,11 +165,11 @@ cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
   constexpr int kWide = 16 / sizeof(T);
-  // Rows are 16-byte aligned in the staging buffer; the output row needs H % kWide == 0.
+  // Staged rows are 16-byte aligned; y's rows and the output's need H % kWide == 0.
   if (a.hidden % kWide == 0) {
-    combine_reduce<T, kWide><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+    launch_reduce<T, kWide>(a, row_bytes, stream);
   } else {
-    combine_reduce<T, 1><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
+    launch_reduce<T, 1>(a, row_bytes, stream);
   }
   return cudaGetLastError();
 }

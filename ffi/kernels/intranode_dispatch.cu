@@ -22,7 +22,9 @@ template <bool kExpertMajor, bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchStage, kEnter);
   enter_call(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchStage, kWaited);
   const int R = ctx.num_ranks, T = a.num_tokens, K = a.num_topk, E = a.num_experts;
   const int L = E / R;
   const int W = kExpertMajor ? E : R;
@@ -68,6 +70,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
       region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * W + w] = running;
   }
   if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
+    profile_end(ctx, kProfDispatchStage);
     if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
     return;
   }
@@ -92,6 +95,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
     ids[i] = a.topk_idx[i];
     weights[i] = a.topk_weights[i];
   }
+  profile_end(ctx, kProfDispatchStage);
   if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
 }
 
@@ -279,7 +283,9 @@ template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchGather, kEnter);
   wait_all_ready(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchGather, kWaited);
   const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
   const int E = a.num_experts, L = E / R, C = a.capacity;
   extern __shared__ int32_t tables[];
@@ -341,6 +347,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
     const int rank_in_list = a.send_slot[i];
     if (rank_in_list >= 0) a.send_slot[i] = destination_row<kExpertMajor>(a, tb, i, rank_in_list);
   }
+  profile_end(ctx, kProfDispatchGather);
   finish_dispatch<kExpertMajor>(a, tb, call, 1);
 }
 
@@ -388,7 +395,9 @@ template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchPush, kEnter);
   wait_all_ready(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchPush, kWaited);
   const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
   const int E = a.num_experts, L = E / R;
   extern __shared__ int32_t tables[];
@@ -448,6 +457,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
       broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
                     a.scale_row_bytes, lane);
   }
+  profile_end(ctx, kProfDispatchPush);
   if (last_block(ctx, 6) && threadIdx.x == 0) signal_all(ctx, Flag::kPushed, call);
 }
 
@@ -457,7 +467,9 @@ template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchReceive, kEnter);
   wait_all_pushed(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchReceive, kWaited);
   const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
   extern __shared__ int32_t tables[];
   GatherTables tb;
@@ -494,6 +506,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
       a.src_k[i] = reinterpret_cast<const int32_t*>(meta)[1];
     }
   }
+  profile_end(ctx, kProfDispatchReceive);
   finish_dispatch<kExpertMajor>(a, tb, call, 7);
 }
 
@@ -502,20 +515,25 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
 __global__ void __launch_bounds__(kThreads) stage_rows(CachedDispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCachedStage, kEnter);
   enter_call(ctx, call, "cached_dispatch");
+  profile_mark(ctx, kProfCachedStage, kWaited);
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   char* rows = region<char>(ctx, ctx.rank, plan.rows);
   for (int t = warp; t < a.num_tokens; t += gridDim.x * kWarps)
     copy_row(rows + t * row_stride(a.row_bytes), static_cast<const char*>(a.x) + t * a.row_bytes,
              a.row_bytes, lane, 32);
+  profile_end(ctx, kProfCachedStage);
   if (last_block(ctx, 2) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
 }
 
 __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCachedGather, kEnter);
   wait_all_ready(ctx, call, "cached_dispatch");
+  profile_mark(ctx, kProfCachedGather, kWaited);
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   for (int i = warp; i < a.capacity; i += gridDim.x * kWarps) {
@@ -529,6 +547,7 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
                a.row_bytes, lane, 32);
     }
   }
+  profile_end(ctx, kProfCachedGather);
   if (last_block(ctx, 3) && threadIdx.x == 0) {
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;

@@ -1,6 +1,8 @@
 // NVSHMEM-backed implementation of the runtime interface (runtime.h).
 #include "runtime/runtime.h"
 
+#include "runtime/diagnostics.h"
+
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -197,6 +199,7 @@ void initialize(const InitOptions& options) {
   g_transport.bytes = options.buffer_bytes;
   g_transport.peers = peers_device;
   g_initialized = true;
+  start_fault_watchdog();
 }
 
 void finalize() {
@@ -205,6 +208,7 @@ void finalize() {
   // May run on a thread (atexit) whose current device is not ours.
   cudaSetDevice(g_device);
   cudaDeviceSynchronize();  // kernels still reading peers' buffers finish first
+  stop_fault_watchdog();
   nvshmem_barrier_all();    // ... on every PE, before anyone frees
   nvshmem_free(g_transport.local);
   cudaFree(g_peers_device);

@@ -1,0 +1,34 @@
+// Diagnostics of the communication kernels: the fault record that turns a device-side timeout
+// into a host-side message (and, if the process then hangs, an exit), and the per-kernel
+// phase timestamps the benchmarks read.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace jax_ep {
+
+// Written by the first device thread that gives up waiting for a peer, read by the watchdog
+// thread. Lives in mapped (zero-copy) host memory, so it reaches the host even when the
+// kernel then traps and the device's printf buffer is never flushed.
+struct FaultRecord {
+  int claimed;            // atomically set by the thread that writes the record
+  volatile int written;   // 1 once every field below is visible
+  int rank, peer;
+  unsigned long long want, saw;
+  double timeout_s;
+  char op[32], what[48];
+};
+
+// Device pointer of this process's fault record (nullptr before initialize()).
+FaultRecord* device_fault_record();
+
+// Called by the runtime: allocate the record and start the watchdog / stop and free them.
+void start_fault_watchdog();
+void stop_fault_watchdog();
+
+// Phase timestamps of the communication kernels (Control::profile), after a device sync.
+std::vector<unsigned long long> read_profile();
+void reset_profile();
+
+}  // namespace jax_ep
