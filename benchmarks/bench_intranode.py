@@ -154,7 +154,7 @@ def main():
     record("jax_ep layout", layout, idx_d, nbytes=0)
     pairs_bytes = float(np.mean(np.bincount(dest.reshape(-1), minlength=R))) * H * 2
     record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0)
-    for mode in ("pull", "push"):  # JAX_EP_DISPATCH, read when the call is traced
+    for mode in ("pull", "push", "fused"):  # JAX_EP_DISPATCH, read when the call is traced
         os.environ["JAX_EP_DISPATCH"] = mode
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
         record(f"jax_ep dispatch FP8, quantize included [{mode}]", partial(dispatch, fp8=True),
@@ -181,7 +181,7 @@ def main():
 
 # Slots of Control::profile (ffi/kernels/buffer_layout.h, ProfileSlot).
 KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_receive",
-           "cached_stage", "cached_gather", "combine_stage", "combine_reduce"]
+           "cached_stage", "cached_gather", "combine_stage", "combine_reduce", "dispatch_fused"]
 
 
 def kernel_phases(f, *a):

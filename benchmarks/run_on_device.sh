@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,ll,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,ll,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -9,7 +9,7 @@ WHAT=${2:-build,test,bench,ll,example}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-60} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-20} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=$(command -v python3)
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
@@ -28,17 +28,26 @@ if [[ $WHAT == *build* ]]; then
 fi
 if [[ $WHAT == *test* ]]; then
   step "GPU suite on $N GPUs"
-  timeout 420 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \
+  timeout 420 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *bench* ]]; then
   step "intranode benchmark on $N GPUs"
-  timeout 300 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py 2>&1 |
-    tee "$OUT/bench_intranode_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED)" | sed 's/^\[rank 0\] //'
+  timeout 300 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py --profile 2>&1 |
+    tee "$OUT/bench_intranode_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" |
+    sed 's/^\[rank 0\] //'
   # ragged_all_to_all runs only within one process: the same routing, one process, all GPUs
   timeout 200 $PY benchmarks/bench_intranode.py --baselines-only 2>&1 |
     tee "$OUT/bench_baselines_$N.log" | grep -E "^(\||[0-9]|.*FAILED)"
+fi
+if [[ $WHAT == *sweep* ]]; then
+  for blocks in ${SWEEP_BLOCKS:-24 32 128}; do
+    step "intranode benchmark on $N GPUs, JAX_EP_NUM_BLOCKS=$blocks"
+    JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py \
+      --skip-baselines 2>&1 | tee "$OUT/bench_blocks_${blocks}_$N.log" |
+      grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|combine)|FAILED" | sed 's/^\[rank 0\] //'
+  done
 fi
 if [[ $WHAT == *ll* ]]; then
   step "low-latency benchmark on $N GPUs"

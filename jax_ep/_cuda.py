@@ -42,13 +42,18 @@ def _num_blocks() -> np.int64:
     return np.int64(int(os.environ.get("JAX_EP_NUM_BLOCKS", "0")))
 
 
+_DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2}
+
+
 def _push_dispatch() -> np.int64:
-    """JAX_EP_DISPATCH=push: senders store rows into the receivers' buffers over NVLink;
-    otherwise (pull, the default) receivers load them from the senders' buffers."""
+    """JAX_EP_DISPATCH selects the data path: pull (receivers load rows from the senders'
+    buffers), push (senders store rows into the receivers' buffers over NVLink, then the
+    receivers copy them out), or fused (push, with the copy-out in the same kernel, chunk by
+    chunk as rows arrive)."""
     mode = os.environ.get("JAX_EP_DISPATCH", "pull")
-    if mode not in ("pull", "push"):
-        raise ValueError(f"JAX_EP_DISPATCH must be 'pull' or 'push', got {mode!r}")
-    return np.int64(mode == "push")
+    if mode not in _DISPATCH_MODES:
+        raise ValueError(f"JAX_EP_DISPATCH must be one of {sorted(_DISPATCH_MODES)}, got {mode!r}")
+    return np.int64(_DISPATCH_MODES[mode])
 
 
 def _rank(axis_name):

@@ -114,7 +114,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["pull", "push"])
+@pytest.fixture(params=["pull", "push", "fused"])
 def dispatch_mode(request, monkeypatch):
     monkeypatch.setenv("JAX_EP_DISPATCH", request.param)
     return request.param

@@ -1,6 +1,7 @@
 // Typed-FFI handlers of the intranode normal mode: jax_ep_dispatch, jax_ep_cached_dispatch,
 // jax_ep_combine. They validate shapes, check the symmetric buffer is large enough, fill the
 // kernels' argument structs and launch; nothing here waits for the device.
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -14,7 +15,8 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kDefaultBlocks = 64;  // measured on 2xH200: combine gains up to 128, dispatch to 64
+constexpr int kDefaultBlocks = 64;
+constexpr int kMinChunkRows = 16;  // fused dispatch: rows per arrival counter (at least)  // measured on 2xH200: combine gains up to 128, dispatch to 64
 
 uint64_t timeout_ns() {
   static const uint64_t value = [] {
@@ -108,6 +110,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       src_rank->element_count() != size_t(capacity) ||
       out_x->element_count() != size_t(capacity) * H)
     return invalid("dispatch: result shapes do not match the capacity and EP size");
+  // 0: pull, 1: push, 2: push with the receive fused into the push kernel
+  if (push_mode < 0 || push_mode > 2) return invalid("dispatch: push must be 0, 1 or 2");
   const bool push = push_mode != 0;
   if (block > 0 && (!expert_major || alignment != 1 || capacity != num_experts / R * block))
     return invalid("dispatch: fixed blocks need expert_major, alignment 1 and capacity = "
@@ -128,6 +132,9 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.plan = plan;
   a.push = push_plan;
   a.use_push = push;
+  a.fused = push_mode == 2;
+  a.chunk_rows = static_cast<int>(
+      std::max<int64_t>(kMinChunkRows, (capacity + kMaxChunks - 1) / kMaxChunks));
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);
@@ -136,6 +143,10 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.block = static_cast<int>(block);
   a.expert_major = expert_major != 0;
   a.num_blocks = blocks_or_default(num_blocks);
+  if (a.fused && a.num_blocks < 2)
+    return invalid("dispatch: the fused push mode needs at least 2 CTAs (JAX_EP_NUM_BLOCKS)");
+  // A quarter of the CTAs move arrived chunks out (first choice; NOTES.md has the sweep).
+  a.receive_blocks = std::max(1, a.num_blocks / 4);
   a.x = x.untyped_data();
   a.x_row_bytes = size_t(H) * elem;
   a.scales = has_scales ? x_scales.typed_data() : nullptr;

@@ -25,6 +25,8 @@ namespace jax_ep {
 
 constexpr int kMaxRanks = 1024;
 constexpr int kProfileKernels = 16;
+// Arrival counters of the fused dispatch: one per chunk of output rows (kMaxChunks at most).
+constexpr int kMaxChunks = 16384;
 
 // Kernels that stamp their phases into Control::profile (the index is the kernel's slot).
 enum ProfileSlot {
@@ -36,6 +38,7 @@ enum ProfileSlot {
   kProfCachedGather,
   kProfCombineStage,
   kProfCombineReduce,
+  kProfDispatchFused,
   kProfNumSlots
 };
 
@@ -49,6 +52,9 @@ struct Control {
   // [kernel][0] first block entered, [1] last block done waiting for peers, [2] first block
   // finished, [3] last block finished. Reset by the host (runtime profile_reset).
   unsigned long long profile[kProfileKernels][4];
+  // arrivals[c] = rows of chunk c written into this PE's push region so far in the current
+  // fused dispatch; the receiver that consumes the chunk sets it back to 0.
+  uint32_t arrivals[kMaxChunks];
 };
 
 enum class Flag { kReady, kDone, kPushed };

@@ -36,6 +36,12 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   return v;
 }
 
+__device__ __forceinline__ uint32_t load_acquire_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

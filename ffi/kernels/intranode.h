@@ -28,6 +28,9 @@ struct DispatchArgs {
   RegionPlan plan;  // pull mode
   PushPlan push;    // push mode
   bool use_push;
+  bool fused;        // push mode with the receive in the same kernel (push must be set too)
+  int receive_blocks;  // fused: CTAs that copy arrived chunks out (the others send)
+  int chunk_rows;      // fused: output rows per arrival counter
   int num_tokens, num_topk, num_experts, capacity, alignment;
   int block;  // expert_major with fixed blocks of this many rows per expert (low latency); 0: off
   bool expert_major;

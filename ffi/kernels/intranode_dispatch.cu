@@ -390,29 +390,27 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const 
 
 // Senders write each row once per destination, straight to its final position: into the
 // receiver's region over NVLink, or into their own output when they are the destination. A
-// warp reads a token's row once and stores it to all of its destinations.
+// warp reads a token's row once and stores it to all of its destinations. With
+// `count_arrivals` (fused mode) it then bumps the destination's arrival counter of the chunk
+// each row landed in, after a system-scope fence, so receivers can consume finished chunks.
 template <bool kExpertMajor>
-__global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
+__device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb, int warp, int warps,
+                            bool count_arrivals) {
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchPush, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchPush, kWaited);
   const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
   const int E = a.num_experts, L = E / R;
-  extern __shared__ int32_t tables[];
-  GatherTables tb;
-  build_tables<kExpertMajor>(a, region<int32_t>(ctx, me, a.push.matrix), tables, tb);
-
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const int sources = kExpertMajor ? K : R;  // destinations of one token, in order
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  for (int t = warp; t < T; t += gridDim.x * kWarps) {
+  // Tokens in ascending order across the grid: destinations' chunks fill up progressively.
+  for (int t = warp; t < T; t += warps) {
     char* rows[kMaxSources];
     char* scales[kMaxSources];
+    int landed[kMaxSources];  // chunk of the destination's output each row landed in, or -1
 #pragma unroll
     for (int j = 0; j < kMaxSources; ++j) {  // compile-time indices: registers
       rows[j] = scales[j] = nullptr;
+      landed[j] = -1;
       if (j >= sources) continue;
       const int entry = t * sources + j;
       const int rank_in_list = a.send_slot[entry];
@@ -422,6 +420,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
       if (lane == 0) a.send_slot[entry] = row;
       if (row < 0) continue;  // dropped at the destination's capacity
       const int r = kExpertMajor ? a.topk_idx[entry] / L : j;
+      landed[j] = row / a.chunk_rows;
       // the metadata record: token, k, then local ids and weights for that destination
       char* meta = region<char>(ctx, r, a.push.meta) + size_t(row) * a.push.meta_stride;
       int32_t* ids = reinterpret_cast<int32_t*>(meta) + 2;
@@ -456,13 +455,77 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
     if (a.scales != nullptr)
       broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
                     a.scale_row_bytes, lane);
+    if (count_arrivals) {
+      __syncwarp();  // every lane's stores of this token precede lane 0's fence
+      if (lane == 0) {
+        __threadfence_system();
+#pragma unroll
+        for (int j = 0; j < kMaxSources; ++j) {
+          if (landed[j] < 0) continue;
+          const int r = kExpertMajor ? a.topk_idx[t * sources + j] / L : j;
+          atomicAdd_system(&control_of(ctx, r)->arrivals[landed[j]], 1u);
+        }
+      }
+    }
   }
+}
+
+template <bool kExpertMajor>
+__global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchPush, kEnter);
+  wait_all_ready(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchPush, kWaited);
+  extern __shared__ int32_t tables[];
+  GatherTables tb;
+  build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
+  push_tokens<kExpertMajor>(a, tb, warp, gridDim.x * kWarps, /*count_arrivals=*/false);
   profile_end(ctx, kProfDispatchPush);
   if (last_block(ctx, 6) && threadIdx.x == 0) signal_all(ctx, Flag::kPushed, call);
 }
 
-// Receivers move the rows that peers pushed into their region to the output (their own rows
-// are there already), write the metadata outputs and zero the unused rows.
+// Output row i of a push-mode dispatch: rows that peers pushed into this PE's region are moved
+// to the output (this PE's own rows are there already); metadata outputs for every used row;
+// unused rows get zeros and -1.
+template <bool kExpertMajor>
+__device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherTables& tb,
+                                            int i, int lane) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
+  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+  const int out_k = kExpertMajor ? 1 : K;
+  int position = 0, local = -1;
+  const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
+  if (s < 0) {
+    write_unused_row(a, i, out_k, lane);
+    return;
+  }
+  if (s != me) {
+    copy_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
+             region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane, 32);
+    if (a.scales != nullptr)
+      copy_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+               region<char>(ctx, me, a.push.scales) + size_t(i) * scale_stride,
+               a.scale_row_bytes, lane, 32);
+  }
+  const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
+  const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 2;
+  const float* weights = reinterpret_cast<const float*>(ids + K);
+  for (int j = lane; j < out_k; j += 32) {
+    a.out_topk_idx[size_t(i) * out_k + j] = ids[j];
+    a.out_topk_weights[size_t(i) * out_k + j] = weights[j];
+    if (!kExpertMajor && ids[j] >= 0) atomicAdd(&a.tokens_per_expert[ids[j]], 1);
+  }
+  if (lane == 0) {
+    a.src_rank[i] = s;
+    a.src_token[i] = reinterpret_cast<const int32_t*>(meta)[0];
+    a.src_k[i] = reinterpret_cast<const int32_t*>(meta)[1];
+  }
+}
+
+// Receivers (after every peer has pushed) write every output row.
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
@@ -470,43 +533,76 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   profile_mark(ctx, kProfDispatchReceive, kEnter);
   wait_all_pushed(ctx, call, "dispatch");
   profile_mark(ctx, kProfDispatchReceive, kWaited);
-  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
   extern __shared__ int32_t tables[];
   GatherTables tb;
-  build_tables<kExpertMajor>(a, region<int32_t>(ctx, me, a.push.matrix), tables, tb);
+  build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  const int out_k = kExpertMajor ? 1 : K;
-  for (int i = warp; i < a.capacity; i += gridDim.x * kWarps) {
-    int position = 0, local = -1;
-    const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
-    if (s < 0) {
-      write_unused_row(a, i, out_k, lane);
-      continue;
-    }
-    if (s != me) {
-      copy_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
-               region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane, 32);
-      if (a.scales != nullptr)
-        copy_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
-                 region<char>(ctx, me, a.push.scales) + size_t(i) * scale_stride,
-                 a.scale_row_bytes, lane, 32);
-    }
-    const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
-    const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 2;
-    const float* weights = reinterpret_cast<const float*>(ids + K);
-    for (int j = lane; j < out_k; j += 32) {
-      a.out_topk_idx[size_t(i) * out_k + j] = ids[j];
-      a.out_topk_weights[size_t(i) * out_k + j] = weights[j];
-      if (!kExpertMajor && ids[j] >= 0) atomicAdd(&a.tokens_per_expert[ids[j]], 1);
-    }
-    if (lane == 0) {
-      a.src_rank[i] = s;
-      a.src_token[i] = reinterpret_cast<const int32_t*>(meta)[0];
-      a.src_k[i] = reinterpret_cast<const int32_t*>(meta)[1];
+  for (int i = warp; i < a.capacity; i += gridDim.x * kWarps)
+    receive_row<kExpertMajor>(a, tb, i, lane);
+  profile_end(ctx, kProfDispatchReceive);
+  finish_dispatch<kExpertMajor>(a, tb, call, 7);
+}
+
+// Fused push mode: the first CTAs push (push_tokens, counting arrivals), the last
+// `receive_blocks` CTAs take output chunks in order, wait until every row of a chunk has
+// arrived, and move it out, so the copy-out overlaps the NVLink transfer. Senders never wait
+// for receivers, and have the lower block indices (scheduled first), so the grid cannot
+// deadlock even if it does not fit on the GPU at once.
+template <bool kExpertMajor>
+__global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchFused, kEnter);
+  wait_all_ready(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchFused, kWaited);
+  const int R = ctx.num_ranks, L = a.num_experts / R;
+  extern __shared__ int32_t tables[];
+  GatherTables tb;
+  build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
+  const int senders = gridDim.x - a.receive_blocks;
+  const int lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
+  if (int(blockIdx.x) < senders) {
+    push_tokens<kExpertMajor>(a, tb, blockIdx.x * kWarps + warp_in_block, senders * kWarps,
+                              /*count_arrivals=*/true);
+  } else {
+    __shared__ int expected;
+    __shared__ int first_source;
+    uint32_t* arrivals = control_of(ctx, ctx.rank)->arrivals;
+    const int chunks = (a.capacity + a.chunk_rows - 1) / a.chunk_rows;
+    for (int chunk = blockIdx.x - senders; chunk < chunks; chunk += a.receive_blocks) {
+      const int begin = chunk * a.chunk_rows, end = min(a.capacity, begin + a.chunk_rows);
+      if (threadIdx.x == 0) {
+        expected = 0;
+        first_source = -1;
+      }
+      __syncthreads();
+      for (int i = begin + threadIdx.x; i < end; i += kThreads) {
+        int position, local;
+        const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
+        if (s >= 0) {
+          atomicAdd(&expected, 1);
+          atomicCAS(&first_source, -1, s);
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x == 0 && expected > 0) {
+        const uint64_t start = global_timer_ns();
+        uint32_t seen;
+        while ((seen = load_acquire_u32(&arrivals[chunk])) < uint32_t(expected)) {
+          if (global_timer_ns() - start > ctx.timeout_ns) {
+            report_timeout(ctx, "dispatch", "rows of an output chunk", first_source,
+                           uint64_t(expected), uint64_t(seen));
+            __trap();
+          }
+        }
+        arrivals[chunk] = 0;  // every row of this call has arrived: ready for the next call
+      }
+      __syncthreads();
+      for (int i = begin + warp_in_block; i < end; i += kWarps)
+        receive_row<kExpertMajor>(a, tb, i, lane);
     }
   }
-  profile_end(ctx, kProfDispatchReceive);
+  profile_end(ctx, kProfDispatchFused);
   finish_dispatch<kExpertMajor>(a, tb, call, 7);
 }
 
@@ -565,7 +661,12 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
                                     static_cast<int>(tables));
     return status == cudaSuccess;
   };
-  if (a.use_push) {
+  if (a.use_push && a.fused) {
+    dispatch_stage<kExpertMajor, false><<<stage_blocks, kThreads, 0, stream>>>(a);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    if (!allow_tables(dispatch_fused<kExpertMajor>)) return status;
+    dispatch_fused<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+  } else if (a.use_push) {
     dispatch_stage<kExpertMajor, false><<<stage_blocks, kThreads, 0, stream>>>(a);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
     if (!allow_tables(dispatch_push<kExpertMajor>)) return status;
