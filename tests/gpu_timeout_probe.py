@@ -41,15 +41,15 @@ def step(x, idx):
     return jax_ep.dispatch(x, idx, num_experts=2 * R, axis_name="ep", backend="cuda").x
 
 
+sharding = NamedSharding(mesh, P("ep"))
+x = jax.make_array_from_callback((8 * R, 256), sharding,
+                                 lambda i: jnp.ones((8, 256), jnp.bfloat16))
+idx = jax.make_array_from_callback((8 * R, 2), sharding, lambda i: jnp.zeros((8, 2), jnp.int32))
+# Every process compiles (multi-process compilation waits for all of them) ...
+compiled = step.lower(x, idx).compile()
+print(f"compiled at {time.monotonic() - START:.1f} s", flush=True)
 if jax.process_index() == 0:
-    sharding = NamedSharding(mesh, P("ep"))
-    x = jax.make_array_from_callback((8 * R, 256), sharding,
-                                     lambda i: jnp.ones((8, 256), jnp.bfloat16))
-    idx = jax.make_array_from_callback((8 * R, 2), sharding,
-                                       lambda i: jnp.zeros((8, 2), jnp.int32))
-    # Only this process runs the program: its dispatch waits for PE 1, which never comes.
-    compiled = step.lower(x, idx).compile()
-    print(f"compiled at {time.monotonic() - START:.1f} s; running", flush=True)
+    # ... but only this one runs the program: its dispatch waits for PE 1, which never comes.
     try:
         jax.block_until_ready(compiled(x, idx))
         print("UNEXPECTED: the dispatch returned", flush=True)
@@ -60,5 +60,5 @@ if jax.process_index() == 0:
     # rank 1, and a context whose kernel trapped cannot be torn down cleanly.
     os._exit(3)
 else:
-    time.sleep(30)
+    time.sleep(60)
     os._exit(0)

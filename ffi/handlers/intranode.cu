@@ -16,7 +16,6 @@ namespace jax_ep {
 namespace {
 
 constexpr int kDefaultBlocks = 64;
-constexpr int kMinChunkRows = 16;  // fused dispatch: rows per arrival counter (at least)  // measured on 2xH200: combine gains up to 128, dispatch to 64
 
 uint64_t timeout_ns() {
   static const uint64_t value = [] {
@@ -133,8 +132,6 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.push = push_plan;
   a.use_push = push;
   a.fused = push_mode == 2;
-  a.chunk_rows = static_cast<int>(
-      std::max<int64_t>(kMinChunkRows, (capacity + kMaxChunks - 1) / kMaxChunks));
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);
@@ -143,10 +140,6 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.block = static_cast<int>(block);
   a.expert_major = expert_major != 0;
   a.num_blocks = blocks_or_default(num_blocks);
-  if (a.fused && a.num_blocks < 2)
-    return invalid("dispatch: the fused push mode needs at least 2 CTAs (JAX_EP_NUM_BLOCKS)");
-  // A quarter of the CTAs move arrived chunks out (first choice; NOTES.md has the sweep).
-  a.receive_blocks = std::max(1, a.num_blocks / 4);
   a.x = x.untyped_data();
   a.x_row_bytes = size_t(H) * elem;
   a.scales = has_scales ? x_scales.typed_data() : nullptr;

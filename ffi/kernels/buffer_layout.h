@@ -27,6 +27,9 @@ constexpr int kMaxRanks = 1024;
 constexpr int kProfileKernels = 16;
 // Arrival counters of the fused dispatch: one per chunk of output rows (kMaxChunks at most).
 constexpr int kMaxChunks = 16384;
+// The parallel rank_major stage: per-CTA counts of at most this many CTAs and ranks.
+constexpr int kMaxStageBlocks = 256;
+constexpr int kMaxStageRanks = 32;
 
 // Kernels that stamp their phases into Control::profile (the index is the kernel's slot).
 enum ProfileSlot {
@@ -55,6 +58,9 @@ struct Control {
   // arrivals[c] = rows of chunk c written into this PE's push region so far in the current
   // fused dispatch; the receiver that consumes the chunk sets it back to 0.
   uint32_t arrivals[kMaxChunks];
+  // Parallel rank_major stage: tokens each CTA has per destination, and its grid barrier.
+  int32_t stage_counts[kMaxStageBlocks][kMaxStageRanks];
+  unsigned stage_arrived, stage_generation;
 };
 
 enum class Flag { kReady, kDone, kPushed };

@@ -23,14 +23,16 @@ namespace jax_ep {
 // (rank_major) or top-k slots (expert_major).
 constexpr int kMaxSources = 16;
 
+// Fused dispatch: output chunks one CTA may own (its shared-memory table of expected rows).
+constexpr int kMaxOwnedChunks = 512;
+
 struct DispatchArgs {
   PeerContext ctx;
   RegionPlan plan;  // pull mode
   PushPlan push;    // push mode
   bool use_push;
-  bool fused;        // push mode with the receive in the same kernel (push must be set too)
-  int receive_blocks;  // fused: CTAs that copy arrived chunks out (the others send)
-  int chunk_rows;      // fused: output rows per arrival counter
+  bool fused;      // push mode with the copy-out in the same kernel (use_push is set too)
+  int chunk_rows;  // fused: output rows per arrival counter
   int num_tokens, num_topk, num_experts, capacity, alignment;
   int block;  // expert_major with fixed blocks of this many rows per expert (low latency); 0: off
   bool expert_major;

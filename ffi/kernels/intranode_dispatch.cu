@@ -1,6 +1,8 @@
 // Intranode dispatch (rank_major / expert_major) and cached dispatch. See intranode.h.
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
+
 #include "kernels/intranode.h"
 
 namespace jax_ep {
@@ -14,6 +16,146 @@ __device__ __forceinline__ bool valid_expert(int e, int num_experts) {
 }
 
 // ------------------------------------------------------------------------------ stage
+
+// The end of every stage kernel: pull mode stages this PE's tokens once (every destination
+// reads the rows it needs) with their ids and weights; then the last block raises ready[me].
+template <bool kPull>
+__device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
+  const PeerContext& ctx = a.ctx;
+  const int T = a.num_tokens, K = a.num_topk;
+  if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
+    profile_end(ctx, kProfDispatchStage);
+    if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+    return;
+  }
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kWarps;
+  char* rows = region<char>(ctx, ctx.rank, a.plan.rows);
+  char* scales = region<char>(ctx, ctx.rank, a.plan.scales);
+  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+  for (int t = warp; t < T; t += warps) {
+    copy_row(rows + t * stride, static_cast<const char*>(a.x) + t * a.x_row_bytes, a.x_row_bytes,
+             lane, 32);
+    if (a.scales != nullptr)
+      copy_row(scales + t * scale_stride,
+               reinterpret_cast<const char*>(a.scales) + t * a.scale_row_bytes,
+               a.scale_row_bytes, lane, 32);
+  }
+  int32_t* ids = region<int32_t>(ctx, ctx.rank, a.plan.meta_ids);
+  float* weights = region<float>(ctx, ctx.rank, a.plan.meta_weights);
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * K; i += gridDim.x * kThreads) {
+    ids[i] = a.topk_idx[i];
+    weights[i] = a.topk_weights[i];
+  }
+  profile_end(ctx, kProfDispatchStage);
+  if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+}
+
+// Destination ranks of token t as a bit mask (R <= 32); invalid expert ids are ignored.
+__device__ __forceinline__ uint32_t rank_mask(const DispatchArgs& a, int t, int L) {
+  uint32_t mask = 0;
+  for (int k = 0; k < a.num_topk; ++k) {
+    const int e = a.topk_idx[size_t(t) * a.num_topk + k];
+    if (valid_expert(e, a.num_experts)) mask |= 1u << (e / L);
+  }
+  return mask;
+}
+
+// All CTAs of the (co-resident) grid meet here; GPU scope, reusable.
+__device__ void grid_barrier(const PeerContext& ctx) {
+  Control* control = control_of(ctx, ctx.rank);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* generation = &control->stage_generation;
+    const unsigned seen = *generation;
+    __threadfence();
+    if (atomicAdd(&control->stage_arrived, 1u) == gridDim.x - 1) {
+      control->stage_arrived = 0;
+      __threadfence();
+      atomicAdd(&control->stage_generation, 1u);
+    } else {
+      while (*generation == seen) {
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// rank_major stage spread over the whole grid (the per-destination scan of dispatch_stage
+// gives each destination one CTA, i.e. R CTAs at work). CTA b takes a contiguous range of
+// tokens: counts its tokens per destination, meets the others at a grid barrier, then ranks
+// its tokens in each destination's list after the counts of the CTAs before it. Needs
+// R <= kMaxStageRanks and a co-resident grid of at most kMaxStageBlocks CTAs.
+template <bool kPull>
+__global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a) {
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchStage, kEnter);
+  enter_call(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchStage, kWaited);
+  const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
+  const int span = (T + gridDim.x - 1) / gridDim.x;
+  const int begin = min(T, int(blockIdx.x) * span), end = min(T, begin + span);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  Control* control = control_of(ctx, ctx.rank);
+  __shared__ int counts[kMaxStageRanks];
+  __shared__ int warp_counts[kWarps][kMaxStageRanks];
+  if (threadIdx.x < kMaxStageRanks) counts[threadIdx.x] = 0;
+  __syncthreads();
+  for (int t = begin + threadIdx.x; t < end; t += kThreads) {
+    const uint32_t mask = rank_mask(a, t, L);
+    for (int w = 0; w < R; ++w)
+      if (mask >> w & 1) atomicAdd(&counts[w], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < R) control->stage_counts[blockIdx.x][threadIdx.x] = counts[threadIdx.x];
+  grid_barrier(ctx);
+
+  // counts[w] <- tokens for w in the CTAs before this one; the last CTA publishes the totals
+  if (threadIdx.x < R) {
+    int before = 0, total = 0;
+    for (int b = 0; b < int(gridDim.x); ++b) {
+      const int n = __ldcg(&control->stage_counts[b][threadIdx.x]);  // other CTAs' writes
+      if (b < int(blockIdx.x)) before += n;
+      total += n;
+    }
+    counts[threadIdx.x] = before;
+    if (blockIdx.x == gridDim.x - 1) {
+      const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
+      for (int p = 0; p < R; ++p)
+        region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * R + threadIdx.x] = total;
+    }
+  }
+  __syncthreads();
+  const uint32_t below_lane = (1u << lane) - 1;
+  for (int base = begin; base < end; base += kThreads) {
+    const int t = base + threadIdx.x;
+    const uint32_t mask = t < end ? rank_mask(a, t, L) : 0u;
+    for (int w = 0; w < R; ++w) {  // this round's tokens per warp and destination
+      const uint32_t hits = __ballot_sync(0xffffffffu, mask >> w & 1);
+      if (lane == 0) warp_counts[warp][w] = __popc(hits);
+    }
+    __syncthreads();
+    for (int w = 0; w < R; ++w) {
+      const bool hit = mask >> w & 1;
+      const uint32_t hits = __ballot_sync(0xffffffffu, hit);
+      int slot = -1;
+      if (hit) {
+        slot = counts[w] + __popc(hits & below_lane);
+        for (int v = 0; v < warp; ++v) slot += warp_counts[v][w];
+        if (kPull)
+          region<int32_t>(ctx, ctx.rank, a.plan.lists)[size_t(w) * a.plan.list_len + slot] = t;
+      }
+      if (t < end) a.send_slot[size_t(t) * R + w] = slot;
+    }
+    __syncthreads();
+    if (threadIdx.x < R)  // this round's tokens come before the next round's
+      for (int v = 0; v < kWarps; ++v) counts[threadIdx.x] += warp_counts[v][threadIdx.x];
+    __syncthreads();
+  }
+  finish_stage<kPull>(a, call);
+}
 
 // Block w (a destination rank, or an expert) lists this PE's tokens (or (token, k) pairs)
 // for w in order, writes each one's rank in that list to send_slot, and publishes the count
@@ -69,34 +211,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
     for (int p = threadIdx.x; p < R; p += kThreads)
       region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * W + w] = running;
   }
-  if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
-    profile_end(ctx, kProfDispatchStage);
-    if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
-    return;
-  }
-
-  // Stage this PE's tokens once; every destination reads the rows it needs.
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  const int warps = gridDim.x * kWarps;
-  char* rows = region<char>(ctx, ctx.rank, a.plan.rows);
-  char* scales = region<char>(ctx, ctx.rank, a.plan.scales);
-  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  for (int t = warp; t < T; t += warps) {
-    copy_row(rows + t * stride, static_cast<const char*>(a.x) + t * a.x_row_bytes, a.x_row_bytes,
-             lane, 32);
-    if (a.scales != nullptr)
-      copy_row(scales + t * scale_stride,
-               reinterpret_cast<const char*>(a.scales) + t * a.scale_row_bytes,
-               a.scale_row_bytes, lane, 32);
-  }
-  int32_t* ids = region<int32_t>(ctx, ctx.rank, a.plan.meta_ids);
-  float* weights = region<float>(ctx, ctx.rank, a.plan.meta_weights);
-  for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * K; i += gridDim.x * kThreads) {
-    ids[i] = a.topk_idx[i];
-    weights[i] = a.topk_weights[i];
-  }
-  profile_end(ctx, kProfDispatchStage);
-  if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+  finish_stage<kPull>(a, call);
 }
 
 // ------------------------------------------------------------------------------ gather
@@ -543,11 +658,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   finish_dispatch<kExpertMajor>(a, tb, call, 7);
 }
 
-// Fused push mode: the first CTAs push (push_tokens, counting arrivals), the last
-// `receive_blocks` CTAs take output chunks in order, wait until every row of a chunk has
-// arrived, and move it out, so the copy-out overlaps the NVLink transfer. Senders never wait
-// for receivers, and have the lower block indices (scheduled first), so the grid cannot
-// deadlock even if it does not fit on the GPU at once.
+// Fused push mode, one kernel: every CTA first pushes its tokens (push_tokens, counting
+// arrivals per destination chunk), then moves out the chunks of the output it owns (chunk c
+// belongs to CTA c mod grid) in whatever order they complete, so CTAs that finish sending
+// early copy out while stragglers (here and on the peers) are still sending, and no kernel
+// boundary or all-peers flag sits between the transfer and the copy-out. A CTA waits for rows
+// only after it has sent all of its own; still, the rows it waits for may come from a CTA not
+// yet started, so the launch caps the grid at one CTA per SM (all resident at once).
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
@@ -559,48 +676,59 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   extern __shared__ int32_t tables[];
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
-  const int senders = gridDim.x - a.receive_blocks;
   const int lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
-  if (int(blockIdx.x) < senders) {
-    push_tokens<kExpertMajor>(a, tb, blockIdx.x * kWarps + warp_in_block, senders * kWarps,
-                              /*count_arrivals=*/true);
-  } else {
-    __shared__ int expected;
-    __shared__ int first_source;
-    uint32_t* arrivals = control_of(ctx, ctx.rank)->arrivals;
-    const int chunks = (a.capacity + a.chunk_rows - 1) / a.chunk_rows;
-    for (int chunk = blockIdx.x - senders; chunk < chunks; chunk += a.receive_blocks) {
-      const int begin = chunk * a.chunk_rows, end = min(a.capacity, begin + a.chunk_rows);
-      if (threadIdx.x == 0) {
-        expected = 0;
-        first_source = -1;
-      }
-      __syncthreads();
-      for (int i = begin + threadIdx.x; i < end; i += kThreads) {
-        int position, local;
-        const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
-        if (s >= 0) {
-          atomicAdd(&expected, 1);
-          atomicCAS(&first_source, -1, s);
-        }
-      }
-      __syncthreads();
-      if (threadIdx.x == 0 && expected > 0) {
-        const uint64_t start = global_timer_ns();
-        uint32_t seen;
-        while ((seen = load_acquire_u32(&arrivals[chunk])) < uint32_t(expected)) {
-          if (global_timer_ns() - start > ctx.timeout_ns) {
-            report_timeout(ctx, "dispatch", "rows of an output chunk", first_source,
-                           uint64_t(expected), uint64_t(seen));
-            __trap();
-          }
-        }
-        arrivals[chunk] = 0;  // every row of this call has arrived: ready for the next call
-      }
-      __syncthreads();
-      for (int i = begin + warp_in_block; i < end; i += kWarps)
-        receive_row<kExpertMajor>(a, tb, i, lane);
+  push_tokens<kExpertMajor>(a, tb, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps,
+                            /*count_arrivals=*/true);
+
+  // Rows expected in each chunk this CTA owns; -1 once it is moved out.
+  __shared__ int expected[kMaxOwnedChunks];
+  __shared__ int picked;
+  const int chunks = (a.capacity + a.chunk_rows - 1) / a.chunk_rows;
+  const int owned = chunks > int(blockIdx.x) ? (chunks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  for (int j = threadIdx.x; j < owned; j += kThreads) {
+    const int begin = (blockIdx.x + j * gridDim.x) * a.chunk_rows;
+    const int end = min(a.capacity, begin + a.chunk_rows);
+    int n = 0;
+    for (int i = begin; i < end; ++i) {
+      int position, local;
+      n += source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local) >= 0;
     }
+    expected[j] = n;
+  }
+  __syncthreads();
+  uint32_t* arrivals = control_of(ctx, ctx.rank)->arrivals;
+  for (int left = owned; left > 0; --left) {
+    if (threadIdx.x == 0) {
+      const uint64_t start = global_timer_ns();
+      picked = -1;
+      while (picked < 0) {
+        for (int j = 0; j < owned && picked < 0; ++j) {
+          const int chunk = blockIdx.x + j * gridDim.x;
+          if (expected[j] >= 0 && load_acquire_u32(&arrivals[chunk]) >= uint32_t(expected[j]))
+            picked = j;
+        }
+        if (picked < 0 && global_timer_ns() - start > ctx.timeout_ns) {
+          int j = 0;
+          while (expected[j] < 0) ++j;
+          const int chunk = blockIdx.x + j * gridDim.x;
+          int position, local;
+          const int peer = source_of_row<kExpertMajor>(tb, chunk * a.chunk_rows, R, L, a.block,
+                                                       &position, &local);
+          report_timeout(ctx, "dispatch", "rows of an output chunk", peer, uint64_t(expected[j]),
+                         uint64_t(load_acquire_u32(&arrivals[chunk])));
+          __trap();
+        }
+      }
+      // Every row of this call has arrived: the counter is ready for the next call.
+      arrivals[blockIdx.x + picked * gridDim.x] = 0;
+      expected[picked] = -1;
+    }
+    __syncthreads();
+    const int begin = (blockIdx.x + picked * gridDim.x) * a.chunk_rows;
+    const int end = min(a.capacity, begin + a.chunk_rows);
+    for (int i = begin + warp_in_block; i < end; i += kWarps)
+      receive_row<kExpertMajor>(a, tb, i, lane);
+    __syncthreads();  // `picked` is rewritten next round
   }
   profile_end(ctx, kProfDispatchFused);
   finish_dispatch<kExpertMajor>(a, tb, call, 7);
@@ -650,10 +778,34 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   }
 }
 
+int multiprocessors() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    return n > 0 ? n : 1;
+  }();
+  return count;
+}
+
+// Fused dispatch: one CTA per SM at most (see dispatch_fused).
+int fused_grid(const DispatchArgs& a) { return std::min(a.num_blocks, multiprocessors()); }
+
+// The stage kernel: rank_major spreads its scan over a co-resident grid when it can.
+template <bool kExpertMajor, bool kPull>
+cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
+  const int W = kExpertMajor ? a.num_experts : a.ctx.num_ranks;
+  if (!kExpertMajor && a.ctx.num_ranks <= kMaxStageRanks) {
+    const int grid = std::min({a.num_blocks, multiprocessors(), kMaxStageBlocks});
+    dispatch_stage_ranks<kPull><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    dispatch_stage<kExpertMajor, kPull><<<std::max(W, a.num_blocks), kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
 template <bool kExpertMajor>
 cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStream_t stream) {
-  const int W = kExpertMajor ? a.num_experts : a.ctx.num_ranks;
-  const int stage_blocks = W > a.num_blocks ? W : a.num_blocks;
   cudaError_t status = cudaSuccess;
   auto allow_tables = [&](auto kernel) {
     if (tables > 48 * 1024)
@@ -662,21 +814,18 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
     return status == cudaSuccess;
   };
   if (a.use_push && a.fused) {
-    dispatch_stage<kExpertMajor, false><<<stage_blocks, kThreads, 0, stream>>>(a);
-    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_fused<kExpertMajor>)) return status;
-    dispatch_fused<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+    dispatch_fused<kExpertMajor><<<fused_grid(a), kThreads, tables, stream>>>(a);
   } else if (a.use_push) {
-    dispatch_stage<kExpertMajor, false><<<stage_blocks, kThreads, 0, stream>>>(a);
-    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_push<kExpertMajor>)) return status;
     dispatch_push<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
     if (!allow_tables(dispatch_receive<kExpertMajor>)) return status;
     dispatch_receive<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
   } else {
-    dispatch_stage<kExpertMajor, true><<<stage_blocks, kThreads, 0, stream>>>(a);
-    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_gather<kExpertMajor>)) return status;
     dispatch_gather<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
   }
@@ -685,8 +834,14 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
 
 }  // namespace
 
-cudaError_t launch_dispatch(const DispatchArgs& a, cudaStream_t stream) {
+cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  DispatchArgs a = args;
   const int R = a.ctx.num_ranks, E = a.num_experts, L = E / R;
+  // Output rows per arrival counter (fused mode): at least kMinChunkRows, at most kMaxChunks
+  // counters, at most kMaxOwnedChunks chunks per CTA.
+  constexpr int kMinChunkRows = 16;
+  const int most = std::min(kMaxChunks, (a.fused ? fused_grid(a) : 1) * kMaxOwnedChunks);
+  a.chunk_rows = std::max(kMinChunkRows, (a.capacity + most - 1) / most);
   if (!a.expert_major) {
     cudaError_t status = cudaMemsetAsync(a.tokens_per_expert, 0, sizeof(int32_t) * L, stream);
     if (status != cudaSuccess) return status;
