@@ -76,11 +76,14 @@ __device__ inline void copy_text(char* dst, const char* src, int capacity) {
 }
 
 // The first thread to time out in this process fills the host-visible fault record, which the
-// runtime's watchdog prints even if the device's printf buffer is never flushed.
+// runtime's watchdog prints even if the device's printf buffer is never flushed, and prints
+// the same line from the device; later ones stay silent.
 __device__ inline void report_timeout(const PeerContext& ctx, const char* op, const char* what,
                                       int peer, uint64_t want, uint64_t saw) {
   FaultRecord* f = ctx.fault;
-  if (f != nullptr && atomicCAS(&f->claimed, 0, 1) == 0) {
+  const bool first = f == nullptr || atomicCAS(&f->claimed, 0, 1) == 0;
+  if (!first) return;  // another thread of this process reports (once is enough)
+  if (f != nullptr) {
     f->rank = ctx.rank;
     f->peer = peer;
     f->want = want;
