@@ -197,16 +197,18 @@ __device__ __forceinline__ void copy_row(void* dst, const void* src, size_t byte
     const int4* s = static_cast<const int4*>(src);
     int4* d = static_cast<int4*>(dst);
     const size_t n = bytes / 16;
-    constexpr int kInFlight = 8;  // loads issued per lane before the first store
-    size_t i = lane;
-    for (; i + (kInFlight - 1) * width < n; i += kInFlight * width) {
+    // Loads issued per lane before the first store (a 14 KB row takes two rounds per warp);
+    // the last round is predicated rather than a serial tail of dependent load/store pairs.
+    constexpr int kInFlight = 16;
+    for (size_t i = lane; i < n; i += kInFlight * width) {
       int4 v[kInFlight];
 #pragma unroll
-      for (int u = 0; u < kInFlight; ++u) v[u] = s[i + u * width];
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * width < n) v[u] = s[i + u * width];
 #pragma unroll
-      for (int u = 0; u < kInFlight; ++u) d[i + u * width] = v[u];
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * width < n) d[i + u * width] = v[u];
     }
-    for (; i < n; i += width) d[i] = s[i];
   } else if ((bits & 3) == 0) {
     const int* s = static_cast<const int*>(src);
     int* d = static_cast<int*>(dst);
