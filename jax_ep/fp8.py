@@ -22,8 +22,11 @@ def quantize_fp8(x, *, ue8m0: bool = False):
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     scales = jnp.maximum(amax, 1e-10) / E4M3_MAX
     if ue8m0:
-        # exact powers of two (exp2 may be computed through exp and round)
-        scales = jnp.ldexp(jnp.ones_like(scales), jnp.ceil(jnp.log2(scales)).astype(jnp.int32))
+        # the smallest power of two >= scale, exactly: scale = m * 2^e with m in [0.5, 1), so
+        # ceil(log2(scale)) is e - 1 when m == 0.5 and e otherwise (log2 may be inexact)
+        mantissa, exponent = jnp.frexp(scales)
+        exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+        scales = jnp.ldexp(jnp.ones_like(scales), exponent.astype(jnp.int32))
     data = jnp.clip(blocks / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return data.reshape(T, H), scales.astype(jnp.float32)
 

@@ -155,8 +155,12 @@ def _ll_combine_bwd(residuals, g):
     y, topk_weights, handle = residuals
     backend = _backend(handle.config)
     K = handle.config.num_topk
-    g_rows = backend.low_latency_cached_dispatch(g.astype(y.dtype), handle)  # [L, RM, H]
-    w_rows = backend.low_latency_cached_dispatch(topk_weights, handle)  # [L, RM, K]
+    # unused rows of a cached dispatch are unspecified on CUDA (maybe NaN bits): mask them
+    used = (handle.src_rank >= 0)[..., None]
+    g_rows = jnp.where(used, backend.low_latency_cached_dispatch(g.astype(y.dtype), handle),
+                       jnp.zeros((), y.dtype))  # [L, RM, H]
+    w_rows = jnp.where(used, backend.low_latency_cached_dispatch(topk_weights, handle),
+                       0.0)  # [L, RM, K]
     k_onehot = handle.src_k[..., None] == jnp.arange(K)
     row_w = jnp.sum(jnp.where(k_onehot, w_rows, 0.0), axis=-1)
     dy = (g_rows.astype(jnp.float32) * row_w[..., None]).astype(y.dtype)
