@@ -49,6 +49,18 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
     return x, topk_idx, config
 
 
+def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,
+                                 dtype=jnp.bfloat16) -> int:
+    """Bytes of the low-latency buffer (``jax_ep.runtime.initialize(low_latency_bytes=...)``)
+    that every low-latency dispatch / combine of these per-GPU shapes needs, FP8 or not,
+    backward passes included; ``dtype`` is the widest of x's and y's dtypes. The CUDA
+    handlers check the same formula. Needs the native extension (not a GPU)."""
+    from jax_ep import _cuda
+
+    return _cuda.low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts,
+                                              num_topk, num_ranks, dtype)
+
+
 def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
                          use_fp8=True, ue8m0=False, backend="auto") -> LowLatencyOutput:
     """Send each (token, k) pair to its expert's block. x: [T, H] bf16/f16/f32, T <= M.
