@@ -180,3 +180,20 @@ def test_ue8m0_scales_are_exact_powers_of_two():
     assert (m == 0.5).all()
     assert (s >= raw).all() and (s < 2 * raw).all()
     np.testing.assert_array_equal(s[:60, 0], np.maximum(raw[:60, 0], 0))  # exact powers stay
+
+
+def test_low_latency_buffer_hint_covers_both_parities():
+    """The hint (the handlers' own formula) holds two dispatch regions of E*M records of the
+    widest row in 7/8 of the buffer and two combine regions of M*K rows in the last 1/8.
+    Needs the extension, not a GPU."""
+    from jax_ep import _native
+
+    if _native.load()[0] is None:
+        pytest.skip("extension not built")
+    for M, H, E, K, R in [(128, 7168, 256, 8, 2), (64, 256, 16, 8, 2), (5, 128, 8, 2, 8)]:
+        got = jax_ep.low_latency_buffer_size_hint(M, H, E, K, R)
+        rec = 16 + H * 2  # metadata + a bf16 row (wider than FP8 data + scales)
+        dispatch, combine = 2 * E * M * rec, 2 * M * K * H * 2
+        assert got >= dispatch * 8 / 7 and got >= combine * 8
+        assert got <= 1.02 * max(dispatch * 8 / 7, combine * 8) + (1 << 20)
+        assert jax_ep.low_latency_buffer_size_hint(M, H, E, K, R, jnp.float32) > got

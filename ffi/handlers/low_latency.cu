@@ -3,7 +3,6 @@
 // large enough, fill the kernels' argument structs and launch; nothing here waits for the
 // device.
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "handlers/common.h"
@@ -68,8 +67,8 @@ std::string hint_text() {
          "num_topk, num_ranks) gives the size for your shapes";
 }
 
-// The peer context on the low-latency buffer and the areas of this (E, K) split. `region` is
-// the bytes one parity of this call needs; `combine` picks the combine area.
+// The peer context on the low-latency buffer and the area of this op. `region` is the bytes
+// one parity of this call needs; `combine` picks the combine area.
 ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_experts,
                       int64_t num_topk, size_t region, bool combine, PeerContext* ctx,
                       size_t* begin, size_t* end) {
@@ -85,33 +84,14 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
   if (num_topk < 1 || num_topk > kLLMaxTopk)
     return invalid(std::string(op) + ": num_topk must be in [1, " + std::to_string(kLLMaxTopk) +
                    "]");
-  const int E = static_cast<int>(num_experts), K = static_cast<int>(num_topk);
-  const size_t needed = combine ? ll_bytes_for_combine(region, E, K)
-                                : ll_bytes_for_dispatch(region, E, K);
-  const LLAreas areas = ll_areas(t->ll_bytes, E, K);
+  const size_t needed = combine ? ll_bytes_for_combine(region) : ll_bytes_for_dispatch(region);
+  const LLAreas areas = ll_areas(t->ll_bytes);
   const size_t have = combine ? areas.combine_end - areas.combine_begin
                               : areas.dispatch_end - areas.dispatch_begin;
   if (t->ll_bytes == 0 || 2 * region > have)
     return invalid(std::string(op) + ": this call needs a low-latency buffer of " +
                    std::to_string(needed) + " bytes but the runtime has " +
                    std::to_string(t->ll_bytes) + "; " + hint_text());
-  {
-    // The dispatch/combine split of the buffer depends on (E, K): one split per buffer.
-    static std::mutex mutex;
-    static const void* buffer = nullptr;
-    static int split_e = 0, split_k = 0;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (buffer != t->ll_local) {
-      buffer = t->ll_local;
-      split_e = E;
-      split_k = K;
-    } else if (split_e != E || split_k != K) {
-      return invalid(std::string(op) + ": every low-latency call of a process must use the same "
-                     "num_experts and num_topk (they split the low-latency buffer); this one has (" +
-                     std::to_string(E) + ", " + std::to_string(K) + "), earlier ones (" +
-                     std::to_string(split_e) + ", " + std::to_string(split_k) + ")");
-    }
-  }
   *ctx = PeerContext{t->ll_peers, t->rank, t->num_ranks, timeout_ns(), rank.typed_data()};
   *begin = combine ? areas.combine_begin : areas.dispatch_begin;
   *end = combine ? areas.combine_end : areas.dispatch_end;

@@ -165,12 +165,12 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 //   dispatch area [ctrl, mid)  parity 0 region grows up from ctrl, parity 1 down from mid
 //   combine area  [mid, end)   parity 0 region grows up from mid, parity 1 down from end
 //
-// with end = the buffer size rounded down to kRegionAlign and mid = ctrl + (end - ctrl) *
-// E / (E + K) rounded down (E experts, K top-k: dispatch regions hold E*M records, combine
-// regions M*K). Call n of an operation uses the region of parity n % 2; the two parities
-// grow from opposite ends, so two calls in flight never overlap whatever their row widths,
-// as long as each fits in half of its area (what the handlers check). Every low-latency call
-// of a process must use the same (E, K): the handlers refuse a change of the split.
+// with end = the buffer size rounded down to kRegionAlign and mid = ctrl + 7/8 of (end - ctrl)
+// rounded down (a fixed split: dispatch regions hold E*M records, combine regions M*K, and
+// E >> K for the models that need big buffers). Call n of an operation uses the region of
+// parity n % 2; the two parities grow from opposite ends of their area, so two calls in
+// flight never overlap whatever their shapes, as long as each fits in half of its area
+// (what the handlers check).
 //
 // Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
 // local expert), then records [L][R][M]: record (l, s, slot) = {token, k, 0, 0} int32,
@@ -234,14 +234,15 @@ struct LLAreas {
   size_t dispatch_begin = 0, dispatch_end = 0, combine_begin = 0, combine_end = 0;
 };
 
-inline LLAreas ll_areas(size_t buffer_bytes, int num_experts, int num_topk) {
+constexpr size_t kLLDispatchEighths = 7;  // of the buffer after the control block
+
+inline LLAreas ll_areas(size_t buffer_bytes) {
   LLAreas a;
   const size_t ctrl = ll_control_bytes();
   const size_t end = buffer_bytes / kRegionAlign * kRegionAlign;
   if (end <= ctrl) return a;  // all empty
   const size_t span = end - ctrl;
-  const size_t dispatch_span = span / (size_t(num_experts) + num_topk) * num_experts /
-                               kRegionAlign * kRegionAlign;
+  const size_t dispatch_span = span / 8 * kLLDispatchEighths / kRegionAlign * kRegionAlign;
   a.dispatch_begin = ctrl;
   a.dispatch_end = a.combine_begin = ctrl + dispatch_span;
   a.combine_end = end;
@@ -251,15 +252,13 @@ inline LLAreas ll_areas(size_t buffer_bytes, int num_experts, int num_topk) {
 // Buffer bytes that make a dispatch region of `region` bytes (per parity) fit, i.e. that
 // satisfy 2 * region <= dispatch area (and likewise for combine): the handlers' check is the
 // exact predicate, these sufficient sizes are what they report and what the hint adds up.
-inline size_t ll_bytes_for_dispatch(size_t region, int num_experts, int num_topk) {
-  const size_t ek = size_t(num_experts) + num_topk;
-  const size_t span = (2 * region + kRegionAlign) * ek / size_t(num_experts) + ek + 1;
+inline size_t ll_bytes_for_dispatch(size_t region) {
+  const size_t span = (2 * region + 2 * kRegionAlign) * 8 / kLLDispatchEighths + 64;
   return ll_control_bytes() + span + 2 * kRegionAlign;
 }
 
-inline size_t ll_bytes_for_combine(size_t region, int num_experts, int num_topk) {
-  const size_t ek = size_t(num_experts) + num_topk;
-  const size_t span = 2 * region * ek / size_t(num_topk) + ek + 1;
+inline size_t ll_bytes_for_combine(size_t region) {
+  const size_t span = 2 * region * 8 / (8 - kLLDispatchEighths) + 64;
   return ll_control_bytes() + span + 2 * kRegionAlign;
 }
 
@@ -277,8 +276,8 @@ inline size_t required_low_latency_bytes(int max_tokens, int hidden, int num_exp
   size_t dispatch = 0;
   for (size_t r : rows) dispatch = r > dispatch ? r : dispatch;
   const size_t combine = plan_ll_combine(max_tokens, num_topk, size_t(hidden) * elem_bytes).bytes;
-  const size_t a = ll_bytes_for_dispatch(dispatch, num_experts, num_topk);
-  const size_t b = ll_bytes_for_combine(combine, num_experts, num_topk);
+  const size_t a = ll_bytes_for_dispatch(dispatch);
+  const size_t b = ll_bytes_for_combine(combine);
   return a > b ? a : b;
 }
 
