@@ -29,6 +29,8 @@ nb::dict ffi_targets() {
   targets["jax_ep_ll_dispatch_receive"] = handler_capsule(JaxEpLLDispatchReceive);
   targets["jax_ep_ll_combine_send"] = handler_capsule(JaxEpLLCombineSend);
   targets["jax_ep_ll_combine_receive"] = handler_capsule(JaxEpLLCombineReceive);
+  targets["jax_ep_ll_dispatch"] = handler_capsule(JaxEpLLDispatch);
+  targets["jax_ep_ll_combine"] = handler_capsule(JaxEpLLCombine);
   // ---- end of table
   return targets;
 }

@@ -158,7 +158,9 @@ def combine(y, weights, handle: DispatchHandle):
 # Dedicated decode kernels on the runtime's low-latency buffer (runtime.initialize(...,
 # low_latency_bytes=...)): one custom call per half. The send returns its call number ([2]
 # int32), which its receive takes: that data dependency orders them, and the number selects
-# the buffer half (parity) and the flag values, so two calls of an op may be in flight.
+# the buffer half (parity) and the flag values, so two calls of an op may be in flight. The
+# fused ops (and the cached dispatches of the backward pass) launch both halves from one
+# custom call, so XLA cannot put other calls between them.
 
 
 def _ll_attrs(config: LowLatencyConfig):
@@ -166,23 +168,11 @@ def _ll_attrs(config: LowLatencyConfig):
                 max_tokens=np.int64(config.max_tokens_per_rank), num_blocks=_num_blocks())
 
 
-def _ll_send_call(x, topk_idx, slots, config: LowLatencyConfig, *, use_fp8, cached):
-    T, K = topk_idx.shape
-    i32 = jnp.int32
-    return _call(
-        "jax_ep_ll_dispatch_send",
-        (jax.ShapeDtypeStruct((T, K), i32), jax.ShapeDtypeStruct((2,), i32),
-         jax.ShapeDtypeStruct((), i32)),
-        x, topk_idx, slots, _rank(config.axis_name), axis_name=config.axis_name,
-        use_fp8=np.int64(use_fp8), ue8m0=np.int64(config.ue8m0), cached=np.int64(cached),
-        **_ll_attrs(config))
-
-
-def _ll_receive_call(call, config: LowLatencyConfig, dtype, width, *, fp8, with_src):
+def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
     L, RM = config.num_local_experts, config.rows_per_expert
     i32 = jnp.int32
     src = (L, RM) if with_src else (0,)
-    types = (
+    return (
         jax.ShapeDtypeStruct((L, RM, width), dtype),
         jax.ShapeDtypeStruct((L, RM, width // 128) if fp8 else (0,), jnp.float32),
         jax.ShapeDtypeStruct((L,), i32),
@@ -190,49 +180,77 @@ def _ll_receive_call(call, config: LowLatencyConfig, dtype, width, *, fp8, with_
         jax.ShapeDtypeStruct(src, i32),
         jax.ShapeDtypeStruct(src, i32),
     )
-    return _call("jax_ep_ll_dispatch_receive", types, call, _rank(config.axis_name),
-                 axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
-                 **_ll_attrs(config))
+
+
+def _ll_send_types(T, K):
+    i32 = jnp.int32
+    return (jax.ShapeDtypeStruct((T, K), i32), jax.ShapeDtypeStruct((2,), i32),
+            jax.ShapeDtypeStruct((), i32))
+
+
+def _ll_fused_dispatch(x, topk_idx, slots, config: LowLatencyConfig, *, cached):
+    """Send and receive in one custom call (nothing can be scheduled between them)."""
+    use_fp8 = config.use_fp8 and not cached
+    dtype = jnp.float8_e4m3fn if use_fp8 else x.dtype
+    types = _ll_send_types(*topk_idx.shape) + _ll_receive_types(
+        config, dtype, x.shape[1], fp8=use_fp8, with_src=not cached)
+    return _call("jax_ep_ll_dispatch", types, x, topk_idx, slots, _rank(config.axis_name),
+                 axis_name=config.axis_name, use_fp8=np.int64(use_fp8),
+                 ue8m0=np.int64(config.ue8m0), cached=np.int64(cached), **_ll_attrs(config))
 
 
 def low_latency_send(x, topk_idx, config: LowLatencyConfig):
-    send_slot, call, num_dropped = _ll_send_call(
-        x, topk_idx, jnp.zeros((0,), jnp.int32), config, use_fp8=config.use_fp8, cached=False)
+    send_slot, call, num_dropped = _call(
+        "jax_ep_ll_dispatch_send", _ll_send_types(*topk_idx.shape), x, topk_idx,
+        jnp.zeros((0,), jnp.int32), _rank(config.axis_name), axis_name=config.axis_name,
+        use_fp8=np.int64(config.use_fp8), ue8m0=np.int64(config.ue8m0), cached=np.int64(0),
+        **_ll_attrs(config))
     return dict(call=call, topk_idx=topk_idx, send_slot=send_slot, num_dropped=num_dropped,
                 dtype=jnp.zeros((0,), x.dtype))
 
 
+def _ll_output(config, topk_idx, send_slot, num_dropped, x, scales, recv_count, src_rank,
+               src_token, src_k) -> LowLatencyOutput:
+    handle = LowLatencyHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
+                              src_token=src_token, src_k=src_k, recv_count=recv_count,
+                              config=config)
+    return LowLatencyOutput(x=x, x_scales=scales if config.use_fp8 else None,
+                            recv_count=recv_count, num_dropped=num_dropped, handle=handle)
+
+
 def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
     dtype = jnp.float8_e4m3fn if config.use_fp8 else sent["dtype"].dtype
-    x, scales, recv_count, src_rank, src_token, src_k = _ll_receive_call(
-        sent["call"], config, dtype, config.hidden, fp8=config.use_fp8, with_src=True)
-    handle = LowLatencyHandle(topk_idx=sent["topk_idx"], send_slot=sent["send_slot"],
-                              src_rank=src_rank, src_token=src_token, src_k=src_k,
-                              recv_count=recv_count, config=config)
-    return LowLatencyOutput(x=x, x_scales=scales if config.use_fp8 else None,
-                            recv_count=recv_count, num_dropped=sent["num_dropped"],
-                            handle=handle)
+    types = _ll_receive_types(config, dtype, config.hidden, fp8=config.use_fp8, with_src=True)
+    received = _call("jax_ep_ll_dispatch_receive", types, sent["call"], _rank(config.axis_name),
+                     axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
+                     **_ll_attrs(config))
+    return _ll_output(config, sent["topk_idx"], sent["send_slot"], sent["num_dropped"],
+                      *received)
 
 
 def low_latency_dispatch(x, topk_idx, config: LowLatencyConfig) -> LowLatencyOutput:
-    return low_latency_receive(low_latency_send(x, topk_idx, config), config)
+    send_slot, _, num_dropped, *received = _ll_fused_dispatch(
+        x, topk_idx, jnp.zeros((0,), jnp.int32), config, cached=False)
+    return _ll_output(config, topk_idx, send_slot, num_dropped, *received)
 
 
 def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
     """[T, D] -> [L, R*M, D] rows at the handle's positions, no quantisation; rows past
     recv_count are unspecified (the reference zeroes them)."""
-    config = handle.config
-    _, call, _ = _ll_send_call(x, handle.topk_idx, handle.send_slot, config, use_fp8=False,
-                               cached=True)
-    return _ll_receive_call(call, config, x.dtype, x.shape[1], fp8=False, with_src=False)[0]
+    return _ll_fused_dispatch(x, handle.topk_idx, handle.send_slot, handle.config,
+                              cached=True)[3]
+
+
+def _ll_combine_args(y, handle: LowLatencyHandle):
+    return (y, handle.src_rank, handle.src_token, handle.src_k, handle.recv_count)
 
 
 def low_latency_combine_send(y, handle: LowLatencyHandle):
     config = handle.config
-    call = _call("jax_ep_ll_combine_send", jax.ShapeDtypeStruct((2,), jnp.int32), y,
-                 handle.src_rank, handle.src_token, handle.src_k, handle.recv_count,
-                 _rank(config.axis_name), axis_name=config.axis_name,
-                 num_topk=np.int64(config.num_topk), **_ll_attrs(config))
+    call = _call("jax_ep_ll_combine_send", jax.ShapeDtypeStruct((2,), jnp.int32),
+                 *_ll_combine_args(y, handle), _rank(config.axis_name),
+                 axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
+                 **_ll_attrs(config))
     return dict(call=call, dtype=jnp.zeros((0,), y.dtype), hidden=jnp.zeros((0, y.shape[2])))
 
 
@@ -246,7 +264,13 @@ def low_latency_combine_receive(sent, topk_weights, handle: LowLatencyHandle):
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
-    return low_latency_combine_receive(low_latency_combine_send(y, handle), topk_weights, handle)
+    config = handle.config
+    types = (jax.ShapeDtypeStruct((2,), jnp.int32),
+             jax.ShapeDtypeStruct((config.num_tokens, y.shape[2]), y.dtype))
+    return _call("jax_ep_ll_combine", types, *_ll_combine_args(y, handle), handle.topk_idx,
+                 handle.send_slot, topk_weights.astype(jnp.float32), _rank(config.axis_name),
+                 axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
+                 **_ll_attrs(config))[1]
 
 
 def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,

@@ -12,4 +12,6 @@ XLA_FFI_Error* JaxEpLLDispatchSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLDispatchReceive(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombineSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombineReceive(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatch(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombine(XLA_FFI_CallFrame* call_frame);
 }

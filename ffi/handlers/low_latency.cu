@@ -103,13 +103,13 @@ int num_ranks_or_one() {
   return t ? t->num_ranks : 1;
 }
 
-ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
-                              ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> slots_in,
-                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> send_slot,
+ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                              ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
+                              ffi::ResultBuffer<ffi::S32> send_slot,
                               ffi::ResultBuffer<ffi::S32> call,
                               ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
                               int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
-                              int64_t num_blocks) {
+                              int64_t num_blocks, LLDispatchSendArgs& a) {
   const char* op = "low_latency_dispatch (send)";
   auto x_dims = x.dimensions();
   auto idx_dims = topk_idx.dimensions();
@@ -125,7 +125,7 @@ ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
     return invalid(std::string(op) + ": result shapes do not match [T, K], [2], []");
   if (cached && slots_in.element_count() != size_t(T) * K)
     return invalid(std::string(op) + ": a cached dispatch needs the handle's send_slot [T, K]");
-  LLDispatchSendArgs a{};
+  a = LLDispatchSendArgs{};
   a.use_fp8 = use_fp8 != 0;
   a.ue8m0 = ue8m0 != 0;
   a.cached = cached != 0;
@@ -173,19 +173,36 @@ ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
   a.send_slot = send_slot->typed_data();
   a.call_out = call->typed_data();
   a.num_dropped = num_dropped->typed_data();
-  return cuda_error(launch_ll_dispatch_send(a, stream), op);
+  return ffi::Error::Success();
 }
 
-ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
-                                 ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out_x,
+ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
+                              ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> slots_in,
+                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> send_slot,
+                              ffi::ResultBuffer<ffi::S32> call,
+                              ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
+                              int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
+                              int64_t num_blocks) {
+  LLDispatchSendArgs a;
+  if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, num_blocks,
+                                    a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_dispatch_send(a, stream), "low_latency_dispatch (send)");
+}
+
+// `call`: the device [2] int32 call number of the matching send.
+ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank,
+                                 ffi::Result<ffi::AnyBuffer> out_x,
                                  ffi::ResultBuffer<ffi::F32> out_scales,
                                  ffi::ResultBuffer<ffi::S32> recv_count,
                                  ffi::ResultBuffer<ffi::S32> src_rank,
                                  ffi::ResultBuffer<ffi::S32> src_token,
                                  ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
-                                 int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+                                 int64_t max_tokens, int64_t num_topk, int64_t num_blocks,
+                                 LLDispatchReceiveArgs& a) {
   const char* op = "low_latency_dispatch (receive)";
-  if (call.element_count() != 2) return invalid(std::string(op) + ": call must be [2] int32");
   auto dims = out_x->dimensions();
   const int R = num_ranks_or_one();
   if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
@@ -197,7 +214,7 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call
   const size_t elem = element_bytes(out_x->element_type());
   if (elem == 0) return invalid(std::string(op) + ": unsupported dtype of x");
   const int D = static_cast<int>(dims[2]);
-  LLDispatchReceiveArgs a{};
+  a = LLDispatchReceiveArgs{};
   a.row_bytes = size_t(D) * elem;
   const bool fp8 = out_scales->element_count() != 0;
   if (fp8 && (out_x->element_type() != ffi::DataType::F8E4M3FN || D % 128 != 0 ||
@@ -220,21 +237,73 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call
   a.num_experts = static_cast<int>(num_experts);
   a.max_tokens = static_cast<int>(max_tokens);
   a.num_blocks = blocks_or_default(num_blocks);
-  a.call = call.typed_data();
+  a.call = call;
   a.out_x = out_x->untyped_data();
   a.out_scales = fp8 ? out_scales->typed_data() : nullptr;
   a.recv_count = recv_count->typed_data();
   a.src_rank = want_src ? src_rank->typed_data() : nullptr;
   a.src_token = want_src ? src_token->typed_data() : nullptr;
   a.src_k = want_src ? src_k->typed_data() : nullptr;
-  return cuda_error(launch_ll_dispatch_receive(a, stream), op);
+  return ffi::Error::Success();
 }
 
-ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
+ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
+                                 ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out_x,
+                                 ffi::ResultBuffer<ffi::F32> out_scales,
+                                 ffi::ResultBuffer<ffi::S32> recv_count,
+                                 ffi::ResultBuffer<ffi::S32> src_rank,
+                                 ffi::ResultBuffer<ffi::S32> src_token,
+                                 ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                                 int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+  if (call.element_count() != 2)
+    return invalid("low_latency_dispatch (receive): call must be [2] int32");
+  LLDispatchReceiveArgs a;
+  if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
+                                       src_rank, src_token, src_k, num_experts, max_tokens,
+                                       num_topk, num_blocks, a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_dispatch_receive(a, stream), "low_latency_dispatch (receive)");
+}
+
+// Send and receive in one custom call (the fused and cached dispatches): XLA cannot put
+// anything between them, so fused calls never count against the two calls in flight.
+ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                         ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
+                         ffi::ResultBuffer<ffi::S32> send_slot, ffi::ResultBuffer<ffi::S32> call,
+                         ffi::ResultBuffer<ffi::S32> num_dropped, ffi::Result<ffi::AnyBuffer> out_x,
+                         ffi::ResultBuffer<ffi::F32> out_scales,
+                         ffi::ResultBuffer<ffi::S32> recv_count,
+                         ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_token,
+                         ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                         int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
+                         int64_t num_blocks) {
+  LLDispatchSendArgs send;
+  if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, num_blocks,
+                                    send);
+      err.failure())
+    return err;
+  LLDispatchReceiveArgs receive;
+  if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
+                                       src_rank, src_token, src_k, num_experts, max_tokens,
+                                       send.num_topk, num_blocks, receive);
+      err.failure())
+    return err;
+  if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
+    return invalid("low_latency_dispatch: the result rows do not match the sent rows");
+  if (auto err = cuda_error(launch_ll_dispatch_send(send, stream), "low_latency_dispatch (send)");
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_dispatch_receive(receive, stream), "low_latency_dispatch (receive)");
+}
+
+ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
                              ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
                              ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> rank,
                              ffi::ResultBuffer<ffi::S32> call, int64_t num_experts,
-                             int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+                             int64_t max_tokens, int64_t num_topk, int64_t num_blocks,
+                             LLCombineSendArgs& a) {
   const char* op = "low_latency_combine (send)";
   auto dims = y.dimensions();
   const int R = num_ranks_or_one();
@@ -252,7 +321,7 @@ ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<
       src_k.element_count() != rows || recv_count.element_count() != size_t(L) ||
       call->element_count() != 2)
     return invalid(std::string(op) + ": the handle's arrays do not match [L, R*M] / [L]");
-  LLCombineSendArgs a{};
+  a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(static_cast<int>(max_tokens), static_cast<int>(num_topk), a.row_bytes);
   if (auto err = ll_context(op, rank, num_experts, num_topk, a.plan.bytes, true, &a.ctx,
@@ -270,18 +339,30 @@ ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<
   a.src_k = src_k.typed_data();
   a.recv_count = recv_count.typed_data();
   a.call_out = call->typed_data();
-  return cuda_error(launch_ll_combine_send(a, stream), op);
+  return ffi::Error::Success();
 }
 
-ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
-                                ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
-                                ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank,
-                                ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                                int64_t max_tokens, int64_t num_blocks) {
+ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
+                             ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> rank,
+                             ffi::ResultBuffer<ffi::S32> call, int64_t num_experts,
+                             int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+  LLCombineSendArgs a;
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, rank, call,
+                                   num_experts, max_tokens, num_topk, num_blocks, a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_combine_send(a, stream), "low_latency_combine (send)");
+}
+
+ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_idx,
+                                ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
+                                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                                int64_t num_experts, int64_t max_tokens, int64_t num_blocks,
+                                LLCombineReceiveArgs& a) {
   const char* op = "low_latency_combine (receive)";
   auto idx_dims = topk_idx.dimensions();
   auto dims = out->dimensions();
-  if (call.element_count() != 2) return invalid(std::string(op) + ": call must be [2] int32");
   if (idx_dims.size() != 2 || dims.size() != 2 || dims[0] != idx_dims[0])
     return invalid(std::string(op) + ": topk_idx must be [T, K] and the result [T, H]");
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
@@ -289,7 +370,7 @@ ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
     return invalid(std::string(op) + ": send_slot and topk_weights must be [T, K]");
   if (max_tokens < 1 || T > max_tokens)
     return invalid(std::string(op) + ": more tokens than max_tokens_per_rank");
-  LLCombineReceiveArgs a{};
+  a = LLCombineReceiveArgs{};
   if (!float_type(out->element_type(), &a.dtype))
     return invalid(std::string(op) + ": the result must be bf16, f16 or f32");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(out->element_type());
@@ -303,12 +384,56 @@ ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
   a.num_experts = static_cast<int>(num_experts);
   a.hidden = static_cast<int>(dims[1]);
   a.num_blocks = blocks_or_default(num_blocks);
-  a.call = call.typed_data();
+  a.call = call;
   a.topk_idx = topk_idx.typed_data();
   a.send_slot = send_slot.typed_data();
   a.weights = weights.typed_data();
   a.out = out->untyped_data();
-  return cuda_error(launch_ll_combine_receive(a, stream), op);
+  return ffi::Error::Success();
+}
+
+ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
+                                ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
+                                ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
+                                int64_t max_tokens, int64_t num_blocks) {
+  if (call.element_count() != 2)
+    return invalid("low_latency_combine (receive): call must be [2] int32");
+  LLCombineReceiveArgs a;
+  if (auto err = make_combine_receive(call.typed_data(), topk_idx, send_slot, weights, rank, out,
+                                      num_experts, max_tokens, num_blocks, a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_combine_receive(a, stream), "low_latency_combine (receive)");
+}
+
+// Send and receive in one custom call (the fused combine).
+ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
+                        ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+                        ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
+                        ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t num_experts, int64_t max_tokens,
+                        int64_t num_topk, int64_t num_blocks) {
+  if (out->element_type() != y.element_type())
+    return invalid("low_latency_combine: the result must have y's dtype");
+  LLCombineSendArgs send;
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, rank, call,
+                                   num_experts, max_tokens, num_topk, num_blocks, send);
+      err.failure())
+    return err;
+  LLCombineReceiveArgs receive;
+  if (auto err = make_combine_receive(send.call_out, topk_idx, send_slot, weights, rank, out,
+                                      num_experts, max_tokens, num_blocks, receive);
+      err.failure())
+    return err;
+  if (receive.num_topk != send.num_topk || receive.plan.bytes != send.plan.bytes ||
+      receive.plan.record_stride != send.plan.record_stride)
+    return invalid("low_latency_combine: topk_idx and the result do not match y and the handle");
+  if (auto err = cuda_error(launch_ll_combine_send(send, stream), "low_latency_combine (send)");
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_combine_receive(receive, stream), "low_latency_combine (receive)");
 }
 
 }  // namespace
@@ -375,4 +500,46 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_imp
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("use_fp8")
+                                  .Attr<int64_t>("ue8m0")
+                                  .Attr<int64_t>("cached")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_topk")
                                   .Attr<int64_t>("num_blocks"));
