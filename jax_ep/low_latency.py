@@ -8,6 +8,13 @@ weights each returned row with the source's gate and sums the K rows of a token 
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
 that XLA can schedule independent work (another micro-batch's attention) between them; the
 fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable.
+
+On CUDA each operation (dispatch, combine) has two buffer halves used by alternate calls, so
+at most two calls of an op may be in flight: between a ``*_send`` and its ``*_receive`` at most
+one other call of the same op (split or fused; a cached dispatch counts as a dispatch) may
+start. XLA orders calls only by data dependencies: tie independent calls together (as the
+fused ops of ``jax.grad`` already are) when a program has more. A send that would overwrite
+a half whose data is still unread waits, and after ``JAX_EP_TIMEOUT_S`` traps naming the peer.
 """
 
 from __future__ import annotations
