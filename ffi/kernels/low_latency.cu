@@ -179,7 +179,8 @@ __device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
 }
 
 // Quantises token t's row (8 threads per 128-channel block, 16 channels each) and stores the
-// e4m3 data and scales into every destination record. Bit-identical to jax_ep.fp8.
+// e4m3 data and scales into every destination record. Bit-identical to jax_ep.fp8 (finite
+// inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
 template <typename T>
 __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
                                    int num_dst) {
@@ -203,18 +204,22 @@ __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* con
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
     if (!active) continue;
-    float scale = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
+    // jax_ep.fp8.quantize_fp8 as XLA compiles it (see there): constants rounded from double
+    // to float as NumPy does, products and the reciprocal correctly rounded, no FMA.
+    float scale = __fmul_rn(fmaxf(amax, static_cast<float>(1e-10)),
+                            static_cast<float>(1.0 / 448.0));
     if (a.ue8m0) {
       int exponent;
       const float mantissa = frexpf(scale, &exponent);
       if (mantissa == 0.5f) exponent -= 1;
-      scale = ldexpf(1.0f, exponent);
+      scale = __int_as_float((exponent + 127) << 23);  // 2^exponent, a normal float here
     }
+    const float inverse = __fdiv_rn(1.0f, scale);
     int4 packed;
     unsigned char* bytes = reinterpret_cast<unsigned char*>(&packed);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const float q = fminf(fmaxf(__fdiv_rn(v[j], scale), -448.0f), 448.0f);
+      const float q = fminf(fmaxf(__fmul_rn(v[j], inverse), -448.0f), 448.0f);
       bytes[j] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
     }
     const bool writes_scale = (threadIdx.x & 7) == 0;
