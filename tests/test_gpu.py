@@ -360,10 +360,11 @@ def test_low_latency_drops_duplicate_experts():
     assert_sums_close(back, back_r, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("H", [136, 129])  # 16-byte rows / odd rows: vector and scalar paths
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
-def test_low_latency_combine_dtypes_and_cached_dispatch(dtype):
+def test_low_latency_combine_dtypes_and_cached_dispatch(dtype, H):
     R = num_ranks()
-    T, M, H = 24, 32, 136  # 136 bf16 = 272 bytes: 16-byte rows; f32 rows are 544 bytes
+    T, M = 24, 32
     x, idx, w, E = _ll_inputs(3, T, H, "random", 0.2, dtype=dtype)
     L = E // R
     rng = np.random.default_rng(4)

@@ -523,6 +523,7 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base) {
   const size_t threads = size_t(gridDim.x) * blockDim.x;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   constexpr int kVec = 16 / sizeof(T);
+  constexpr int kBatch = 8;  // records loaded at once
   T* out = static_cast<T*>(a.out);
   if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
     const int per_token = H / kVec;
@@ -532,15 +533,33 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base) {
       float acc[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
-      for (int k = 0; k < K; ++k) {
-        const int p = t * K + k, e = a.topk_idx[p];
-        if (a.send_slot[p] < 0 || e < 0 || e >= E) continue;
-        const float w = a.weights[p];
-        const int4 raw = __ldcg(reinterpret_cast<const int4*>(
-                                    base + (size_t(t) * K + k) * a.plan.record_stride) + c);
-        const T* v = reinterpret_cast<const T*>(&raw);
+      for (int k0 = 0; k0 < K; k0 += kBatch) {
+        // issue the batch's loads together, then add in k order
+        int4 raw[kBatch];
+        float w[kBatch];
+        bool present[kBatch];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_float<T>(v[j])));
+        for (int b = 0; b < kBatch; ++b) {
+          const int k = k0 + b, p = t * K + k;
+          present[b] = false;
+          w[b] = 0.f;
+          if (k < K) {
+            const int e = a.topk_idx[p];
+            present[b] = a.send_slot[p] >= 0 && e >= 0 && e < E;
+            w[b] = a.weights[p];
+          }
+          raw[b] = present[b] ? __ldcg(reinterpret_cast<const int4*>(
+                                           base + (size_t(t) * K + k) * a.plan.record_stride) + c)
+                              : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (!present[b]) continue;
+          const T* v = reinterpret_cast<const T*>(&raw[b]);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            acc[j] = __fadd_rn(acc[j], __fmul_rn(w[b], to_float<T>(v[j])));
+        }
       }
       int4 packed;
       T* o = reinterpret_cast<T*>(&packed);
