@@ -15,6 +15,7 @@ namespace jax_ep {
 namespace {
 
 constexpr size_t kMaxSendSmem = 200 * 1024;  // what launch_ll_dispatch_send allows
+constexpr size_t kMaxStaticSmem = 48 * 1024;  // dynamic shared memory without opting in
 
 uint64_t timeout_ns() {
   static const uint64_t value = [] {
@@ -208,6 +209,9 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
     return invalid(std::string(op) + ": bad num_experts / max_tokens_per_rank");
   const int L = static_cast<int>(num_experts / R), RM = R * static_cast<int>(max_tokens);
+  if (sizeof(int32_t) * (size_t(num_experts) + 1) > kMaxStaticSmem)
+    return invalid(std::string(op) + ": at most " +
+                   std::to_string(kMaxStaticSmem / sizeof(int32_t) - 1) + " experts");
   if (dims.size() != 3 || dims[0] != L || dims[1] != RM)
     return invalid(std::string(op) + ": x must be [L, R*M, D] = [" + std::to_string(L) + ", " +
                    std::to_string(RM) + ", D]; the EP axis must span every NVSHMEM PE");
