@@ -8,7 +8,9 @@ repeats: XLA's own launch cost is included, Python's is not. Consecutive calls d
 other through a zero-weighted feedback, so XLA can neither hoist nor overlap them. Baselines in
 the same run: a capacity-padded ``jax.lax.all_to_all`` and ``jax.lax.ragged_all_to_all``.
 The overlap row runs dispatch-send, an independent matmul, dispatch-receive: compare it with
-the sum of the two alone.
+the sum of the two alone (the matmul depends on the chained argument, so XLA cannot hoist it
+out of the loop). The combine-alone row reuses one dispatch's handle for every call.
+A send cannot be timed alone: a third send waits for the receive of the first.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def main():
     if args.backend != "reference" and jax.default_backend() == "gpu":
         from jax_ep import runtime
 
-        runtime.initialize()
+        runtime.initialize(low_latency_bytes=jax_ep.low_latency_buffer_size_hint(T, H, E, K, R))
     backend = jax_ep.api._resolve_backend(args.backend)
     mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     shard = NamedSharding(mesh, P(AXIS))
@@ -72,9 +74,10 @@ def main():
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
     rows = []
 
-    def record(name, f, *a):
+    def record(name, f, *a, chained=1):
         try:
-            looped_f = jax.jit(smap(looped(f, args.calls, chained=1), in_specs=(P(AXIS),) * len(a)))
+            looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
+                                    in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
             rows.append((name, t * 1e6))
         except Exception as e:  # a failing row must not hide the others
@@ -95,7 +98,7 @@ def main():
     # independent work of about the size of a decode step's attention projection
     weight = put(rng.standard_normal((R * H, H)).astype(jnp.bfloat16) / np.sqrt(H), shard)
 
-    def matmul(x, idx, weight):
+    def matmul(x, idx, weight):  # x is the chained argument: one matmul per call
         return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
 
     def dispatch_overlapped(x, idx, weight):
@@ -106,8 +109,35 @@ def main():
     record("jax_ep low_latency_dispatch FP8", dispatch_fp8, x, idx_d)
     record("jax_ep low_latency_dispatch BF16", dispatch_bf16, x, idx_d)
     record("jax_ep dispatch BF16 + combine BF16", combine, x, idx_d, w)
-    record("independent matmul alone", matmul, x, idx_d, weight)
-    record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight)
+
+    # combine alone: one dispatch's handle and rows, reused by every call (y is chained)
+    from jax_ep._types import LowLatencyConfig, LowLatencyHandle
+
+    config = LowLatencyConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=H, num_topk=K,
+                              max_tokens_per_rank=T, use_fp8=False, axis_name=AXIS,
+                              backend=backend)
+
+    def handle_arrays(x, idx):
+        o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
+        h = o.handle
+        return (jnp.where((h.src_rank >= 0)[..., None], o.x, 0), h.topk_idx, h.send_slot,
+                h.src_rank, h.src_token, h.src_k, h.recv_count)
+
+    try:
+        arrays = jax.jit(smap(handle_arrays, in_specs=(P(AXIS),) * 2))(x, idx_d)
+
+        def combine_alone(y, w, *h):
+            handle = LowLatencyHandle(*h, config=config)
+            return jax_ep.low_latency_combine(y, w, handle)[0, 0]
+
+        record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
+               *arrays[1:], chained=0)
+    except Exception as e:
+        rows.append(("jax_ep low_latency_combine BF16 (alone)", float("nan")))
+        if jax.process_index() == 0:
+            print(f"combine alone FAILED: {type(e).__name__}: {str(e)[:400]}")
+    record("independent matmul alone", matmul, x, idx_d, weight, chained=0)
+    record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
 
     # baselines: capacity-padded all_to_all and ragged_all_to_all of the deduplicated tokens
     dest = idx.reshape(R, T, K) // L

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,ll,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,variants,ll,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -47,6 +47,15 @@ if [[ $WHAT == *sweep* ]]; then
     JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py \
       --skip-baselines 2>&1 | tee "$OUT/bench_blocks_${blocks}_$N.log" |
       grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|combine)|FAILED" | sed 's/^\[rank 0\] //'
+  done
+fi
+if [[ $WHAT == *variants* ]]; then
+  for variant in "--routing zipf" "--routing hot" "--hidden 4096" "--hidden 2048"; do
+    step "intranode benchmark on $N GPUs, $variant"
+    timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py $variant 2>&1 |
+      tee -a "$OUT/bench_variants_$N.log" |
+      grep -E "^\[rank 0\] (\| jax|\| jax.lax|[0-9]×|.*FAILED)" | grep -v "expert_major\|pull" |
+      sed 's/^\[rank 0\] //'
   done
 fi
 if [[ $WHAT == *ll* ]]; then

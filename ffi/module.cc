@@ -27,6 +27,12 @@ nb::dict ffi_targets() {
   targets["jax_ep_dispatch"] = handler_capsule(JaxEpDispatch);
   targets["jax_ep_cached_dispatch"] = handler_capsule(JaxEpCachedDispatch);
   targets["jax_ep_combine"] = handler_capsule(JaxEpCombine);
+  targets["jax_ep_ll_dispatch_send"] = handler_capsule(JaxEpLLDispatchSend);
+  targets["jax_ep_ll_dispatch_receive"] = handler_capsule(JaxEpLLDispatchReceive);
+  targets["jax_ep_ll_combine_send"] = handler_capsule(JaxEpLLCombineSend);
+  targets["jax_ep_ll_combine_receive"] = handler_capsule(JaxEpLLCombineReceive);
+  targets["jax_ep_ll_dispatch"] = handler_capsule(JaxEpLLDispatch);
+  targets["jax_ep_ll_combine"] = handler_capsule(JaxEpLLCombine);
   // ---- end of table
   return targets;
 }
@@ -45,19 +51,20 @@ NB_MODULE(_C, m) {
   m.def(
       "initialize",
       [](int rank, int num_ranks, int local_device, size_t buffer_bytes, nb::bytes unique_id,
-         bool single_host) {
+         bool single_host, size_t low_latency_bytes) {
         jax_ep::InitOptions options;
         options.rank = rank;
         options.num_ranks = num_ranks;
         options.local_device = local_device;
         options.buffer_bytes = buffer_bytes;
+        options.low_latency_bytes = low_latency_bytes;
         options.unique_id = std::string(unique_id.c_str(), unique_id.size());
         options.single_host = single_host;
         nb::gil_scoped_release release;  // NVSHMEM's bootstrap blocks until every PE joins
         jax_ep::initialize(options);
       },
       nb::arg("rank"), nb::arg("num_ranks"), nb::arg("local_device"), nb::arg("buffer_bytes"),
-      nb::arg("unique_id"), nb::arg("single_host") = true);
+      nb::arg("unique_id"), nb::arg("single_host") = true, nb::arg("low_latency_bytes") = 0);
   m.def("finalize", [] {
     nb::gil_scoped_release release;
     jax_ep::finalize();
@@ -66,6 +73,10 @@ NB_MODULE(_C, m) {
   m.def("buffer_bytes", [] {
     const jax_ep::Transport* t = jax_ep::transport();
     return t ? t->bytes : size_t(0);
+  });
+  m.def("low_latency_buffer_bytes", [] {
+    const jax_ep::Transport* t = jax_ep::transport();
+    return t ? t->ll_bytes : size_t(0);
   });
   m.def("rank", [] {
     const jax_ep::Transport* t = jax_ep::transport();
@@ -94,4 +105,8 @@ NB_MODULE(_C, m) {
         nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("elem_bytes"), nb::arg("num_topk"),
         nb::arg("num_experts"), nb::arg("capacity"), nb::arg("expert_major"), nb::arg("fp8"),
         "Symmetric-buffer bytes that a dispatch + combine of these shapes needs");
+  m.def("required_low_latency_bytes", &jax_ep::required_low_latency_bytes,
+        nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("num_experts"), nb::arg("num_topk"),
+        nb::arg("num_ranks"), nb::arg("elem_bytes"),
+        "Low-latency buffer bytes that a low-latency dispatch + combine of these shapes needs");
 }

@@ -27,6 +27,7 @@ from jax_ep.api import (
 )
 from jax_ep.fp8 import dequantize_fp8, quantize_fp8
 from jax_ep.low_latency import (
+    low_latency_buffer_size_hint,
     low_latency_combine,
     low_latency_combine_receive,
     low_latency_combine_send,
@@ -52,6 +53,7 @@ __all__ = [
     "dequantize_fp8",
     "dispatch",
     "get_dispatch_layout",
+    "low_latency_buffer_size_hint",
     "low_latency_combine",
     "low_latency_combine_receive",
     "low_latency_combine_send",

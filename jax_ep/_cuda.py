@@ -160,87 +160,135 @@ def combine(y, weights, handle: DispatchHandle):
 
 # ----------------------------------------------------------------------------- low latency
 #
-# First CUDA version of the low-latency mode: the normal-mode expert_major kernels with fixed
-# blocks of R*M rows per local expert (the low-latency layout). Correct and graph-safe; not
-# yet the dedicated decode kernels, and the send half does all the work (no overlap yet).
+# Dedicated decode kernels on the runtime's low-latency buffer (runtime.initialize(...,
+# low_latency_bytes=...)): one custom call per half. The send returns its call number ([2]
+# int32), which its receive takes: that data dependency orders them, and the number selects
+# the buffer half (parity) and the flag values, so two calls of an op may be in flight. The
+# fused ops (and the cached dispatches of the backward pass) launch both halves from one
+# custom call, so XLA cannot put other calls between them.
 
 
-def _ll_block(config: LowLatencyConfig) -> int:
-    return config.num_ranks * config.max_tokens_per_rank
+def _ll_attrs(config: LowLatencyConfig):
+    return dict(num_experts=np.int64(config.num_experts),
+                max_tokens=np.int64(config.max_tokens_per_rank), num_blocks=_num_blocks())
 
 
-def _ll_flat_handle(handle: LowLatencyHandle) -> DispatchHandle:
-    """The expert_major view of a low-latency handle (global rows instead of rows per block)."""
-    c = handle.config
-    L, block = c.num_local_experts, _ll_block(c)
-    local = jnp.where(handle.topk_idx >= 0, handle.topk_idx % L, 0)
-    flat_config = DispatchConfig(
-        num_experts=c.num_experts, num_ranks=c.num_ranks, num_tokens=c.num_tokens,
-        hidden=c.hidden, num_topk=c.num_topk, capacity=L * block, layout=EXPERT_MAJOR,
-        axis_name=c.axis_name, backend="cuda")
-    return DispatchHandle(
-        topk_idx=handle.topk_idx,
-        send_slot=jnp.where(handle.send_slot >= 0, local * block + handle.send_slot, -1),
-        src_rank=handle.src_rank.reshape(-1), src_token=handle.src_token.reshape(-1),
-        src_k=handle.src_k.reshape(-1), num_received=jnp.int32(L * block), config=flat_config)
+def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
+    L, RM = config.num_local_experts, config.rows_per_expert
+    i32 = jnp.int32
+    src = (L, RM) if with_src else (0,)
+    return (
+        jax.ShapeDtypeStruct((L, RM, width), dtype),
+        jax.ShapeDtypeStruct((L, RM, width // 128) if fp8 else (0,), jnp.float32),
+        jax.ShapeDtypeStruct((L,), i32),
+        jax.ShapeDtypeStruct(src, i32),
+        jax.ShapeDtypeStruct(src, i32),
+        jax.ShapeDtypeStruct(src, i32),
+    )
+
+
+def _ll_send_types(T, K):
+    i32 = jnp.int32
+    return (jax.ShapeDtypeStruct((T, K), i32), jax.ShapeDtypeStruct((2,), i32),
+            jax.ShapeDtypeStruct((), i32))
+
+
+def _ll_fused_dispatch(x, topk_idx, slots, config: LowLatencyConfig, *, cached):
+    """Send and receive in one custom call (nothing can be scheduled between them)."""
+    use_fp8 = config.use_fp8 and not cached
+    dtype = jnp.float8_e4m3fn if use_fp8 else x.dtype
+    types = _ll_send_types(*topk_idx.shape) + _ll_receive_types(
+        config, dtype, x.shape[1], fp8=use_fp8, with_src=not cached)
+    return _call("jax_ep_ll_dispatch", types, x, topk_idx, slots, _rank(config.axis_name),
+                 axis_name=config.axis_name, use_fp8=np.int64(use_fp8),
+                 ue8m0=np.int64(config.ue8m0), cached=np.int64(cached), **_ll_attrs(config))
 
 
 def low_latency_send(x, topk_idx, config: LowLatencyConfig):
-    from jax_ep.fp8 import quantize_fp8
+    send_slot, call, num_dropped = _call(
+        "jax_ep_ll_dispatch_send", _ll_send_types(*topk_idx.shape), x, topk_idx,
+        jnp.zeros((0,), jnp.int32), _rank(config.axis_name), axis_name=config.axis_name,
+        use_fp8=np.int64(config.use_fp8), ue8m0=np.int64(config.ue8m0), cached=np.int64(0),
+        **_ll_attrs(config))
+    return dict(call=call, topk_idx=topk_idx, send_slot=send_slot, num_dropped=num_dropped,
+                dtype=jnp.zeros((0,), x.dtype))
 
-    L, block, K = config.num_local_experts, _ll_block(config), config.num_topk
-    data, scales = quantize_fp8(x, ue8m0=config.ue8m0) if config.use_fp8 else (x, None)
-    (out_x, out_scales, _, _, per_expert, _, _, num_dropped, send_slot, src_rank, src_token,
-     src_k) = _dispatch_call(
-        data, scales, topk_idx, jnp.zeros((config.num_tokens, K), jnp.float32),
-        num_experts=config.num_experts, num_ranks=config.num_ranks, capacity=L * block,
-        expert_major=True, alignment=1, axis_name=config.axis_name, block=block)
-    local = jnp.where(topk_idx >= 0, topk_idx % L, 0)
-    return dict(
-        x=out_x.reshape(L, block, -1),
-        x_scales=None if scales is None else out_scales.reshape(L, block, -1),
-        recv_count=per_expert, num_dropped=num_dropped,
-        send_slot=jnp.where(send_slot >= 0, send_slot - local * block, -1),
-        src_rank=src_rank.reshape(L, block), src_token=src_token.reshape(L, block),
-        src_k=src_k.reshape(L, block), topk_idx=topk_idx)
+
+def _ll_output(config, topk_idx, send_slot, num_dropped, x, scales, recv_count, src_rank,
+               src_token, src_k) -> LowLatencyOutput:
+    handle = LowLatencyHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
+                              src_token=src_token, src_k=src_k, recv_count=recv_count,
+                              config=config)
+    return LowLatencyOutput(x=x, x_scales=scales if config.use_fp8 else None,
+                            recv_count=recv_count, num_dropped=num_dropped, handle=handle)
 
 
 def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
-    handle = LowLatencyHandle(topk_idx=sent["topk_idx"], send_slot=sent["send_slot"],
-                              src_rank=sent["src_rank"], src_token=sent["src_token"],
-                              src_k=sent["src_k"], config=config)
-    return LowLatencyOutput(x=sent["x"], x_scales=sent["x_scales"],
-                            recv_count=sent["recv_count"], num_dropped=sent["num_dropped"],
-                            handle=handle)
+    dtype = jnp.float8_e4m3fn if config.use_fp8 else sent["dtype"].dtype
+    types = _ll_receive_types(config, dtype, config.hidden, fp8=config.use_fp8, with_src=True)
+    received = _call("jax_ep_ll_dispatch_receive", types, sent["call"], _rank(config.axis_name),
+                     axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
+                     **_ll_attrs(config))
+    return _ll_output(config, sent["topk_idx"], sent["send_slot"], sent["num_dropped"],
+                      *received)
 
 
 def low_latency_dispatch(x, topk_idx, config: LowLatencyConfig) -> LowLatencyOutput:
-    return low_latency_receive(low_latency_send(x, topk_idx, config), config)
+    send_slot, _, num_dropped, *received = _ll_fused_dispatch(
+        x, topk_idx, jnp.zeros((0,), jnp.int32), config, cached=False)
+    return _ll_output(config, topk_idx, send_slot, num_dropped, *received)
 
 
 def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
-    c = handle.config
-    rows = cached_dispatch(x, _ll_flat_handle(handle))
-    return rows.reshape(c.num_local_experts, _ll_block(c), -1)
+    """[T, D] -> [L, R*M, D] rows at the handle's positions, no quantisation; rows past
+    recv_count are unspecified (the reference zeroes them)."""
+    return _ll_fused_dispatch(x, handle.topk_idx, handle.send_slot, handle.config,
+                              cached=True)[3]
+
+
+def _ll_combine_args(y, handle: LowLatencyHandle):
+    return (y, handle.src_rank, handle.src_token, handle.src_k, handle.recv_count)
 
 
 def low_latency_combine_send(y, handle: LowLatencyHandle):
-    return dict(y=y)  # the weights arrive with the receive half: all work happens there
+    config = handle.config
+    call = _call("jax_ep_ll_combine_send", jax.ShapeDtypeStruct((2,), jnp.int32),
+                 *_ll_combine_args(y, handle), _rank(config.axis_name),
+                 axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
+                 **_ll_attrs(config))
+    return dict(call=call, dtype=jnp.zeros((0,), y.dtype), hidden=jnp.zeros((0, y.shape[2])))
 
 
 def low_latency_combine_receive(sent, topk_weights, handle: LowLatencyHandle):
     """out[t] = sum over k ascending of topk_weights[t, k] * row(t, k), float32."""
-    flat = _ll_flat_handle(handle)
-    y = sent["y"].reshape(flat.config.capacity, -1)
-    # every row's gate, fetched from its source token
-    gates = cached_dispatch(topk_weights.astype(jnp.float32), flat)  # [C, K]
-    k = jnp.maximum(flat.src_k, 0)
-    row_weights = jnp.take_along_axis(gates, k[:, None], axis=1)[:, 0]
-    return combine(y, row_weights, flat)
+    config = handle.config
+    out = jax.ShapeDtypeStruct((config.num_tokens, sent["hidden"].shape[1]), sent["dtype"].dtype)
+    return _call("jax_ep_ll_combine_receive", out, sent["call"], handle.topk_idx,
+                 handle.send_slot, topk_weights.astype(jnp.float32), _rank(config.axis_name),
+                 axis_name=config.axis_name, **_ll_attrs(config))
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
-    return low_latency_combine_receive(low_latency_combine_send(y, handle), topk_weights, handle)
+    config = handle.config
+    types = (jax.ShapeDtypeStruct((2,), jnp.int32),
+             jax.ShapeDtypeStruct((config.num_tokens, y.shape[2]), y.dtype))
+    return _call("jax_ep_ll_combine", types, *_ll_combine_args(y, handle), handle.topk_idx,
+                 handle.send_slot, topk_weights.astype(jnp.float32), _rank(config.axis_name),
+                 axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
+                 **_ll_attrs(config))[1]
+
+
+def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,
+                                 dtype=jnp.bfloat16) -> int:
+    """Low-latency buffer bytes that every call of a low-latency dispatch / combine of these
+    per-GPU shapes needs (FP8 or not, forward and backward); the kernels' own formula.
+    ``dtype``: the widest of x's and y's dtypes."""
+    module, why = _native.load()
+    if module is None:
+        raise RuntimeError(why)
+    return int(module.required_low_latency_bytes(
+        int(max_tokens_per_rank), int(hidden), int(num_experts), int(num_topk), int(num_ranks),
+        jnp.dtype(dtype).itemsize))
 
 
 def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,

@@ -127,11 +127,15 @@ class DispatchLayout(NamedTuple):
 # ----------------------------------------------------------------------------- low latency
 #
 # Decode-time contract: every rank sends at most M = max_tokens_per_rank tokens; each
-# (token, k) pair is one row in the receive block of its expert. Local expert l's block is
-# [R * M] rows; its first recv_count[l] rows are used, ordered by (source rank, source
-# token, k); the rest have -1 handle entries and unspecified data (the reference backend
-# zeroes it; the CUDA kernels leave it, as a decode step must not write L*R*M rows). Combine
-# weights each row by the source's gate and sums a token's K rows in k order, in float32.
+# (token, k) pair is one row in the receive block of its expert. A pair's slot is its rank
+# among its source's pairs for the same expert, in (token, k) order (computed at the source,
+# no exchange); a pair whose slot is >= M is dropped at the source and counted in the
+# source's num_dropped (only possible when a token lists one expert twice). Local expert
+# l's block is [R * M] rows; its first recv_count[l] rows are used, ordered by (source rank,
+# source token, k), i.e. row = (kept pairs of earlier sources for l) + slot; the rest have -1
+# handle entries and unspecified data (the reference backend zeroes it; the CUDA kernels
+# leave it, as a decode step must not write L*R*M rows). Combine weights each row by the
+# source's gate and sums a token's K rows in k order, in float32.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,10 +166,13 @@ class LowLatencyHandle:
     """Routing state of one low-latency dispatch.
 
       topk_idx:  [T, K] int32 the source's global expert ids (-1 = none).
-      send_slot: [T, K] int32 row of the pair inside its expert's block (-1 = not sent).
+      send_slot: [T, K] int32 per-(source, expert) slot of the pair: its rank among this
+                 source's pairs for the same expert, in (token, k) order; -1 = not sent
+                 (no valid expert) or dropped (slot >= M).
       src_rank:  [L, R*M] int32 source rank of each received row (-1 = unused).
       src_token: [L, R*M] int32 source token of each received row (-1 = unused).
       src_k:     [L, R*M] int32 top-k slot of each received row (-1 = unused).
+      recv_count: [L] int32 used rows per local expert (the used rows are a prefix).
     """
 
     topk_idx: jax.Array
@@ -173,11 +180,12 @@ class LowLatencyHandle:
     src_rank: jax.Array
     src_token: jax.Array
     src_k: jax.Array
+    recv_count: jax.Array
     config: LowLatencyConfig
 
     def tree_flatten(self):
-        return (self.topk_idx, self.send_slot, self.src_rank, self.src_token, self.src_k), \
-            self.config
+        return (self.topk_idx, self.send_slot, self.src_rank, self.src_token, self.src_k,
+                self.recv_count), self.config
 
     @classmethod
     def tree_unflatten(cls, config, children):
@@ -186,8 +194,9 @@ class LowLatencyHandle:
 
 class LowLatencyOutput(NamedTuple):
     """x: [L, R*M, H] (e4m3 when FP8, else x's dtype); x_scales: [L, R*M, H//128] f32 or None;
-    recv_count: [L] int32 rows used per local expert; num_dropped: [] int32 pairs that found
-    their expert's block full (only possible when a token lists one expert twice);
+    recv_count: [L] int32 rows used per local expert; num_dropped: [] int32 pairs of this
+    rank's tokens dropped at the source because their per-(source, expert) slot was >= M
+    (only possible when a token lists one expert twice);
     handle: LowLatencyHandle."""
 
     x: jax.Array

@@ -2,14 +2,23 @@
 
 ``x ≈ data.astype(f32) * repeat(scales, 128)``. With ``ue8m0=True`` every scale is a power of
 two (the UE8M0 format some FP8 GEMMs expect), at the cost of up to one bit of range.
+
+The arithmetic is spelled out so that XLA compiles it as written (it rewrites a division by
+a constant or by a broadcast into a multiplication by a reciprocal) and the CUDA low-latency
+dispatch, which quantises in its send kernel, reproduces it bit for bit:
+``scale = max(amax, 1e-10) * f32(1/448)``, ``data = e4m3(clip(x * (1 / scale), ±448))`` with
+an IEEE float32 reciprocal and round-to-nearest-even to e4m3.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 BLOCK = 128
 E4M3_MAX = 448.0
+INV_E4M3_MAX = np.float32(1.0 / E4M3_MAX)  # what the CUDA kernel uses: float(1.0 / 448.0)
 
 
 def quantize_fp8(x, *, ue8m0: bool = False):
@@ -20,11 +29,17 @@ def quantize_fp8(x, *, ue8m0: bool = False):
     T, H = x.shape
     blocks = x.astype(jnp.float32).reshape(T, H // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scales = jnp.maximum(amax, 1e-10) / E4M3_MAX
+    scales = jnp.maximum(amax, jnp.float32(1e-10)) * INV_E4M3_MAX
     if ue8m0:
-        # exact powers of two (exp2 may be computed through exp and round)
-        scales = jnp.ldexp(jnp.ones_like(scales), jnp.ceil(jnp.log2(scales)).astype(jnp.int32))
-    data = jnp.clip(blocks / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+        # the smallest power of two >= scale, exactly: scale = m * 2^e with m in [0.5, 1), so
+        # ceil(log2(scale)) is e - 1 when m == 0.5 and e otherwise (log2 may be inexact)
+        # (ldexp may go through pow); built from the exponent bits, exact for every scale
+        # here: 2^-43 < 1e-10 / 448 <= scale < 2^120
+        mantissa, exponent = jnp.frexp(scales)
+        exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent).astype(jnp.int32)
+        scales = jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
+    inverse = jnp.float32(1.0) / scales
+    data = jnp.clip(blocks * inverse[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return data.reshape(T, H), scales.astype(jnp.float32)
 
 

@@ -8,6 +8,13 @@ weights each returned row with the source's gate and sums the K rows of a token 
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
 that XLA can schedule independent work (another micro-batch's attention) between them; the
 fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable.
+
+On CUDA each operation (dispatch, combine) has two buffer halves used by alternate calls, so
+at most two calls of an op may be in flight: between a ``*_send`` and its ``*_receive`` at most
+one other call of the same op (split or fused; a cached dispatch counts as a dispatch) may
+start. XLA orders calls only by data dependencies: tie independent calls together (as the
+fused ops of ``jax.grad`` already are) when a program has more. A send that would overwrite
+a half whose data is still unread waits, and after ``JAX_EP_TIMEOUT_S`` traps naming the peer.
 """
 
 from __future__ import annotations
@@ -47,6 +54,18 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
         num_topk=topk_idx.shape[1], max_tokens_per_rank=int(max_tokens_per_rank),
         use_fp8=bool(use_fp8), ue8m0=bool(ue8m0), axis_name=axis_name, backend=resolved)
     return x, topk_idx, config
+
+
+def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,
+                                 dtype=jnp.bfloat16) -> int:
+    """Bytes of the low-latency buffer (``jax_ep.runtime.initialize(low_latency_bytes=...)``)
+    that every low-latency dispatch / combine of these per-GPU shapes needs, FP8 or not,
+    backward passes included; ``dtype`` is the widest of x's and y's dtypes. The CUDA
+    handlers check the same formula. Needs the native extension (not a GPU)."""
+    from jax_ep import _cuda
+
+    return _cuda.low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts,
+                                              num_topk, num_ranks, dtype)
 
 
 def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
@@ -155,8 +174,12 @@ def _ll_combine_bwd(residuals, g):
     y, topk_weights, handle = residuals
     backend = _backend(handle.config)
     K = handle.config.num_topk
-    g_rows = backend.low_latency_cached_dispatch(g.astype(y.dtype), handle)  # [L, RM, H]
-    w_rows = backend.low_latency_cached_dispatch(topk_weights, handle)  # [L, RM, K]
+    # unused rows of a cached dispatch are unspecified on CUDA (maybe NaN bits): mask them
+    used = (handle.src_rank >= 0)[..., None]
+    g_rows = jnp.where(used, backend.low_latency_cached_dispatch(g.astype(y.dtype), handle),
+                       jnp.zeros((), y.dtype))  # [L, RM, H]
+    w_rows = jnp.where(used, backend.low_latency_cached_dispatch(topk_weights, handle),
+                       0.0)  # [L, RM, K]
     k_onehot = handle.src_k[..., None] == jnp.arange(K)
     row_w = jnp.sum(jnp.where(k_onehot, w_rows, 0.0), axis=-1)
     dy = (g_rows.astype(jnp.float32) * row_w[..., None]).astype(y.dtype)

@@ -224,31 +224,48 @@ def _group_positions(key, num_groups):
     return jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted), counts
 
 
+def low_latency_slots(topk_idx, config: LowLatencyConfig):
+    """Per-(source, expert) slot of every (token, k) pair, local to the source: the rank of the
+    pair among this source's pairs for the same expert, in (token, k) order. Pairs with an
+    invalid expert, or whose slot is >= M (a token listing an expert twice), are not sent:
+    slot -1. Returns (send_slot [T, K], pairs dropped for a full slot range [])."""
+    E, M = config.num_experts, config.max_tokens_per_rank
+    valid = (topk_idx >= 0) & (topk_idx < E)
+    rank, _ = _group_positions(jnp.where(valid, topk_idx, E).reshape(-1), E)
+    slot = rank.reshape(topk_idx.shape)
+    kept = valid & (slot < M)
+    return jnp.where(kept, slot, -1).astype(jnp.int32), jnp.sum(valid & ~kept, dtype=jnp.int32)
+
+
 def low_latency_send(x, topk_idx, config: LowLatencyConfig):
     """Everything that crosses the wire; ``low_latency_receive`` lays it out locally."""
     from jax_ep.fp8 import quantize_fp8
 
     R, E, axis = config.num_ranks, config.num_experts, config.axis_name
-    dest, local = _routing(topk_idx, E, R)
+    send_slot, num_dropped = low_latency_slots(topk_idx, config)
+    dest, local = _routing(jnp.where(send_slot >= 0, topk_idx, -1), E, R)
     data, scales = quantize_fp8(x, ue8m0=config.ue8m0) if config.use_fp8 else (x, None)
     to_r = dest[None, :, :] == jnp.arange(R, dtype=jnp.int32)[:, None, None]
     return dict(
         x=_exchange(_to_all_ranks(data, R), axis),
         x_scales=None if scales is None else _exchange(_to_all_ranks(scales, R), axis),
-        local=_exchange(jnp.where(to_r, local[None], -1), axis),  # [R(src), T, K]
+        local=_exchange(jnp.where(to_r, local[None], -1), axis),  # [R(src), T, K] kept pairs
         topk_idx=topk_idx,
+        send_slot=send_slot,
+        num_dropped=num_dropped,
     )
 
 
 def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
+    """Block l holds the kept pairs for local expert l in (source rank, source token, k)
+    order: row = sum of the earlier sources' counts for l + the pair's slot at its source."""
     R, T, K, L = config.num_ranks, config.num_tokens, config.num_topk, config.num_local_experts
     rows = config.rows_per_expert
     n = R * T * K
     expert = sent["local"].reshape(n)  # pairs in (src, token, k) order
     valid = expert >= 0
-    rank, _ = _group_positions(jnp.where(valid, expert, L), L)
-    kept = valid & (rank < rows)
-    target = jnp.where(kept, expert * rows + rank, L * rows)
+    rank, counts = _group_positions(jnp.where(valid, expert, L), L)
+    target = jnp.where(valid, expert * rows + rank, L * rows)  # rank < R*M: nothing to drop
     pair = jnp.arange(n, dtype=jnp.int32)
     token_row = pair // K
 
@@ -258,24 +275,20 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
 
     x = sent["x"].reshape((R * T,) + sent["x"].shape[2:])[token_row]
     scales = sent["x_scales"]
-    slot_for_src = jnp.where(kept, rank, -1).reshape(R, T, K)
-    slots = _exchange(slot_for_src, config.axis_name)  # [R(expert rank), T, K]
-    dest, _ = _routing(sent["topk_idx"], config.num_experts, R)
-    send_slot = jnp.take_along_axis(slots, jnp.maximum(dest, 0)[None], axis=0)[0]
     handle = LowLatencyHandle(
         topk_idx=sent["topk_idx"],
-        send_slot=jnp.where(dest >= 0, send_slot, -1),
+        send_slot=sent["send_slot"],
         src_rank=place(pair // (T * K), -1),
         src_token=place((pair // K) % T, -1),
         src_k=place(pair % K, -1),
+        recv_count=counts,
         config=config,
     )
-    kept_expert = jnp.where(kept, expert, L)
     return LowLatencyOutput(
         x=place(x, 0),
         x_scales=None if scales is None else place(scales.reshape(R * T, -1)[token_row], 0),
-        recv_count=jnp.zeros((L + 1,), jnp.int32).at[kept_expert].add(1)[:L],
-        num_dropped=jnp.sum(valid & ~kept, dtype=jnp.int32),
+        recv_count=counts,
+        num_dropped=sent["num_dropped"],
         handle=handle,
     )
 

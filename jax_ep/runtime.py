@@ -16,6 +16,10 @@ Buffer size: ``buffer_bytes``, else a size computed from the shapes you pass (``
 ``hidden``, ...), else ``JAX_EP_BUFFER_BYTES``, else ``DEFAULT_BUFFER_BYTES`` (1 GiB, enough for
 DeepSeek-V3 shapes, 4096 tokens x 7168 bf16 per GPU, on up to 8 GPUs).
 
+Low-latency buffer: the decode kernels (``jax_ep.low_latency_*``) use a second symmetric
+allocation, ``low_latency_bytes``, else ``JAX_EP_LL_BUFFER_BYTES``, else none (0);
+``jax_ep.low_latency_buffer_size_hint(...)`` gives the size for your shapes.
+
 GPU memory: the buffer is allocated outside XLA, while XLA preallocates 75% of each GPU by
 default. Importing this module lowers that default to 70% (only if
 ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is unset and JAX has not created its GPU client yet). If the
@@ -73,6 +77,17 @@ def buffer_bytes() -> int:
     return module.buffer_bytes() if module is not None else 0
 
 
+def low_latency_buffer_bytes() -> int:
+    """Bytes of the low-latency buffer (0 before ``initialize`` or when it has none)."""
+    module, _ = _native.load()
+    return module.low_latency_buffer_bytes() if module is not None else 0
+
+
+def default_low_latency_bytes() -> int:
+    """The low-latency buffer size used when ``initialize`` is not given one."""
+    return int(os.environ.get("JAX_EP_LL_BUFFER_BYTES", 0))
+
+
 def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capacity, dtype,
                       layout, fp8, alignment=1) -> int:
     missing = [name for name, value in (("num_tokens", num_tokens), ("hidden", hidden),
@@ -102,7 +117,8 @@ def _all_on_one_host(client, rank, world, generation) -> bool:
 def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None,
                hidden: int | None = None, num_topk: int | None = None,
                num_experts: int | None = None, capacity: int | None = None, dtype=None,
-               layout: str = "rank_major", fp8: bool = False, alignment: int = 1) -> None:
+               layout: str = "rank_major", fp8: bool = False, alignment: int = 1,
+               low_latency_bytes: int | None = None) -> None:
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
     Collective: every process calls it with the same arguments. A second call with the same
@@ -114,6 +130,9 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         needs (``capacity``, ``dtype`` (bf16), ``layout``, ``fp8`` and ``alignment`` refine it);
         otherwise
         ``default_buffer_bytes()``.
+      low_latency_bytes: the second symmetric buffer, used only by the low-latency (decode)
+        calls; None: ``JAX_EP_LL_BUFFER_BYTES``, else 0 (no low-latency buffer). See
+        ``jax_ep.low_latency_buffer_size_hint``.
     """
     global _generation, _atexit_registered
     import jax
@@ -144,9 +163,15 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     buffer_bytes = int(buffer_bytes)
     if buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    if low_latency_bytes is None:
+        low_latency_bytes = default_low_latency_bytes()
+    low_latency_bytes = int(low_latency_bytes)
+    if low_latency_bytes < 0:
+        raise ValueError(f"low_latency_bytes must be >= 0, got {low_latency_bytes}")
 
     if module.is_initialized():
-        module.initialize(rank, world, 0, buffer_bytes, b"", True)  # checks size and rank
+        # checks sizes and rank
+        module.initialize(rank, world, 0, buffer_bytes, b"", True, low_latency_bytes)
         return
 
     generation = _generation
@@ -168,7 +193,7 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
 
     device = local[0].local_hardware_id
     module.initialize(rank, world, int(device if device is not None else 0), buffer_bytes,
-                      unique_id, single_host)
+                      unique_id, single_host, low_latency_bytes)
     _native.register(force=True)
     if not _atexit_registered:
         atexit.register(_finalize_at_exit)

@@ -130,49 +130,66 @@ def combine(y, weights, per_rank, send_slot, topk_idx, num_experts, layout="rank
 
 
 def low_latency_dispatch(x, topk_idx, num_experts, max_tokens):
-    """Per destination rank: x blocks [L, R*M, ...], recv_count [L], src arrays; plus send_slot."""
+    """Per destination rank: x blocks [L, R*M, ...], recv_count [L], src arrays; per source
+    rank num_dropped; plus send_slot (the per-(source, expert) slot, -1 = not sent)."""
     R, T, K = topk_idx.shape
     L = num_experts // R
     rows = R * max_tokens
     dest, local = route(topk_idx, num_experts, R)
     send_slot = np.full((R, T, K), -1, np.int32)
+    dropped = np.zeros(R, np.int32)
+    for s in range(R):
+        seen = np.zeros(num_experts, np.int64)
+        for t in range(T):
+            for k in range(K):
+                if dest[s, t, k] < 0:
+                    continue
+                e = topk_idx[s, t, k]
+                if seen[e] < max_tokens:
+                    send_slot[s, t, k] = seen[e]
+                else:
+                    dropped[s] += 1
+                seen[e] += 1
     results = []
     for me in range(R):
         o = dict(x=np.zeros((L, rows) + x.shape[2:], x.dtype),
                  src_rank=np.full((L, rows), -1, np.int32),
                  src_token=np.full((L, rows), -1, np.int32),
                  src_k=np.full((L, rows), -1, np.int32),
-                 recv_count=np.zeros(L, np.int32), num_dropped=0)
+                 recv_count=np.zeros(L, np.int32), num_dropped=dropped[me])
         for s in range(R):
             for t in range(T):
                 for k in range(K):
-                    if dest[s, t, k] != me:
+                    if dest[s, t, k] != me or send_slot[s, t, k] < 0:
                         continue
                     e = local[s, t, k]
                     row = o["recv_count"][e]
-                    if row >= rows:
-                        o["num_dropped"] += 1
-                        continue
                     o["x"][e, row] = x[s, t]
                     o["src_rank"][e, row], o["src_token"][e, row], o["src_k"][e, row] = s, t, k
                     o["recv_count"][e] += 1
-                    send_slot[s, t, k] = row
         results.append(o)
     return results, send_slot
 
 
-def low_latency_combine(y, topk_weights, send_slot, topk_idx, num_experts):
-    """y: [R, L, R*M, H]; out[s, t] = sum_k w * y[dest, local, slot] in float32, k ascending."""
+def low_latency_combine(y, topk_weights, topk_idx, num_experts, max_tokens):
+    """y: [R, L, R*M, H]; out[s, t] = sum over k ascending of w * (the row that pair (t, k)
+    became at its expert's rank), in float32; pairs not sent add nothing."""
     R, T, K = topk_idx.shape
-    dest, local = route(topk_idx, num_experts, R)
+    results, _ = low_latency_dispatch(np.zeros((R, T, 1), np.float32), topk_idx, num_experts,
+                                      max_tokens)
+    row_of = {}
+    for me, o in enumerate(results):
+        for le, row in zip(*np.nonzero(o["src_rank"] >= 0)):
+            key = (o["src_rank"][le, row], o["src_token"][le, row], o["src_k"][le, row])
+            row_of[key] = (me, le, row)
     out = np.zeros((R, T, y.shape[-1]), np.float32)
     for s in range(R):
         for t in range(T):
             acc = np.zeros(y.shape[-1], np.float32)
             for k in range(K):
-                if dest[s, t, k] < 0 or send_slot[s, t, k] < 0:
+                if (s, t, k) not in row_of:
                     continue
-                row = y[dest[s, t, k], local[s, t, k], send_slot[s, t, k]].astype(np.float32)
+                row = y[row_of[s, t, k]].astype(np.float32)
                 acc = acc + np.float32(topk_weights[s, t, k]) * row
             out[s, t] = acc
     return out

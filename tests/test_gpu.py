@@ -57,9 +57,17 @@ def runtime():
         return
     from jax_ep import runtime as rt
 
-    rt.initialize(int(os.environ.get("JAX_EP_BUFFER_BYTES", 1 << 30)))
+    R = jax.device_count()
+    ll_bytes = max(2 * jax_ep.low_latency_buffer_size_hint(LL_M, LL_H, LL_E_PER_RANK * R, LL_K, R,
+                                                           jnp.float32),
+                   int(os.environ.get("JAX_EP_LL_BUFFER_BYTES", 0)))
+    rt.initialize(int(os.environ.get("JAX_EP_BUFFER_BYTES", 1 << 30)), low_latency_bytes=ll_bytes)
     yield
     rt.finalize()
+
+
+# Largest low-latency shapes of this suite (the low-latency buffer is sized for them).
+LL_M, LL_H, LL_E_PER_RANK, LL_K = 64, 512, 8, 8
 
 
 def num_ranks():
@@ -274,45 +282,213 @@ def test_moe_gradients_match_reference(layout):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("use_fp8", [True, False])
-@pytest.mark.parametrize("kind,mask,T,M", [("random", 0.1, 64, 64), ("one_expert", 0.0, 32, 48),
-                                           ("random", 0.3, 20, 32)])
-def test_low_latency_matches_reference(kind, mask, T, M, use_fp8, dispatch_mode):
+# ----------------------------------------------------------------------------- low latency
+
+
+def _ll_used(o, used):
+    """Rows past recv_count have unspecified data on CUDA: compare the used ones only."""
+    return o._replace(x=np.asarray(o.x)[used],
+                      x_scales=None if o.x_scales is None else np.asarray(o.x_scales)[used])
+
+
+def _ll_inputs(seed, T, H, kind, mask, junk=False, dtype=jnp.bfloat16):
     R = num_ranks()
-    H, K, E = 256, 8, 8 * R
-    rng = np.random.default_rng(T + M)
+    E, K = LL_E_PER_RANK * R, LL_K
+    rng = np.random.default_rng(seed)
     x, idx, w = make_inputs(rng, R, T, H, K, E, kind, mask)
-    x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    if junk:  # out-of-range ids are treated as -1
+        bad = rng.choice(np.array([-7, -2, E, E + 1, 1 << 20], np.int32), idx.shape)
+        idx = np.where(rng.random(idx.shape) < 0.2, bad, idx).astype(np.int32)
+    return np.asarray(jnp.asarray(x, dtype)), idx, w, E
+
+
+@pytest.mark.parametrize("fp8", ["bf16", "fp8", "ue8m0"])
+@pytest.mark.parametrize("kind,mask,T,M,junk", [
+    ("random", 0.1, 64, 64, False),   # T == M
+    ("one_expert", 0.0, 32, 48, False),  # every token to one expert
+    ("random", 0.3, 20, 32, True),    # T < M, -1 masks and out-of-range ids
+    ("random", 0.0, 1, 1, False),     # one token
+])
+def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
+    R = num_ranks()
+    H = 256
+    x, idx, w, E = _ll_inputs(T + M, T, H, kind, mask, junk)
     L = E // R
+    rng = np.random.default_rng(T)
     y = np.asarray(jnp.asarray(rng.standard_normal((R, L, R * M, H)), jnp.bfloat16))
 
     def fn(backend, x, idx, w, y):
-        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=use_fp8,
-                  backend=backend)
+        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=fp8 != "bf16",
+                  ue8m0=fp8 == "ue8m0", backend=backend)
         out = jax_ep.low_latency_dispatch(x, idx, **kw)
         split = jax_ep.low_latency_dispatch_receive(jax_ep.low_latency_dispatch_send(x, idx, **kw))
         back = jax_ep.low_latency_combine(y, w, out.handle)
-        return out, split, back
+        back_split = jax_ep.low_latency_combine_receive(
+            jax_ep.low_latency_combine_send(y, out.handle), w, out.handle)
+        return out, split, back, back_split
 
-    (out, split, back), (out_r, split_r, back_r) = both(fn, x, idx, w, y)
-    used = np.asarray(out_r.handle.src_rank) >= 0  # data past recv_count is unspecified
-
-    def used_rows(o):
-        return o._replace(x=np.asarray(o.x)[used],
-                          x_scales=None if o.x_scales is None else np.asarray(o.x_scales)[used])
-
-    assert_trees_equal(used_rows(out), used_rows(out_r))
-    assert_trees_equal(used_rows(split), used_rows(out_r))
+    (out, split, back, back_split), (out_r, split_r, back_r, _) = both(fn, x, idx, w, y)
+    used = np.asarray(out_r.handle.src_rank) >= 0
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used))
     assert_sums_close(back, back_r, jnp.bfloat16)
+    assert_trees_equal(back_split, back)
+
+
+def test_low_latency_drops_duplicate_experts():
+    """T == M and tokens listing an expert twice: slots >= M are dropped at the source."""
+    R = num_ranks()
+    T = M = 16
+    H, K, E = 128, LL_K, LL_E_PER_RANK * R
+    rng = np.random.default_rng(8)
+    x = np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), jnp.bfloat16))
+    others = np.delete(np.arange(E), 3)
+    idx = np.stack([np.stack([rng.choice(others, K, replace=False) for _ in range(T)])
+                    for _ in range(R)]).astype(np.int32)
+    idx[:, :, 1] = idx[:, :, 0] = 3  # expert 3 twice in every token: 2T pairs, M kept
+    w = rng.random((R, T, K)).astype(np.float32)
+
+    def fn(backend, x, idx, w):
+        out = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                          axis_name=AXIS, use_fp8=False, backend=backend)
+        return out, jax_ep.low_latency_combine(out.x, w, out.handle)
+
+    (out, back), (out_r, back_r) = both(fn, x, idx, w)
+    used = np.asarray(out_r.handle.src_rank) >= 0
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
+    assert np.asarray(out.num_dropped).tolist() == [T] * R
+    assert_sums_close(back, back_r, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("H", [136, 129])  # 16-byte rows / odd rows: vector and scalar paths
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_low_latency_combine_dtypes_and_cached_dispatch(dtype, H):
+    R = num_ranks()
+    T, M = 24, 32
+    x, idx, w, E = _ll_inputs(3, T, H, "random", 0.2, dtype=dtype)
+    L = E // R
+    rng = np.random.default_rng(4)
+    y = np.asarray(jnp.asarray(rng.standard_normal((R, L, R * M, H)), dtype))
+    odd = rng.standard_normal((R, T, 3)).astype(np.float32)  # 12-byte rows: unaligned paths
+
+    def fn(backend, x, idx, w, y, odd):
+        out = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                          axis_name=AXIS, use_fp8=False, backend=backend)
+        mod = jax_ep.api._backend_module(backend)
+        return (out, jax_ep.low_latency_combine(y, w, out.handle),
+                mod.low_latency_cached_dispatch(x, out.handle),
+                mod.low_latency_cached_dispatch(odd, out.handle),
+                mod.low_latency_cached_dispatch(w, out.handle))
+
+    (out, back, rows, odd_rows, w_rows), (out_r, back_r, rows_r, odd_r, w_r) = both(
+        fn, x, idx, w, y, odd)
+    used = np.asarray(out_r.handle.src_rank) >= 0
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
+    assert_sums_close(back, back_r, dtype)
+    for got, want in ((rows, rows_r), (odd_rows, odd_r), (w_rows, w_r)):
+        assert_trees_equal(np.asarray(got)[used], np.asarray(want)[used])
+
+
+def _after(value, *deps):
+    """value, unchanged, but computed after deps (low-latency outputs or arrays): XLA cannot
+    prove the added term is zero."""
+    flag = jnp.bool_(False)
+    for d in deps:
+        probe = d.recv_count[0] if hasattr(d, "recv_count") else d.ravel()[0]
+        flag = flag | (probe == 123456789)
+    return value + flag.astype(value.dtype)
+
+
+def test_low_latency_consecutive_and_interleaved_calls():
+    """Six calls with different data in one program (every buffer half reused), then the
+    orders send(A), send(B), receive(A), receive(B) and send(A), send(B), receive(B),
+    receive(A), for dispatch and combine (XLA may reorder independent halves: any order with
+    at most two sends in flight must work)."""
+    R = num_ranks()
+    T, M, H = 32, 32, 256
+    n = 6
+    data = [_ll_inputs(100 + i, T, H, "random", 0.1) for i in range(n)]
+    E = data[0][3]
+    L = E // R
+    xs = np.stack([d[0] for d in data], 1)  # [R, n, T, H]
+    idxs = np.stack([d[1] for d in data], 1)
+    ws = np.stack([d[2] for d in data], 1)
+    rng = np.random.default_rng(7)
+    ys = np.asarray(jnp.asarray(rng.standard_normal((R, n, L, R * M, H)), jnp.bfloat16))
+
+    def fn(backend, xs, idxs, ws, ys):
+        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
+                  backend=backend)
+        outs, backs = [], []
+        for i in range(n):
+            # each call after the previous one (XLA may reorder independent calls; a split
+            # send must not have two other sends of its op before its receive)
+            o = jax_ep.low_latency_dispatch(xs[i], _after(idxs[i], *outs[-1:]), **kw)
+            outs.append(o)
+            backs.append(jax_ep.low_latency_combine(_after(ys[i], *backs[-1:]), ws[i],
+                                                    o.handle))
+        # interleaved halves
+        pa = jax_ep.low_latency_dispatch_send(xs[0], _after(idxs[0], outs[-1]), **kw)
+        pb = jax_ep.low_latency_dispatch_send(xs[1], _after(idxs[1], outs[-1]), **kw)
+        oa = jax_ep.low_latency_dispatch_receive(pa)
+        ob = jax_ep.low_latency_dispatch_receive(pb)
+        # at most two sends in flight: C and D are sent after A and B are received
+        pc = jax_ep.low_latency_dispatch_send(xs[2], _after(idxs[2], oa, ob), **kw)
+        pd = jax_ep.low_latency_dispatch_send(xs[3], _after(idxs[3], oa, ob), **kw)
+        od = jax_ep.low_latency_dispatch_receive(pd)
+        oc = jax_ep.low_latency_dispatch_receive(pc)
+        ca = jax_ep.low_latency_combine_send(_after(ys[0], backs[-1]), oa.handle)
+        cb = jax_ep.low_latency_combine_send(_after(ys[1], backs[-1]), ob.handle)
+        bb = jax_ep.low_latency_combine_receive(cb, ws[1], ob.handle)
+        ba = jax_ep.low_latency_combine_receive(ca, ws[0], oa.handle)
+        return outs, backs, (oa, ob, oc, od), (ba, bb)
+
+    got, want = both(fn, xs, idxs, ws, ys)
+    outs, backs, inter, inter_back = got
+    outs_r, backs_r, _, _ = want
+    for i in range(n):
+        used = np.asarray(outs_r[i].handle.src_rank) >= 0
+        assert_trees_equal(_ll_used(outs[i], used), _ll_used(outs_r[i], used))
+        assert_sums_close(backs[i], backs_r[i], jnp.bfloat16)
+    for i, o in enumerate(inter):
+        used = np.asarray(outs_r[i].handle.src_rank) >= 0
+        assert_trees_equal(_ll_used(o, used), _ll_used(outs_r[i], used))
+    for i, b in enumerate(inter_back):
+        assert_sums_close(b, backs_r[i], jnp.bfloat16)
+
+
+def test_low_latency_repeated_programs_are_bit_identical():
+    R = num_ranks()
+    T, M, H = 64, 64, 512
+    x, idx, w, E = _ll_inputs(1, T, H, "random", 0.05)
+
+    def fn(x, idx, w):
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                        axis_name=AXIS, use_fp8=False, backend="cuda")
+        return o.handle, jax_ep.low_latency_combine(o.x, w, o.handle)
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ep import fetch, mesh, put
+
+    m = mesh(R)
+    f = jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda v: v[None], fn(*[v[0] for v in a])),
+                              mesh=m, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))
+    sh = NamedSharding(m, P(AXIS))
+    args = [put(a, sh) for a in (x, idx, w)]
+    first = jax.tree.map(fetch, f(*args))
+    outs = [f(*args) for _ in range(50)]
+    for o in outs:
+        assert_trees_equal(jax.tree.map(fetch, o), first)
 
 
 def test_low_latency_gradients_match_reference():
     R = num_ranks()
-    T, M, H, K, E = 16, 16, 128, 4, 4 * R
-    rng = np.random.default_rng(2)
-    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.1)
+    T, M, H = 16, 16, 128
+    x, idx, w, E = _ll_inputs(2, T, H, "random", 0.1, dtype=np.float32)
     L = E // R
-    scale = rng.standard_normal((R, L, 1, H)).astype(np.float32)
+    scale = np.random.default_rng(2).standard_normal((R, L, 1, H)).astype(np.float32)
 
     def fn(backend, x, idx, w, scale):
         def loss(x, w):
@@ -325,3 +501,27 @@ def test_low_latency_gradients_match_reference():
     got, want = both(fn, x, idx, w, scale)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_low_latency_too_small_buffer_is_an_error_naming_the_bytes():
+    """A call needing more than the low-latency buffer fails before any kernel runs (on every
+    rank alike), naming the bytes; later calls still work."""
+    import re
+
+    from jax_ep import runtime as rt
+
+    R = num_ranks()
+    H, K, E = 4096, LL_K, LL_E_PER_RANK * R
+    M = rt.low_latency_buffer_bytes() // (E * H) + 8  # E*M bf16 records: more than the buffer
+    x, idx, _, _ = _ll_inputs(0, 4, H, "random", 0.0)
+
+    def fn(x, idx):
+        return jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                           axis_name=AXIS, use_fp8=False, backend="cuda").x[0, 0]
+
+    with pytest.raises(Exception, match="needs a low-latency buffer of") as info:
+        run(fn, R, x, idx)
+    needed = int(re.search(r"buffer of (\d+) bytes", str(info.value)).group(1))
+    assert rt.low_latency_buffer_bytes() < needed <= jax_ep.low_latency_buffer_size_hint(
+        M, H, E, K, R)
+    test_low_latency_drops_duplicate_experts()  # the runtime still works

@@ -84,7 +84,7 @@ def test_low_latency_combine_matches_oracle(split):
         return jax_ep.low_latency_combine(y, w, o.handle), o.handle.send_slot
 
     got, slot = run(fn, R, x, idx, w, y)
-    np.testing.assert_array_equal(got, oracle.low_latency_combine(y, w, slot, idx, E))
+    np.testing.assert_array_equal(got, oracle.low_latency_combine(y, w, idx, E, M))
 
 
 def test_low_latency_decode_block_and_grads_match_dense():
@@ -143,3 +143,57 @@ def test_low_latency_validation():
     with pytest.raises(ValueError, match="max_tokens_per_rank must be >= 1"):
         attempt(M=0)
     attempt(H=100, use_fp8=False)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_drops_at_the_source(use_fp8):
+    """A token listing an expert twice can give a source more than M pairs for one expert:
+    the pairs whose per-(source, expert) slot is >= M are dropped and counted by the source."""
+    R, T, M, H, K, E = 2, 4, 4, 128, 3, 4
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    idx = np.full((R, T, K), -1, np.int32)
+    idx[0, :, :2] = 1  # rank 0: every token lists expert 1 twice -> 8 pairs, 4 kept
+    idx[0, :, 2] = 3
+    idx[1, :, 0] = 1
+    idx[1, 1, 1] = E + 3  # out of range: ignored
+    out = ll_dispatch(x, idx, E, M, use_fp8)
+    want, slot = oracle.low_latency_dispatch(
+        x, idx, E, M)
+    np.testing.assert_array_equal(out.handle.send_slot, slot)
+    np.testing.assert_array_equal(out.num_dropped, [4, 0])
+    assert (slot[0, 2:, :2] == -1).all() and (slot[0, :2, :2] >= 0).all()
+    for r in range(R):
+        np.testing.assert_array_equal(out.recv_count[r], want[r]["recv_count"])
+        np.testing.assert_array_equal(out.handle.recv_count[r], want[r]["recv_count"])
+        for name in ("src_rank", "src_token", "src_k"):
+            np.testing.assert_array_equal(getattr(out.handle, name)[r], want[r][name])
+
+
+def test_ue8m0_scales_are_exact_powers_of_two():
+    x = np.concatenate([np.ldexp(448.0, np.arange(-30, 30))[:, None] * np.ones((1, 128)),
+                        np.random.default_rng(0).standard_normal((60, 128)) * 3], axis=0)
+    _, s = jax_ep.quantize_fp8(jnp.asarray(x, jnp.float32), ue8m0=True)
+    _, raw = jax_ep.quantize_fp8(jnp.asarray(x, jnp.float32))
+    s, raw = np.asarray(s), np.asarray(raw)
+    m, _ = np.frexp(s)
+    assert (m == 0.5).all()
+    assert (s >= raw).all() and (s < 2 * raw).all()
+    np.testing.assert_array_equal(s[:60, 0], np.maximum(raw[:60, 0], 0))  # exact powers stay
+
+
+def test_low_latency_buffer_hint_covers_both_parities():
+    """The hint (the handlers' own formula) holds two dispatch regions of E*M records of the
+    widest row in 7/8 of the buffer and two combine regions of M*K rows in the last 1/8.
+    Needs the extension, not a GPU."""
+    from jax_ep import _native
+
+    if _native.load()[0] is None:
+        pytest.skip("extension not built")
+    for M, H, E, K, R in [(128, 7168, 256, 8, 2), (64, 256, 16, 8, 2), (5, 128, 8, 2, 8)]:
+        got = jax_ep.low_latency_buffer_size_hint(M, H, E, K, R)
+        rec = 16 + H * 2  # metadata + a bf16 row (wider than FP8 data + scales)
+        dispatch, combine = 2 * E * M * rec, 2 * M * K * H * 2
+        assert got >= dispatch * 8 / 7 and got >= combine * 8
+        assert got <= 1.02 * max(dispatch * 8 / 7, combine * 8) + (1 << 20)
+        assert jax_ep.low_latency_buffer_size_hint(M, H, E, K, R, jnp.float32) > got

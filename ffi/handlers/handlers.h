@@ -8,4 +8,10 @@ XLA_FFI_Error* JaxEpLayout(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpCachedDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpCombine(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatchSend(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatchReceive(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombineSend(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombineReceive(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLDispatch(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpLLCombine(XLA_FFI_CallFrame* call_frame);
 }

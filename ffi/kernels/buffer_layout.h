@@ -185,3 +185,130 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 }
 
 }  // namespace jax_ep
+
+// ----------------------------------------------------------------------------- low latency
+//
+// The low-latency (decode) kernels use a second symmetric allocation of their own, so that
+// they never collide with normal-mode calls. Its layout:
+//
+//   [0, kLLControlBytes)       LLControl: call counters, arrival counters, epoch flags
+//   dispatch area [ctrl, mid)  parity 0 region grows up from ctrl, parity 1 down from mid
+//   combine area  [mid, end)   parity 0 region grows up from mid, parity 1 down from end
+//
+// with end = the buffer size rounded down to kRegionAlign and mid = ctrl + 7/8 of (end - ctrl)
+// rounded down (a fixed split: dispatch regions hold E*M records, combine regions M*K, and
+// E >> K for the models that need big buffers). Call n of an operation uses the region of
+// parity n % 2; the two parities grow from opposite ends of their area, so two calls in
+// flight never overlap whatever their shapes, as long as each fits in half of its area
+// (what the handlers check).
+//
+// Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
+// local expert), then records [L][R][M]: record (l, s, slot) = {token, k, 0, 0} int32,
+// the row (data) padded to 16 bytes, the FP8 scales padded to 16 bytes.
+// Combine region (at the token owner): records [M][K], each the y row padded to 16 bytes.
+
+namespace jax_ep {
+
+constexpr int kLLOps = 2;  // 0: dispatch (and cached dispatch), 1: combine
+
+struct LLControl {
+  uint64_t calls[kLLOps];          // calls of each op started by this PE's send kernels
+  uint32_t block_counter[8];       // "last block" arrival counters, one per kernel
+  // arrived[op][parity][s] = n: PE s has written all its data of call n into this buffer
+  uint64_t arrived[kLLOps][2][kMaxRanks];
+  // consumed[op][parity][d] = n: PE d has finished reading what this PE sent it in call n
+  uint64_t consumed[kLLOps][2][kMaxRanks];
+};
+
+JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
+  return align_up(sizeof(LLControl), kRegionAlign);
+}
+
+struct LLDispatchPlan {
+  size_t counts = 0;         // [R][L] int32, relative to the region
+  size_t records = 0;        // [L][R][M] records, relative to the region
+  size_t record_stride = 0;
+  size_t data_offset = 16;   // inside a record
+  size_t scale_offset = 0;   // inside a record
+  size_t bytes = 0;          // region size
+};
+
+JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num_experts,
+                                                          int max_tokens, size_t row_bytes,
+                                                          size_t scale_bytes) {
+  LLDispatchPlan p;
+  p.counts = 0;
+  p.records = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
+  p.data_offset = 16;
+  p.scale_offset = p.data_offset + row_stride(row_bytes);
+  p.record_stride = p.scale_offset + row_stride(scale_bytes);
+  p.bytes = align_up(p.records + p.record_stride * size_t(num_experts) * max_tokens,
+                     kRegionAlign);
+  return p;
+}
+
+struct LLCombinePlan {
+  size_t record_stride = 0;  // records [M][K]
+  size_t bytes = 0;
+};
+
+JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int max_tokens, int num_topk,
+                                                        size_t row_bytes) {
+  LLCombinePlan p;
+  p.record_stride = row_stride(row_bytes);
+  p.bytes = align_up(p.record_stride * size_t(max_tokens) * num_topk, kRegionAlign);
+  return p;
+}
+
+struct LLAreas {
+  size_t dispatch_begin = 0, dispatch_end = 0, combine_begin = 0, combine_end = 0;
+};
+
+constexpr size_t kLLDispatchEighths = 7;  // of the buffer after the control block
+
+inline LLAreas ll_areas(size_t buffer_bytes) {
+  LLAreas a;
+  const size_t ctrl = ll_control_bytes();
+  const size_t end = buffer_bytes / kRegionAlign * kRegionAlign;
+  if (end <= ctrl) return a;  // all empty
+  const size_t span = end - ctrl;
+  const size_t dispatch_span = span / 8 * kLLDispatchEighths / kRegionAlign * kRegionAlign;
+  a.dispatch_begin = ctrl;
+  a.dispatch_end = a.combine_begin = ctrl + dispatch_span;
+  a.combine_end = end;
+  return a;
+}
+
+// Buffer bytes that make a dispatch region of `region` bytes (per parity) fit, i.e. that
+// satisfy 2 * region <= dispatch area (and likewise for combine): the handlers' check is the
+// exact predicate, these sufficient sizes are what they report and what the hint adds up.
+inline size_t ll_bytes_for_dispatch(size_t region) {
+  const size_t span = (2 * region + 2 * kRegionAlign) * 8 / kLLDispatchEighths + 64;
+  return ll_control_bytes() + span + 2 * kRegionAlign;
+}
+
+inline size_t ll_bytes_for_combine(size_t region) {
+  const size_t span = 2 * region * 8 / (8 - kLLDispatchEighths) + 64;
+  return ll_control_bytes() + span + 2 * kRegionAlign;
+}
+
+// Bytes of the low-latency buffer that every call of a low-latency dispatch + combine of these
+// shapes needs, FP8 or not, backward passes (cached dispatches of [T, H] rows and [T, K]
+// float32 weights) included; elem_bytes is the largest element size of x and y.
+inline size_t required_low_latency_bytes(int max_tokens, int hidden, int num_experts,
+                                         int num_topk, int num_ranks, int elem_bytes) {
+  const size_t rows[] = {
+      plan_ll_dispatch(num_ranks, num_experts, max_tokens, size_t(hidden),
+                       sizeof(float) * size_t(hidden / 128)).bytes,
+      plan_ll_dispatch(num_ranks, num_experts, max_tokens, size_t(hidden) * elem_bytes, 0).bytes,
+      plan_ll_dispatch(num_ranks, num_experts, max_tokens, sizeof(float) * num_topk, 0).bytes,
+  };
+  size_t dispatch = 0;
+  for (size_t r : rows) dispatch = r > dispatch ? r : dispatch;
+  const size_t combine = plan_ll_combine(max_tokens, num_topk, size_t(hidden) * elem_bytes).bytes;
+  const size_t a = ll_bytes_for_dispatch(dispatch);
+  const size_t b = ll_bytes_for_combine(combine);
+  return a > b ? a : b;
+}
+
+}  // namespace jax_ep

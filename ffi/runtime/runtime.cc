@@ -25,6 +25,7 @@ int g_device = -1;
 // started is reused and left running at finalize().
 bool g_owns_nvshmem = false;
 void** g_peers_device = nullptr;
+void** g_ll_peers_device = nullptr;
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::runtime_error("jax_ep runtime: " + message);
@@ -40,14 +41,14 @@ std::string rank_text(int rank, int num_ranks) {
 
 // Settings NVSHMEM reads at initialisation. A user's own value always wins, except multicast
 // (NVLS), which is forced off: it can take a shared host's GPUs out of service.
-void set_environment_defaults(size_t buffer_bytes, bool single_host) {
+void set_environment_defaults(size_t buffer_bytes, size_t ll_bytes, bool single_host) {
   setenv("NVSHMEM_DISABLE_NVLS", "1", /*overwrite=*/1);
   if (single_host) {
     setenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo", /*overwrite=*/0);
     setenv("NVSHMEM_REMOTE_TRANSPORT", "none", /*overwrite=*/0);
   }
   // The heap holds our buffer plus NVSHMEM's own allocations (teams, barriers, signals).
-  const size_t heap = buffer_bytes + (size_t(256) << 20);
+  const size_t heap = buffer_bytes + ll_bytes + (size_t(256) << 20);
   setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), /*overwrite=*/0);
 }
 
@@ -103,6 +104,46 @@ void start_nvshmem(const InitOptions& options) {
   g_owns_nvshmem = true;
 }
 
+// nvshmem_malloc (collective, same size on every PE), zeroed before any peer may signal into it.
+void* allocate_symmetric(size_t bytes, const char* what, int me, int n) {
+  void* local = nvshmem_malloc(bytes);
+  if (local == nullptr) {
+    fail("could not allocate the " + std::to_string(bytes) + "-byte " + what + " (" +
+         rank_text(me, n) +
+         "). XLA's preallocated pool may hold the GPU memory: start JAX with "
+         "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false; "
+         "NVSHMEM_SYMMETRIC_SIZE, if you set it, must exceed the buffers; or ask for a smaller "
+         "buffer");
+  }
+  // Flags in the buffer start at zero on every PE before any peer may signal into it.
+  check_cuda(cudaMemset(local, 0, bytes), "zeroing a symmetric buffer");
+  check_cuda(cudaDeviceSynchronize(), "zeroing a symmetric buffer");
+  return local;
+}
+
+// Device array [n] of every PE's copy of `local` as mapped into this process.
+void** map_peers(void* local, int me, int n) {
+  std::vector<void*> peers(n);
+  for (int pe = 0; pe < n; ++pe) {
+    peers[pe] = nvshmem_ptr(local, pe);
+    if (peers[pe] == nullptr) {
+      fail("PE " + std::to_string(pe) + "'s buffer cannot be mapped into PE " +
+           std::to_string(me) +
+           " (no peer-to-peer access); jax_ep supports GPUs of one host over NVLink/PCIe so far");
+    }
+  }
+  void** peers_device = nullptr;
+  cudaError_t status = cudaMalloc(&peers_device, sizeof(void*) * n);
+  if (status == cudaSuccess) {
+    status = cudaMemcpy(peers_device, peers.data(), sizeof(void*) * n, cudaMemcpyHostToDevice);
+  }
+  if (status != cudaSuccess) {
+    cudaFree(peers_device);
+    check_cuda(status, "copying the peer table to the GPU");
+  }
+  return peers_device;
+}
+
 }  // namespace
 
 const Transport* transport() { return g_initialized ? &g_transport : nullptr; }
@@ -138,6 +179,11 @@ void initialize(const InitOptions& options) {
            "-byte buffer, " + std::to_string(options.buffer_bytes) +
            " bytes requested; call finalize() first");
     }
+    if (options.low_latency_bytes > g_transport.ll_bytes) {
+      fail("already initialised with a " + std::to_string(g_transport.ll_bytes) +
+           "-byte low-latency buffer, " + std::to_string(options.low_latency_bytes) +
+           " bytes requested; call finalize() first");
+    }
     return;
   }
   if (options.num_ranks < 1 || options.rank < 0 || options.rank >= options.num_ranks) {
@@ -147,7 +193,7 @@ void initialize(const InitOptions& options) {
   check_nvshmem_versions();
   check_cuda(cudaSetDevice(options.local_device),
              ("cudaSetDevice(" + std::to_string(options.local_device) + ")").c_str());
-  set_environment_defaults(options.buffer_bytes, options.single_host);
+  set_environment_defaults(options.buffer_bytes, options.low_latency_bytes, options.single_host);
   if (!nvshmem_running()) start_nvshmem(options);
 
   const int me = nvshmem_my_pe(), n = nvshmem_n_pes();
@@ -156,43 +202,35 @@ void initialize(const InitOptions& options) {
          " but this process is " + rank_text(options.rank, options.num_ranks));
   }
 
-  void* local = nvshmem_malloc(options.buffer_bytes);
-  if (local == nullptr) {
-    fail("could not allocate the " + std::to_string(options.buffer_bytes) +
-         "-byte symmetric buffer (" + rank_text(me, n) +
-         "). XLA's preallocated pool may hold the GPU memory: start JAX with "
-         "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false; "
-         "NVSHMEM_SYMMETRIC_SIZE, if you set it, must exceed the buffer; or ask for a smaller "
-         "buffer");
-  }
-  // Flags in the buffer start at zero on every PE before any peer may signal into it.
-  check_cuda(cudaMemset(local, 0, options.buffer_bytes), "zeroing the symmetric buffer");
-  check_cuda(cudaDeviceSynchronize(), "zeroing the symmetric buffer");
-
-  std::vector<void*> peers(n);
-  for (int pe = 0; pe < n; ++pe) {
-    peers[pe] = nvshmem_ptr(local, pe);
-    if (peers[pe] == nullptr) {
-      nvshmem_free(local);  // collective: reachability is symmetric, so every PE gets here
-      fail("PE " + std::to_string(pe) + "'s buffer cannot be mapped into PE " +
-           std::to_string(me) +
-           " (no peer-to-peer access); jax_ep supports GPUs of one host over NVLink/PCIe so far");
-    }
-  }
+  void* local = allocate_symmetric(options.buffer_bytes, "symmetric buffer", me, n);
   void** peers_device = nullptr;
-  cudaError_t status = cudaMalloc(&peers_device, sizeof(void*) * n);
-  if (status == cudaSuccess) {
-    status = cudaMemcpy(peers_device, peers.data(), sizeof(void*) * n, cudaMemcpyHostToDevice);
+  try {
+    peers_device = map_peers(local, me, n);
+  } catch (...) {
+    nvshmem_free(local);  // collective: reachability is symmetric, so every PE gets here
+    throw;
   }
-  if (status != cudaSuccess) {
-    cudaFree(peers_device);
-    nvshmem_free(local);
-    check_cuda(status, "copying the peer table to the GPU");
+  void* ll_local = nullptr;
+  void** ll_peers_device = nullptr;
+  if (options.low_latency_bytes > 0) {
+    try {
+      ll_local = allocate_symmetric(options.low_latency_bytes, "low-latency buffer", me, n);
+      ll_peers_device = map_peers(ll_local, me, n);
+    } catch (...) {
+      if (ll_local != nullptr) nvshmem_free(ll_local);
+      cudaFree(peers_device);
+      nvshmem_free(local);
+      throw;
+    }
   }
   nvshmem_barrier_all();
 
   g_device = options.local_device;
   g_peers_device = peers_device;
+  g_ll_peers_device = ll_peers_device;
+  g_transport.ll_local = ll_local;
+  g_transport.ll_bytes = ll_local != nullptr ? options.low_latency_bytes : 0;
+  g_transport.ll_peers = ll_peers_device;
   g_transport.rank = me;
   g_transport.num_ranks = n;
   g_transport.local = local;
@@ -211,8 +249,11 @@ void finalize() {
   stop_fault_watchdog();
   nvshmem_barrier_all();    // ... on every PE, before anyone frees
   nvshmem_free(g_transport.local);
+  if (g_transport.ll_local != nullptr) nvshmem_free(g_transport.ll_local);
   cudaFree(g_peers_device);
+  cudaFree(g_ll_peers_device);
   g_peers_device = nullptr;
+  g_ll_peers_device = nullptr;
   g_transport = Transport{};
   g_initialized = false;
   if (g_owns_nvshmem) {

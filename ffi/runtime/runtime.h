@@ -19,6 +19,11 @@ struct Transport {
   size_t bytes = 0;          // usable bytes of the symmetric buffer (same on every PE)
   void* const* peers = nullptr;  // device array [num_ranks]: base of PE r's symmetric buffer
                                  // as mapped into this process (nvshmem_ptr); peers[rank] == local
+  // The low-latency buffer: a second symmetric allocation (absent when ll_bytes == 0), so
+  // that low-latency calls never collide with normal-mode calls.
+  void* ll_local = nullptr;
+  size_t ll_bytes = 0;
+  void* const* ll_peers = nullptr;  // device array [num_ranks], like peers
 };
 
 // Returns nullptr when initialize() has not run (the FFI handlers turn that into an error).
@@ -30,6 +35,7 @@ struct InitOptions {
   int num_ranks = 1;
   int local_device = 0;          // CUDA device of this process
   size_t buffer_bytes = 0;       // symmetric buffer size per PE
+  size_t low_latency_bytes = 0;  // low-latency buffer size per PE (0: none)
   std::string unique_id;         // bytes of nvshmemx_uniqueid_t (from process 0)
   bool single_host = true;       // default NVSHMEM to loopback bootstrap, no remote transport
 };

@@ -1,0 +1,551 @@
+// Typed-FFI handlers of the low-latency (decode) mode: jax_ep_ll_dispatch_send / _receive,
+// jax_ep_ll_combine_send / _receive. They validate shapes, check the low-latency buffer is
+// large enough, fill the kernels' argument structs and launch; nothing here waits for the
+// device.
+#include <cstdlib>
+#include <string>
+
+#include "handlers/common.h"
+#include "handlers/handlers.h"
+#include "kernels/buffer_layout.h"
+#include "kernels/low_latency.h"
+#include "runtime/diagnostics.h"
+#include "runtime/runtime.h"
+
+namespace jax_ep {
+namespace {
+
+constexpr size_t kMaxSendSmem = 200 * 1024;  // what launch_ll_dispatch_send allows
+constexpr size_t kMaxStaticSmem = 48 * 1024;  // dynamic shared memory without opting in
+
+uint64_t timeout_ns() {
+  static const uint64_t value = [] {
+    const char* env = std::getenv("JAX_EP_TIMEOUT_S");
+    double seconds = env ? std::atof(env) : 100.0;
+    return static_cast<uint64_t>((seconds > 0 ? seconds : 100.0) * 1e9);
+  }();
+  return value;
+}
+
+int sm_count() {
+  static const int value = [] {
+    int device = 0, count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        count < 1)
+      return 132;
+    return count;
+  }();
+  return value;
+}
+
+int blocks_or_default(int64_t num_blocks) {
+  return num_blocks > 0 ? static_cast<int>(num_blocks) : sm_count();
+}
+
+size_t element_bytes(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32:
+    case ffi::DataType::S32: return 4;
+    case ffi::DataType::BF16:
+    case ffi::DataType::F16: return 2;
+    case ffi::DataType::F8E4M3FN: return 1;
+    default: return 0;
+  }
+}
+
+bool float_type(ffi::DataType type, LLElement* out) {
+  switch (type) {
+    case ffi::DataType::BF16: *out = LLElement::kBF16; return true;
+    case ffi::DataType::F16: *out = LLElement::kF16; return true;
+    case ffi::DataType::F32: *out = LLElement::kF32; return true;
+    default: return false;
+  }
+}
+
+std::string hint_text() {
+  return "pass low_latency_bytes to jax_ep.runtime.initialize() (or set JAX_EP_LL_BUFFER_BYTES); "
+         "jax_ep.low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, "
+         "num_topk, num_ranks) gives the size for your shapes";
+}
+
+// The peer context on the low-latency buffer and the area of this op. `region` is the bytes
+// one parity of this call needs; `combine` picks the combine area.
+ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_experts,
+                      int64_t num_topk, size_t region, bool combine, PeerContext* ctx,
+                      size_t* begin, size_t* end) {
+  const Transport* t = transport();
+  if (t == nullptr)
+    return invalid(std::string(op) + ": the runtime is not initialised: call "
+                   "jax_ep.runtime.initialize() after jax.distributed.initialize()");
+  if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
+  const int R = t->num_ranks;
+  if (num_experts < R || num_experts % R != 0)
+    return invalid(std::string(op) + ": num_experts must be a positive multiple of the " +
+                   std::to_string(R) + " NVSHMEM PEs");
+  if (num_topk < 1 || num_topk > kLLMaxTopk)
+    return invalid(std::string(op) + ": num_topk must be in [1, " + std::to_string(kLLMaxTopk) +
+                   "]");
+  const size_t needed = combine ? ll_bytes_for_combine(region) : ll_bytes_for_dispatch(region);
+  const LLAreas areas = ll_areas(t->ll_bytes);
+  const size_t have = combine ? areas.combine_end - areas.combine_begin
+                              : areas.dispatch_end - areas.dispatch_begin;
+  if (t->ll_bytes == 0 || 2 * region > have)
+    return invalid(std::string(op) + ": this call needs a low-latency buffer of " +
+                   std::to_string(needed) + " bytes but the runtime has " +
+                   std::to_string(t->ll_bytes) + "; " + hint_text());
+  *ctx = PeerContext{t->ll_peers,  t->rank,          t->num_ranks,
+                    timeout_ns(), rank.typed_data(), device_fault_record()};
+  *begin = combine ? areas.combine_begin : areas.dispatch_begin;
+  *end = combine ? areas.combine_end : areas.dispatch_end;
+  return ffi::Error::Success();
+}
+
+int num_ranks_or_one() {
+  const Transport* t = transport();
+  return t ? t->num_ranks : 1;
+}
+
+ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                              ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
+                              ffi::ResultBuffer<ffi::S32> send_slot,
+                              ffi::ResultBuffer<ffi::S32> call,
+                              ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
+                              int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
+                              int64_t num_blocks, LLDispatchSendArgs& a) {
+  const char* op = "low_latency_dispatch (send)";
+  auto x_dims = x.dimensions();
+  auto idx_dims = topk_idx.dimensions();
+  if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0])
+    return invalid(std::string(op) + ": x must be [T, D] and topk_idx [T, K]");
+  const int T = static_cast<int>(x_dims[0]), D = static_cast<int>(x_dims[1]);
+  const int K = static_cast<int>(idx_dims[1]);
+  if (max_tokens < 1 || T > max_tokens)
+    return invalid(std::string(op) + ": " + std::to_string(T) +
+                   " tokens exceed max_tokens_per_rank=" + std::to_string(max_tokens));
+  if (send_slot->element_count() != size_t(T) * K || call->element_count() != 2 ||
+      num_dropped->element_count() != 1)
+    return invalid(std::string(op) + ": result shapes do not match [T, K], [2], []");
+  if (cached && slots_in.element_count() != size_t(T) * K)
+    return invalid(std::string(op) + ": a cached dispatch needs the handle's send_slot [T, K]");
+  a = LLDispatchSendArgs{};
+  a.use_fp8 = use_fp8 != 0;
+  a.ue8m0 = ue8m0 != 0;
+  a.cached = cached != 0;
+  if (a.use_fp8 && a.cached) return invalid(std::string(op) + ": cached dispatches send raw rows");
+  if (a.use_fp8) {
+    if (!float_type(x.element_type(), &a.x_type))
+      return invalid(std::string(op) + ": FP8 dispatch quantises bf16, f16 or f32 rows");
+    if (D % 128 != 0)
+      return invalid(std::string(op) + ": FP8 dispatch needs hidden divisible by 128");
+    a.row_bytes = size_t(D);
+    a.scale_bytes = sizeof(float) * size_t(D / 128);
+  } else {
+    const size_t elem = element_bytes(x.element_type());
+    if (elem == 0) return invalid(std::string(op) + ": unsupported dtype of x");
+    a.x_type = LLElement::kRaw;
+    a.row_bytes = size_t(D) * elem;
+    a.scale_bytes = 0;
+  }
+  const int R = num_ranks_or_one();
+  a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
+                            a.row_bytes, a.scale_bytes);
+  if (auto err = ll_context(op, rank, num_experts, K, a.plan.bytes, false, &a.ctx, &a.area_begin,
+                            &a.area_end);
+      err.failure())
+    return err;
+  const int E = static_cast<int>(num_experts);
+  int warps = kLLThreads / 32;
+  while (warps > 1 && ll_dispatch_send_smem(E, T, K, warps) > kMaxSendSmem) --warps;
+  a.smem_bytes = ll_dispatch_send_smem(E, T, K, warps);
+  if (a.smem_bytes > kMaxSendSmem)
+    return invalid(std::string(op) + ": " + std::to_string(E) + " experts and " +
+                   std::to_string(T * K) + " (token, k) pairs need " +
+                   std::to_string(a.smem_bytes) + " bytes of shared memory, more than " +
+                   std::to_string(kMaxSendSmem));
+  a.hist_warps = warps;
+  a.num_tokens = T;
+  a.num_topk = K;
+  a.num_experts = E;
+  a.max_tokens = static_cast<int>(max_tokens);
+  a.hidden = D;
+  a.num_blocks = blocks_or_default(num_blocks);
+  a.x = x.untyped_data();
+  a.topk_idx = topk_idx.typed_data();
+  a.slots_in = a.cached ? slots_in.typed_data() : nullptr;
+  a.send_slot = send_slot->typed_data();
+  a.call_out = call->typed_data();
+  a.num_dropped = num_dropped->typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
+                              ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> slots_in,
+                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> send_slot,
+                              ffi::ResultBuffer<ffi::S32> call,
+                              ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
+                              int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
+                              int64_t num_blocks) {
+  LLDispatchSendArgs a;
+  if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, num_blocks,
+                                    a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_dispatch_send(a, stream), "low_latency_dispatch (send)");
+}
+
+// `call`: the device [2] int32 call number of the matching send.
+ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank,
+                                 ffi::Result<ffi::AnyBuffer> out_x,
+                                 ffi::ResultBuffer<ffi::F32> out_scales,
+                                 ffi::ResultBuffer<ffi::S32> recv_count,
+                                 ffi::ResultBuffer<ffi::S32> src_rank,
+                                 ffi::ResultBuffer<ffi::S32> src_token,
+                                 ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                                 int64_t max_tokens, int64_t num_topk, int64_t num_blocks,
+                                 LLDispatchReceiveArgs& a) {
+  const char* op = "low_latency_dispatch (receive)";
+  auto dims = out_x->dimensions();
+  const int R = num_ranks_or_one();
+  if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
+    return invalid(std::string(op) + ": bad num_experts / max_tokens_per_rank");
+  const int L = static_cast<int>(num_experts / R), RM = R * static_cast<int>(max_tokens);
+  if (sizeof(int32_t) * (size_t(num_experts) + 1) > kMaxStaticSmem)
+    return invalid(std::string(op) + ": at most " +
+                   std::to_string(kMaxStaticSmem / sizeof(int32_t) - 1) + " experts");
+  if (dims.size() != 3 || dims[0] != L || dims[1] != RM)
+    return invalid(std::string(op) + ": x must be [L, R*M, D] = [" + std::to_string(L) + ", " +
+                   std::to_string(RM) + ", D]; the EP axis must span every NVSHMEM PE");
+  const size_t elem = element_bytes(out_x->element_type());
+  if (elem == 0) return invalid(std::string(op) + ": unsupported dtype of x");
+  const int D = static_cast<int>(dims[2]);
+  a = LLDispatchReceiveArgs{};
+  a.row_bytes = size_t(D) * elem;
+  const bool fp8 = out_scales->element_count() != 0;
+  if (fp8 && (out_x->element_type() != ffi::DataType::F8E4M3FN || D % 128 != 0 ||
+              out_scales->element_count() != size_t(L) * RM * (D / 128)))
+    return invalid(std::string(op) + ": FP8 results must be e4m3 [L, R*M, H] and float32 "
+                   "[L, R*M, H / 128]");
+  a.scale_bytes = fp8 ? sizeof(float) * size_t(D / 128) : 0;
+  const size_t rows = size_t(L) * RM;
+  const bool want_src = src_rank->element_count() != 0;
+  if (recv_count->element_count() != size_t(L) ||
+      (want_src && (src_rank->element_count() != rows || src_token->element_count() != rows ||
+                    src_k->element_count() != rows)))
+    return invalid(std::string(op) + ": recv_count must be [L] and src_* [L, R*M] (or empty)");
+  a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
+                            a.row_bytes, a.scale_bytes);
+  if (auto err = ll_context(op, rank, num_experts, num_topk, a.plan.bytes, false, &a.ctx,
+                            &a.area_begin, &a.area_end);
+      err.failure())
+    return err;
+  a.num_experts = static_cast<int>(num_experts);
+  a.max_tokens = static_cast<int>(max_tokens);
+  a.num_blocks = blocks_or_default(num_blocks);
+  a.call = call;
+  a.out_x = out_x->untyped_data();
+  a.out_scales = fp8 ? out_scales->typed_data() : nullptr;
+  a.recv_count = recv_count->typed_data();
+  a.src_rank = want_src ? src_rank->typed_data() : nullptr;
+  a.src_token = want_src ? src_token->typed_data() : nullptr;
+  a.src_k = want_src ? src_k->typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
+                                 ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out_x,
+                                 ffi::ResultBuffer<ffi::F32> out_scales,
+                                 ffi::ResultBuffer<ffi::S32> recv_count,
+                                 ffi::ResultBuffer<ffi::S32> src_rank,
+                                 ffi::ResultBuffer<ffi::S32> src_token,
+                                 ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                                 int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+  if (call.element_count() != 2)
+    return invalid("low_latency_dispatch (receive): call must be [2] int32");
+  LLDispatchReceiveArgs a;
+  if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
+                                       src_rank, src_token, src_k, num_experts, max_tokens,
+                                       num_topk, num_blocks, a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_dispatch_receive(a, stream), "low_latency_dispatch (receive)");
+}
+
+// Send and receive in one custom call (the fused and cached dispatches): XLA cannot put
+// anything between them, so fused calls never count against the two calls in flight.
+ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                         ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
+                         ffi::ResultBuffer<ffi::S32> send_slot, ffi::ResultBuffer<ffi::S32> call,
+                         ffi::ResultBuffer<ffi::S32> num_dropped, ffi::Result<ffi::AnyBuffer> out_x,
+                         ffi::ResultBuffer<ffi::F32> out_scales,
+                         ffi::ResultBuffer<ffi::S32> recv_count,
+                         ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_token,
+                         ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                         int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
+                         int64_t num_blocks) {
+  LLDispatchSendArgs send;
+  if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, num_blocks,
+                                    send);
+      err.failure())
+    return err;
+  LLDispatchReceiveArgs receive;
+  if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
+                                       src_rank, src_token, src_k, num_experts, max_tokens,
+                                       send.num_topk, num_blocks, receive);
+      err.failure())
+    return err;
+  if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
+    return invalid("low_latency_dispatch: the result rows do not match the sent rows");
+  if (auto err = cuda_error(launch_ll_dispatch_send(send, stream), "low_latency_dispatch (send)");
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_dispatch_receive(receive, stream), "low_latency_dispatch (receive)");
+}
+
+ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
+                             ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> rank,
+                             ffi::ResultBuffer<ffi::S32> call, int64_t num_experts,
+                             int64_t max_tokens, int64_t num_topk, int64_t num_blocks,
+                             LLCombineSendArgs& a) {
+  const char* op = "low_latency_combine (send)";
+  auto dims = y.dimensions();
+  const int R = num_ranks_or_one();
+  if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
+    return invalid(std::string(op) + ": bad num_experts / max_tokens_per_rank");
+  const int L = static_cast<int>(num_experts / R), RM = R * static_cast<int>(max_tokens);
+  if (dims.size() != 3 || dims[0] != L || dims[1] != RM)
+    return invalid(std::string(op) + ": y must be [L, R*M, H] = [" + std::to_string(L) + ", " +
+                   std::to_string(RM) + ", H]; the EP axis must span every NVSHMEM PE");
+  LLElement dtype;
+  if (!float_type(y.element_type(), &dtype))
+    return invalid(std::string(op) + ": y must be bf16, f16 or f32");
+  const size_t rows = size_t(L) * RM;
+  if (src_rank.element_count() != rows || src_token.element_count() != rows ||
+      src_k.element_count() != rows || recv_count.element_count() != size_t(L) ||
+      call->element_count() != 2)
+    return invalid(std::string(op) + ": the handle's arrays do not match [L, R*M] / [L]");
+  a = LLCombineSendArgs{};
+  a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
+  a.plan = plan_ll_combine(static_cast<int>(max_tokens), static_cast<int>(num_topk), a.row_bytes);
+  if (auto err = ll_context(op, rank, num_experts, num_topk, a.plan.bytes, true, &a.ctx,
+                            &a.area_begin, &a.area_end);
+      err.failure())
+    return err;
+  a.num_local_experts = L;
+  a.rows_per_expert = RM;
+  a.max_tokens = static_cast<int>(max_tokens);
+  a.num_topk = static_cast<int>(num_topk);
+  a.num_blocks = blocks_or_default(num_blocks);
+  a.y = y.untyped_data();
+  a.src_rank = src_rank.typed_data();
+  a.src_token = src_token.typed_data();
+  a.src_k = src_k.typed_data();
+  a.recv_count = recv_count.typed_data();
+  a.call_out = call->typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
+                             ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> rank,
+                             ffi::ResultBuffer<ffi::S32> call, int64_t num_experts,
+                             int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+  LLCombineSendArgs a;
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, rank, call,
+                                   num_experts, max_tokens, num_topk, num_blocks, a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_combine_send(a, stream), "low_latency_combine (send)");
+}
+
+ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_idx,
+                                ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
+                                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                                int64_t num_experts, int64_t max_tokens, int64_t num_blocks,
+                                LLCombineReceiveArgs& a) {
+  const char* op = "low_latency_combine (receive)";
+  auto idx_dims = topk_idx.dimensions();
+  auto dims = out->dimensions();
+  if (idx_dims.size() != 2 || dims.size() != 2 || dims[0] != idx_dims[0])
+    return invalid(std::string(op) + ": topk_idx must be [T, K] and the result [T, H]");
+  const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
+  if (send_slot.element_count() != size_t(T) * K || weights.element_count() != size_t(T) * K)
+    return invalid(std::string(op) + ": send_slot and topk_weights must be [T, K]");
+  if (max_tokens < 1 || T > max_tokens)
+    return invalid(std::string(op) + ": more tokens than max_tokens_per_rank");
+  a = LLCombineReceiveArgs{};
+  if (!float_type(out->element_type(), &a.dtype))
+    return invalid(std::string(op) + ": the result must be bf16, f16 or f32");
+  const size_t row_bytes = size_t(dims[1]) * element_bytes(out->element_type());
+  a.plan = plan_ll_combine(static_cast<int>(max_tokens), K, row_bytes);
+  if (auto err = ll_context(op, rank, num_experts, K, a.plan.bytes, true, &a.ctx, &a.area_begin,
+                            &a.area_end);
+      err.failure())
+    return err;
+  a.num_tokens = T;
+  a.num_topk = K;
+  a.num_experts = static_cast<int>(num_experts);
+  a.hidden = static_cast<int>(dims[1]);
+  a.num_blocks = blocks_or_default(num_blocks);
+  a.call = call;
+  a.topk_idx = topk_idx.typed_data();
+  a.send_slot = send_slot.typed_data();
+  a.weights = weights.typed_data();
+  a.out = out->untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
+                                ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
+                                ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
+                                int64_t max_tokens, int64_t num_blocks) {
+  if (call.element_count() != 2)
+    return invalid("low_latency_combine (receive): call must be [2] int32");
+  LLCombineReceiveArgs a;
+  if (auto err = make_combine_receive(call.typed_data(), topk_idx, send_slot, weights, rank, out,
+                                      num_experts, max_tokens, num_blocks, a);
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_combine_receive(a, stream), "low_latency_combine (receive)");
+}
+
+// Send and receive in one custom call (the fused combine).
+ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
+                        ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+                        ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
+                        ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t num_experts, int64_t max_tokens,
+                        int64_t num_topk, int64_t num_blocks) {
+  if (out->element_type() != y.element_type())
+    return invalid("low_latency_combine: the result must have y's dtype");
+  LLCombineSendArgs send;
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, rank, call,
+                                   num_experts, max_tokens, num_topk, num_blocks, send);
+      err.failure())
+    return err;
+  LLCombineReceiveArgs receive;
+  if (auto err = make_combine_receive(send.call_out, topk_idx, send_slot, weights, rank, out,
+                                      num_experts, max_tokens, num_blocks, receive);
+      err.failure())
+    return err;
+  if (receive.num_topk != send.num_topk || receive.plan.bytes != send.plan.bytes ||
+      receive.plan.record_stride != send.plan.record_stride)
+    return invalid("low_latency_combine: topk_idx and the result do not match y and the handle");
+  if (auto err = cuda_error(launch_ll_combine_send(send, stream), "low_latency_combine (send)");
+      err.failure())
+    return err;
+  return cuda_error(launch_ll_combine_receive(receive, stream), "low_latency_combine (receive)");
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::dispatch_send_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("use_fp8")
+                                  .Attr<int64_t>("ue8m0")
+                                  .Attr<int64_t>("cached")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_topk")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_topk")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("use_fp8")
+                                  .Attr<int64_t>("ue8m0")
+                                  .Attr<int64_t>("cached")
+                                  .Attr<int64_t>("num_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_topk")
+                                  .Attr<int64_t>("num_blocks"));

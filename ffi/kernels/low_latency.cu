@@ -1,0 +1,645 @@
+// Low-latency (decode) dispatch and combine kernels; see low_latency.h for the protocol.
+#include "kernels/low_latency.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace jax_ep {
+namespace {
+
+constexpr int kWarps = kLLThreads / 32;
+constexpr size_t kPiece = 4096;  // bytes of a row one warp copies as one work unit
+constexpr int kOpDispatch = 0, kOpCombine = 1;
+// block_counter slots of LLControl
+constexpr int kCounterDispatchSend = 0, kCounterDispatchReceive = 1, kCounterCombineSend = 2,
+              kCounterCombineReceive = 3;
+
+__device__ __forceinline__ char* ll_base(const PeerContext& ctx, int pe) {
+  return static_cast<char*>(ctx.peers[pe]);
+}
+
+__device__ __forceinline__ LLControl* ll_control(const PeerContext& ctx, int pe) {
+  return reinterpret_cast<LLControl*>(ctx.peers[pe]);
+}
+
+// Offset of the region of call n's parity inside [begin, end): parity 0 at the start,
+// parity 1 ending at the end.
+__device__ __forceinline__ size_t region_of(uint64_t n, size_t begin, size_t end, size_t bytes) {
+  return (n & 1) ? end - bytes : begin;
+}
+
+__device__ __forceinline__ uint64_t read_call(const int32_t* call) {
+  return uint64_t(uint32_t(call[0])) | (uint64_t(uint32_t(call[1])) << 32);
+}
+
+// Thread 0: the program's EP axis index must be this PE.
+__device__ inline void check_rank(const PeerContext& ctx, const char* op) {
+  if (*ctx.expected_rank != ctx.rank) {
+    printf("jax_ep %s: the expert-parallel axis index %d differs from the NVSHMEM PE %d; the EP "
+           "mesh axis must list the processes in rank order\n",
+           op, *ctx.expected_rank, ctx.rank);
+    __trap();
+  }
+}
+
+// True in exactly one block, the last to arrive, after every block's memory accesses are
+// ordered system-wide before it continues (the pattern of device_utils' last_block).
+__device__ inline bool ll_last_block(const PeerContext& ctx, int slot) {
+  __shared__ bool is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    unsigned* counter = &ll_control(ctx, ctx.rank)->block_counter[slot];
+    const unsigned arrived = atomicAdd(counter, 1u);
+    is_last = arrived == gridDim.x - 1;
+    if (is_last) {
+      *counter = 0;
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return is_last;
+}
+
+// Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
+// it; data is shared memory with n + 1 entries.
+__device__ inline void block_exclusive_scan(int* data, int n) {
+  __shared__ int warp_sums[kWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, tid * per), end = min(n, begin + per);
+  int sum = 0;
+  for (int i = begin; i < end; ++i) sum += data[i];
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kWarps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  int run = incl - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int i = begin; i < end; ++i) {
+    const int v = data[i];
+    data[i] = run;
+    run += v;
+  }
+  if (tid == blockDim.x - 1) data[n] = run;
+  __syncthreads();
+}
+
+// Largest j in [0, n) with data[j] <= value (data ascending, data[0] <= value).
+__device__ __forceinline__ int last_not_above(const int* data, int n, int value) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (data[mid] <= value) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Copies `bytes` of a record written by a peer (loads bypass L1) into `dst`, a warp's lanes
+// striding through it with 16-byte accesses where both addresses and the size allow.
+__device__ __forceinline__ void copy_from_peer_data(void* dst, const void* src, size_t bytes,
+                                                    int lane) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes);
+  if ((bits & 15) == 0) {
+    const int4* s = static_cast<const int4*>(src);
+    int4* d = static_cast<int4*>(dst);
+    const size_t n = bytes / 16;
+    constexpr int kInFlight = 8;
+    size_t i = lane;
+    for (; i + (kInFlight - 1) * 32 < n; i += kInFlight * 32) {
+      int4 v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) v[u] = __ldcg(s + i + u * 32);
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) d[i + u * 32] = v[u];
+    }
+    for (; i < n; i += 32) d[i] = __ldcg(s + i);
+  } else if ((bits & 3) == 0) {
+    const int* s = static_cast<const int*>(src);
+    int* d = static_cast<int*>(dst);
+    for (size_t i = lane; i < bytes / 4; i += 32) d[i] = __ldcg(s + i);
+  } else {
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    unsigned char* d = static_cast<unsigned char*>(dst);
+    for (size_t i = lane; i < bytes; i += 32) d[i] = __ldcg(s + i);
+  }
+}
+
+// ----------------------------------------------------------------------------- dispatch send
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+
+// 16 consecutive elements of type T (16-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
+  constexpr int kPer = 16 / sizeof(T);  // elements per int4
+  const int4* q = reinterpret_cast<const int4*>(p);
+#pragma unroll
+  for (int c = 0; c < 16 / kPer; ++c) {
+    const int4 raw = __ldg(q + c);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v[c * kPer + j] = to_float<T>(e[j]);
+  }
+}
+
+// Quantises token t's row (8 threads per 128-channel block, 16 channels each) and stores the
+// e4m3 data and scales into every destination record. Bit-identical to jax_ep.fp8 (finite
+// inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
+template <typename T>
+__device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
+                                   int num_dst) {
+  const int H = a.hidden, chunks = H / 16;
+  const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
+  const int iters = (chunks + blockDim.x - 1) / blockDim.x;
+  for (int it = 0; it < iters; ++it) {
+    const int c = it * blockDim.x + threadIdx.x;
+    const bool active = c < chunks;  // uniform over each group of 8 lanes (chunks % 8 == 0)
+    float v[16];
+    if (active) {
+      load16<T>(row + size_t(c) * 16, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = 0.f;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+    if (!active) continue;
+    // jax_ep.fp8.quantize_fp8 as XLA compiles it (see there): constants rounded from double
+    // to float as NumPy does, products and the reciprocal correctly rounded, no FMA.
+    float scale = __fmul_rn(fmaxf(amax, static_cast<float>(1e-10)),
+                            static_cast<float>(1.0 / 448.0));
+    if (a.ue8m0) {
+      int exponent;
+      const float mantissa = frexpf(scale, &exponent);
+      if (mantissa == 0.5f) exponent -= 1;
+      scale = __int_as_float((exponent + 127) << 23);  // 2^exponent, a normal float here
+    }
+    const float inverse = __fdiv_rn(1.0f, scale);
+    int4 packed;
+    unsigned char* bytes = reinterpret_cast<unsigned char*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float q = fminf(fmaxf(__fmul_rn(v[j], inverse), -448.0f), 448.0f);
+      bytes[j] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+    }
+    const bool writes_scale = (threadIdx.x & 7) == 0;
+    for (int d = 0; d < num_dst; ++d) {
+      char* rec = dst[d];
+      if (rec == nullptr) continue;
+      reinterpret_cast<int4*>(rec + a.plan.data_offset)[c] = packed;
+      if (writes_scale) reinterpret_cast<float*>(rec + a.plan.scale_offset)[c / 8] = scale;
+    }
+  }
+}
+
+// Stores token t's raw row (row_bytes) into every destination record: loaded once.
+__device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const* dst,
+                                int num_dst) {
+  const char* row = static_cast<const char*>(a.x) + size_t(t) * a.row_bytes;
+  if (((reinterpret_cast<uintptr_t>(row) | a.row_bytes) & 15) == 0) {
+    const int4* src = reinterpret_cast<const int4*>(row);
+    const size_t n = a.row_bytes / 16;
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const int4 v = __ldg(src + i);
+      for (int d = 0; d < num_dst; ++d)
+        if (dst[d] != nullptr) reinterpret_cast<int4*>(dst[d] + a.plan.data_offset)[i] = v;
+    }
+  } else {
+    for (int d = 0; d < num_dst; ++d)
+      if (dst[d] != nullptr)
+        copy_row(dst[d] + a.plan.data_offset, row, a.row_bytes, threadIdx.x, blockDim.x);
+  }
+}
+
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
+  extern __shared__ int smem[];
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
+  const int R = ctx.num_ranks, L = E / R, me = ctx.rank, n_pairs = T * K;
+  const int W = a.hist_warps;
+  int* hist = smem;             // [W][E]: per-warp counts, then their exclusive prefix
+  int* total = hist + W * E;    // [E]: this source's pairs per expert
+  int* slot = total + E;        // [T*K]: per-(source, expert) slot of every pair, -1 = none
+  __shared__ uint64_t call_s;
+  __shared__ int dropped_s;
+  __shared__ char* dst[kLLMaxTopk];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  LLControl* mine = ll_control(ctx, me);
+
+  if (tid == 0) {
+    check_rank(ctx, "low_latency_dispatch (send)");
+    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
+    call_s = n;
+    dropped_s = 0;
+    // The region of this parity at every destination must have been read (call n - 2).
+    if (n > 2)
+      for (int d = 0; d < R; ++d)
+        wait_flag(ctx, &mine->consumed[kOpDispatch][n & 1][d], n - 2,
+                  "low_latency_dispatch (send)", "receive of call n-2 finished", d);
+  }
+
+  // ---- slots (every CTA computes all of them: topk_idx is tiny)
+  if (a.cached) {
+    for (int e = tid; e < E; e += blockDim.x) total[e] = 0;
+    __syncthreads();
+    for (int p = tid; p < n_pairs; p += blockDim.x) {
+      const int e = a.topk_idx[p], s = a.slots_in[p];
+      const bool kept = e >= 0 && e < E && s >= 0 && s < M;
+      slot[p] = kept ? s : -1;
+      if (kept) atomicAdd(&total[e], 1);
+    }
+  } else {
+    for (int i = tid; i < W * E; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    const int seg = (n_pairs + W - 1) / W;
+    if (warp < W) {
+      const int begin = warp * seg, end = min(n_pairs, begin + seg);
+      int* h = hist + warp * E;
+      for (int base = begin; base < end; base += 32) {  // warp-uniform
+        const int p = base + lane;
+        int e = -1;
+        if (p < end) {
+          const int v = a.topk_idx[p];
+          if (v >= 0 && v < E) e = v;
+        }
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) slot[p] = h[e] + __popc(peers & ((1u << lane) - 1u));
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(peers) - 1) h[e] += __popc(peers);
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+      int run = 0;
+      for (int w = 0; w < W; ++w) {
+        const int c = hist[w * E + e];
+        hist[w * E + e] = run;
+        run += c;
+      }
+      total[e] = run;
+    }
+    __syncthreads();
+    for (int p = tid; p < n_pairs; p += blockDim.x) {
+      const int e = a.topk_idx[p];
+      if (e >= 0 && e < E) {
+        const int s = slot[p] + hist[(p / seg) * E + e];
+        if (s >= M && blockIdx.x == 0) atomicAdd(&dropped_s, 1);
+        slot[p] = s < M ? s : -1;
+      } else {
+        slot[p] = -1;
+      }
+    }
+  }
+  __syncthreads();
+  const uint64_t n = call_s;
+  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+
+  if (blockIdx.x == 0) {
+    for (int p = tid; p < n_pairs; p += blockDim.x) a.send_slot[p] = slot[p];
+    if (tid == 0) {
+      *a.num_dropped = dropped_s;
+      a.call_out[0] = int32_t(uint32_t(n));
+      a.call_out[1] = int32_t(uint32_t(n >> 32));
+    }
+  }
+
+  // ---- rows: whole tokens per CTA
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (tid < K) {
+      const int p = t * K + tid, s = slot[p];
+      char* rec = nullptr;
+      if (s >= 0) {
+        const int e = a.topk_idx[p], r = e / L, l = e % L;
+        rec = ll_base(ctx, r) + region + a.plan.records +
+              ((size_t(l) * R + me) * M + s) * a.plan.record_stride;
+        *reinterpret_cast<int4*>(rec) = make_int4(t, tid, 0, 0);
+      }
+      dst[tid] = rec;
+    }
+    __syncthreads();
+    if (a.use_fp8) {
+      switch (a.x_type) {
+        case LLElement::kBF16: quantize_and_store<__nv_bfloat16>(a, t, dst, K); break;
+        case LLElement::kF16: quantize_and_store<__half>(a, t, dst, K); break;
+        default: quantize_and_store<float>(a, t, dst, K); break;
+      }
+    } else {
+      copy_raw_to_all(a, t, dst, K);
+    }
+    __syncthreads();  // dst[] is rewritten for the next token
+  }
+
+  // ---- the last CTA publishes counts and raises arrived[me] at every destination
+  if (ll_last_block(ctx, kCounterDispatchSend)) {
+    for (int i = tid; i < E; i += blockDim.x) {
+      const int r = i / L, l = i % L;
+      int32_t* counts = reinterpret_cast<int32_t*>(ll_base(ctx, r) + region + a.plan.counts);
+      counts[me * L + l] = min(total[i], M);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence_system();
+      for (int r = 0; r < R; ++r)
+        store_release(&ll_control(ctx, r)->arrived[kOpDispatch][n & 1][me], n);
+      *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- dispatch receive
+
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
+  extern __shared__ int prefix[];  // [E + 1] over (local expert, source), expert-major
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint64_t n = read_call(a.call);
+  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  LLControl* mine = ll_control(ctx, ctx.rank);
+  if (tid == 0) {
+    check_rank(ctx, "low_latency_dispatch (receive)");
+    for (int s = 0; s < R; ++s)
+      wait_flag(ctx, &mine->arrived[kOpDispatch][n & 1][s], n, "low_latency_dispatch (receive)",
+                "rows sent", s);
+  }
+  __syncthreads();
+  const char* base = ll_base(ctx, ctx.rank) + region;
+  const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
+  for (int i = tid; i < E; i += blockDim.x) {
+    const int l = i / R, s = i % R;
+    prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
+  }
+  __syncthreads();
+  block_exclusive_scan(prefix, E);
+  const int total = prefix[E];
+
+  if (blockIdx.x == 0)
+    for (int l = tid; l < L; l += blockDim.x) a.recv_count[l] = prefix[(l + 1) * R] - prefix[l * R];
+  if (a.src_rank != nullptr) {
+    const size_t rows = size_t(L) * RM;
+    for (size_t row = size_t(blockIdx.x) * blockDim.x + tid; row < rows;
+         row += size_t(gridDim.x) * blockDim.x) {
+      const int l = int(row / RM), i = int(row % RM);
+      if (i >= prefix[(l + 1) * R] - prefix[l * R]) {
+        a.src_rank[row] = -1;
+        a.src_token[row] = -1;
+        a.src_k[row] = -1;
+      }
+    }
+  }
+
+  const size_t data_pieces = (a.row_bytes + kPiece - 1) / kPiece;
+  const size_t per_row = data_pieces + (a.out_scales != nullptr ? 1 : 0);
+  const size_t units = size_t(total) * per_row;
+  for (size_t u = size_t(blockIdx.x) * kWarps + warp; u < units; u += size_t(gridDim.x) * kWarps) {
+    const int r = int(u / per_row);
+    const size_t q = u % per_row;
+    const int j = last_not_above(prefix, E, r);
+    const int l = j / R, s = j % R, slot = r - prefix[j];
+    const size_t row = size_t(l) * RM + (r - prefix[l * R]);
+    const char* rec = base + a.plan.records + ((size_t(l) * R + s) * M + slot) * a.plan.record_stride;
+    if (q < data_pieces) {
+      const size_t off = q * kPiece;
+      const size_t bytes = min(kPiece, a.row_bytes - off);
+      copy_from_peer_data(static_cast<char*>(a.out_x) + row * a.row_bytes + off,
+                          rec + a.plan.data_offset + off, bytes, lane);
+    } else {
+      copy_from_peer_data(reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes,
+                          rec + a.plan.scale_offset, a.scale_bytes, lane);
+    }
+    if (q == 0 && lane == 0 && a.src_rank != nullptr) {
+      const int4 meta = __ldcg(reinterpret_cast<const int4*>(rec));
+      a.src_rank[row] = s;
+      a.src_token[row] = meta.x;
+      a.src_k[row] = meta.y;
+    }
+  }
+
+  // every CTA has read what it needed: tell every source its region may be reused
+  if (ll_last_block(ctx, kCounterDispatchReceive) && tid == 0) {
+    for (int s = 0; s < R; ++s)
+      store_release(&ll_control(ctx, s)->consumed[kOpDispatch][n & 1][ctx.rank], n);
+  }
+}
+
+// ----------------------------------------------------------------------------- combine send
+
+__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSendArgs a) {
+  extern __shared__ int prefix[];  // [L + 1] used rows per local expert
+  const PeerContext& ctx = a.ctx;
+  const int L = a.num_local_experts, RM = a.rows_per_expert, M = a.max_tokens, K = a.num_topk;
+  const int R = ctx.num_ranks;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __shared__ uint64_t call_s;
+  LLControl* mine = ll_control(ctx, ctx.rank);
+  if (tid == 0) {
+    check_rank(ctx, "low_latency_combine (send)");
+    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) + 1;
+    call_s = n;
+    if (n > 2)
+      for (int d = 0; d < R; ++d)
+        wait_flag(ctx, &mine->consumed[kOpCombine][n & 1][d], n - 2,
+                  "low_latency_combine (send)", "receive of call n-2 finished", d);
+  }
+  for (int l = tid; l < L; l += blockDim.x) prefix[l] = min(max(a.recv_count[l], 0), RM);
+  __syncthreads();
+  block_exclusive_scan(prefix, L);
+  const uint64_t n = call_s;
+  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  if (blockIdx.x == 0 && tid == 0) {
+    a.call_out[0] = int32_t(uint32_t(n));
+    a.call_out[1] = int32_t(uint32_t(n >> 32));
+  }
+
+  const size_t pieces = (a.row_bytes + kPiece - 1) / kPiece;
+  const size_t units = size_t(prefix[L]) * pieces;
+  for (size_t u = size_t(blockIdx.x) * kWarps + warp; u < units; u += size_t(gridDim.x) * kWarps) {
+    const int r = int(u / pieces);
+    const size_t q = u % pieces;
+    const int l = last_not_above(prefix, L, r);
+    const size_t row = size_t(l) * RM + (r - prefix[l]);
+    const int s = a.src_rank[row], t = a.src_token[row], k = a.src_k[row];
+    if (s < 0 || s >= R || t < 0 || t >= M || k < 0 || k >= K) continue;  // never out of bounds
+    char* rec = ll_base(ctx, s) + region + (size_t(t) * K + k) * a.plan.record_stride;
+    const size_t off = q * kPiece;
+    copy_row(rec + off, static_cast<const char*>(a.y) + row * a.row_bytes + off,
+             min(kPiece, a.row_bytes - off), lane, 32);
+  }
+
+  if (ll_last_block(ctx, kCounterCombineSend) && tid == 0) {
+    for (int p = 0; p < R; ++p)
+      store_release(&ll_control(ctx, p)->arrived[kOpCombine][n & 1][ctx.rank], n);
+    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
+  }
+}
+
+// ----------------------------------------------------------------------------- combine receive
+
+// out[t] = sum over k ascending of w[t, k] * record[t][k], float32 without FMA, then cast.
+template <typename T>
+__device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base) {
+  const int K = a.num_topk, H = a.hidden, E = a.num_experts;
+  const size_t threads = size_t(gridDim.x) * blockDim.x;
+  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kBatch = 8;  // records loaded at once
+  T* out = static_cast<T*>(a.out);
+  if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
+    const int per_token = H / kVec;
+    const size_t units = size_t(a.num_tokens) * per_token;
+    for (size_t u = first; u < units; u += threads) {
+      const int t = int(u / per_token), c = int(u % per_token);
+      float acc[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
+      for (int k0 = 0; k0 < K; k0 += kBatch) {
+        // issue the batch's loads together, then add in k order
+        int4 raw[kBatch];
+        float w[kBatch];
+        bool present[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int k = k0 + b, p = t * K + k;
+          present[b] = false;
+          w[b] = 0.f;
+          if (k < K) {
+            const int e = a.topk_idx[p];
+            present[b] = a.send_slot[p] >= 0 && e >= 0 && e < E;
+            w[b] = a.weights[p];
+          }
+          raw[b] = present[b] ? __ldcg(reinterpret_cast<const int4*>(
+                                           base + (size_t(t) * K + k) * a.plan.record_stride) + c)
+                              : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (!present[b]) continue;
+          const T* v = reinterpret_cast<const T*>(&raw[b]);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            acc[j] = __fadd_rn(acc[j], __fmul_rn(w[b], to_float<T>(v[j])));
+        }
+      }
+      int4 packed;
+      T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[j]);
+      reinterpret_cast<int4*>(out + size_t(t) * H)[c] = packed;
+    }
+  } else {
+    const size_t units = size_t(a.num_tokens) * H;
+    for (size_t u = first; u < units; u += threads) {
+      const int t = int(u / H), h = int(u % H);
+      float acc = 0.f;
+      for (int k = 0; k < K; ++k) {
+        const int p = t * K + k, e = a.topk_idx[p];
+        if (a.send_slot[p] < 0 || e < 0 || e >= E) continue;
+        const T v = __ldcg(reinterpret_cast<const T*>(
+            base + (size_t(t) * K + k) * a.plan.record_stride) + h);
+        acc = __fadd_rn(acc, __fmul_rn(a.weights[p], to_float<T>(v)));
+      }
+      out[u] = from_float<T>(acc);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks;
+  const uint64_t n = read_call(a.call);
+  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  LLControl* mine = ll_control(ctx, ctx.rank);
+  if (threadIdx.x == 0) {
+    check_rank(ctx, "low_latency_combine (receive)");
+    for (int s = 0; s < R; ++s)
+      wait_flag(ctx, &mine->arrived[kOpCombine][n & 1][s], n, "low_latency_combine (receive)",
+                "rows sent back", s);
+  }
+  __syncthreads();
+  const char* base = ll_base(ctx, ctx.rank) + region;
+  switch (a.dtype) {
+    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, base); break;
+    case LLElement::kF16: combine_sum<__half>(a, base); break;
+    default: combine_sum<float>(a, base); break;
+  }
+  if (ll_last_block(ctx, kCounterCombineReceive) && threadIdx.x == 0) {
+    for (int s = 0; s < R; ++s)
+      store_release(&ll_control(ctx, s)->consumed[kOpCombine][n & 1][ctx.rank], n);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t stream) {
+  static bool configured = false;  // raise the dynamic shared-memory limit once
+  if (!configured) {
+    cudaError_t status = cudaFuncSetAttribute(ll_dispatch_send_kernel,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              200 * 1024);
+    if (status != cudaSuccess) return status;
+    configured = true;
+  }
+  const int grid = a.num_tokens < 1 ? 1 : (a.num_tokens < a.num_blocks ? a.num_tokens : a.num_blocks);
+  ll_dispatch_send_kernel<<<grid, kLLThreads, a.smem_bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
+  const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
+  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stream) {
+  const size_t smem = sizeof(int) * (size_t(a.num_local_experts) + 1);
+  ll_combine_send_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
+  ll_combine_receive_kernel<<<a.num_blocks, kLLThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

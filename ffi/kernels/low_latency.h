@@ -1,0 +1,109 @@
+// Low-latency (decode) kernels: one launch per half of each operation, on their own symmetric
+// buffer (see the low-latency section of buffer_layout.h).
+//
+//   dispatch send     every (token, k) pair's per-(source, expert) slot, computed at the source
+//                     (redundantly by every CTA); each CTA takes whole tokens, reads a row once
+//                     (quantising it to FP8 in registers) and stores it with 16-byte stores
+//                     into the record (local expert, me, slot) of each destination's buffer;
+//                     the last CTA publishes the per-expert counts and raises arrived[me].
+//   dispatch receive  waits for every source, lays the records out as [L, R*M] blocks in
+//                     (source, token, k) order, then raises consumed[me] at every source.
+//   combine send      every used row goes back into its token owner's record [token][k].
+//   combine receive   sums a token's K records in k order (float32, no FMA), weighted.
+//
+// Call numbers come from device-side counters in LLControl advanced by the send kernels; the
+// send returns its number and the receive takes it, so the two calls of one operation may be
+// separated by the other half of another call (at most two calls of an op in flight). A send
+// of call n first waits until every destination has consumed call n - 2 (same parity).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/buffer_layout.h"
+#include "kernels/device_utils.cuh"
+
+namespace jax_ep {
+
+constexpr int kLLMaxTopk = 32;
+constexpr int kLLThreads = 512;
+
+enum class LLElement { kBF16, kF16, kF32, kRaw };
+
+struct LLDispatchSendArgs {
+  PeerContext ctx;            // peers: the low-latency buffers
+  size_t area_begin, area_end;
+  LLDispatchPlan plan;
+  int num_tokens, num_topk, num_experts, max_tokens, hidden;
+  bool use_fp8, ue8m0, cached;
+  LLElement x_type;           // FP8 quantisation reads this type; raw rows are row_bytes
+  size_t row_bytes;           // bytes of a sent row (FP8: hidden)
+  size_t scale_bytes;         // FP8: hidden / 128 floats, else 0
+  int num_blocks, hist_warps;
+  size_t smem_bytes;
+  const void* x;
+  const int32_t* topk_idx;
+  const int32_t* slots_in;    // cached: the handle's send_slot
+  int32_t* send_slot;
+  int32_t* call_out;          // [2]: low, high 32 bits of the call number
+  int32_t* num_dropped;
+};
+
+struct LLDispatchReceiveArgs {
+  PeerContext ctx;
+  size_t area_begin, area_end;
+  LLDispatchPlan plan;
+  int num_experts, max_tokens;
+  size_t row_bytes, scale_bytes;
+  int num_blocks;
+  const int32_t* call;
+  void* out_x;                // [L, R*M] rows of row_bytes
+  float* out_scales;          // nullptr unless FP8
+  int32_t* recv_count;        // [L]
+  int32_t* src_rank;          // [L, R*M] (all three nullptr: not wanted)
+  int32_t* src_token;
+  int32_t* src_k;
+};
+
+struct LLCombineSendArgs {
+  PeerContext ctx;
+  size_t area_begin, area_end;
+  LLCombinePlan plan;
+  int num_local_experts, rows_per_expert, max_tokens, num_topk;
+  size_t row_bytes;
+  int num_blocks;
+  const void* y;              // [L, R*M] rows of row_bytes
+  const int32_t* src_rank;
+  const int32_t* src_token;
+  const int32_t* src_k;
+  const int32_t* recv_count;  // [L]
+  int32_t* call_out;
+};
+
+struct LLCombineReceiveArgs {
+  PeerContext ctx;
+  size_t area_begin, area_end;
+  LLCombinePlan plan;
+  int num_tokens, num_topk, num_experts, hidden;
+  LLElement dtype;
+  int num_blocks;
+  const int32_t* call;
+  const int32_t* topk_idx;
+  const int32_t* send_slot;
+  const float* weights;
+  void* out;
+};
+
+// Dynamic shared memory of the dispatch send kernel with `hist_warps` histogram warps.
+inline size_t ll_dispatch_send_smem(int num_experts, int num_tokens, int num_topk,
+                                    int hist_warps) {
+  return sizeof(int32_t) * (size_t(hist_warps + 1) * num_experts + size_t(num_tokens) * num_topk);
+}
+
+cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& args, cudaStream_t stream);
+cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaStream_t stream);
+cudaError_t launch_ll_combine_send(const LLCombineSendArgs& args, cudaStream_t stream);
+cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& args, cudaStream_t stream);
+
+}  // namespace jax_ep
