@@ -110,7 +110,7 @@ def main():
     record("jax_ep low_latency_dispatch BF16", dispatch_bf16, x, idx_d)
     record("jax_ep dispatch BF16 + combine BF16", combine, x, idx_d, w)
 
-    # combine alone: one dispatch's handle and rows, reused by every call (y is chained)
+    # combine alone: one dispatch's handle and rows, reused by every call
     from jax_ep._types import LowLatencyConfig, LowLatencyHandle
 
     config = LowLatencyConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=H, num_topk=K,
@@ -131,7 +131,7 @@ def main():
             return jax_ep.low_latency_combine(y, w, handle)[0, 0]
 
         record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
-               *arrays[1:], chained=0)
+               *arrays[1:], chained=1)  # chained through the gates: y is L*R*M rows
     except Exception as e:
         rows.append(("jax_ep low_latency_combine BF16 (alone)", float("nan")))
         if jax.process_index() == 0:

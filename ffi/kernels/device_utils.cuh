@@ -100,6 +100,15 @@ __device__ inline void report_timeout(const PeerContext& ctx, const char* op, co
          (unsigned long long)saw);
 }
 
+// Traps after giving the host watchdog (20 ms polls) time to print the fault record: once the
+// trap surfaces, XLA may abort the process before anything else is printed.
+__device__ inline void trap_after_report() {
+  const uint64_t start = global_timer_ns();
+  while (global_timer_ns() - start < 200000000ull) {
+  }
+  __trap();
+}
+
 // Spins until *flag >= want; after ctx.timeout_ns reports who was waited for and traps.
 __device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, uint64_t want,
                                  const char* op, const char* what, int peer) {
@@ -108,7 +117,7 @@ __device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, u
   while (load_acquire(flag) < want) {
     if (global_timer_ns() - start > ctx.timeout_ns) {
       report_timeout(ctx, op, what, peer, want, load_acquire(flag));
-      __trap();
+      trap_after_report();
     }
   }
 }

@@ -716,7 +716,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
                                                        &position, &local);
           report_timeout(ctx, "dispatch", "rows of an output chunk", peer, uint64_t(expected[j]),
                          uint64_t(load_acquire_u32(&arrivals[chunk])));
-          __trap();
+          trap_after_report();
         }
       }
       // Every row of this call has arrived: the counter is ready for the next call.
