@@ -87,6 +87,16 @@ NB_MODULE(_C, m) {
     return t ? t->num_ranks : 0;
   });
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
+  m.def("low_latency_calls", [] {
+    std::vector<unsigned long long> values;
+    {
+      nb::gil_scoped_release release;
+      values = jax_ep::read_low_latency_calls();
+    }
+    nb::list out;
+    for (unsigned long long v : values) out.append(v);
+    return out;
+  }, "Calls started by this PE's low-latency dispatch and combine sends (synchronises)");
   m.def("profile_reset", [] {
     nb::gil_scoped_release release;
     jax_ep::reset_profile();

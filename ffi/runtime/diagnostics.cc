@@ -112,6 +112,17 @@ std::vector<unsigned long long> read_profile() {
   return values;
 }
 
+std::vector<unsigned long long> read_low_latency_calls() {
+  const Transport* t = transport();
+  if (t == nullptr || t->ll_local == nullptr) return {};
+  check(cudaDeviceSynchronize(), "waiting for the kernels");
+  std::vector<unsigned long long> values(2);
+  check(cudaMemcpy(values.data(), t->ll_local, sizeof(unsigned long long) * 2,
+                   cudaMemcpyDeviceToHost),
+        "reading the low-latency call counters");
+  return values;
+}
+
 void reset_profile() {
   Control* control = local_control();
   check(cudaDeviceSynchronize(), "waiting for the kernels");

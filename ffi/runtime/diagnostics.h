@@ -30,5 +30,7 @@ void stop_fault_watchdog();
 // Phase timestamps of the communication kernels (Control::profile), after a device sync.
 std::vector<unsigned long long> read_profile();
 void reset_profile();
+// Calls started so far by this PE's low-latency dispatch and combine sends (LLControl::calls).
+std::vector<unsigned long long> read_low_latency_calls();
 
 }  // namespace jax_ep
