@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,26 +16,51 @@ namespace nb = nanobind;
 
 namespace {
 
-template <typename Fn>
-nb::capsule handler_capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
+// Every FFI target, with a count of its execute-stage invocations (a diagnostic: it tells
+// how often XLA ran each custom call, see handler_calls()).
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* handler;
+};
+
+constexpr Target kTargets[] = {
+    {"jax_ep_layout", JaxEpLayout},
+    {"jax_ep_dispatch", JaxEpDispatch},
+    {"jax_ep_cached_dispatch", JaxEpCachedDispatch},
+    {"jax_ep_combine", JaxEpCombine},
+    {"jax_ep_ll_dispatch_send", JaxEpLLDispatchSend},
+    {"jax_ep_ll_dispatch_receive", JaxEpLLDispatchReceive},
+    {"jax_ep_ll_combine_send", JaxEpLLCombineSend},
+    {"jax_ep_ll_combine_receive", JaxEpLLCombineReceive},
+    {"jax_ep_ll_dispatch", JaxEpLLDispatch},
+    {"jax_ep_ll_combine", JaxEpLLCombine},
+};
+constexpr int kNumTargets = sizeof(kTargets) / sizeof(kTargets[0]);
+std::atomic<unsigned long long> g_calls[kNumTargets];
+
+template <int I>
+XLA_FFI_Error* counted(XLA_FFI_CallFrame* frame) {
+  // Metadata queries (at registration) and other stages are not executions.
+  if (frame->extension_start == nullptr && frame->stage == XLA_FFI_ExecutionStage_EXECUTE)
+    g_calls[I].fetch_add(1, std::memory_order_relaxed);
+  return kTargets[I].handler(frame);
+}
+
+template <int... Is>
+void add_targets(nb::dict& targets, std::integer_sequence<int, Is...>) {
+  ((targets[kTargets[Is].name] = nb::capsule(reinterpret_cast<void*>(&counted<Is>))), ...);
 }
 
 nb::dict ffi_targets() {
   nb::dict targets;
-  // ---- FFI handler table: one line per handler (name passed to jax.ffi.register_ffi_target).
-  targets["jax_ep_layout"] = handler_capsule(JaxEpLayout);
-  targets["jax_ep_dispatch"] = handler_capsule(JaxEpDispatch);
-  targets["jax_ep_cached_dispatch"] = handler_capsule(JaxEpCachedDispatch);
-  targets["jax_ep_combine"] = handler_capsule(JaxEpCombine);
-  targets["jax_ep_ll_dispatch_send"] = handler_capsule(JaxEpLLDispatchSend);
-  targets["jax_ep_ll_dispatch_receive"] = handler_capsule(JaxEpLLDispatchReceive);
-  targets["jax_ep_ll_combine_send"] = handler_capsule(JaxEpLLCombineSend);
-  targets["jax_ep_ll_combine_receive"] = handler_capsule(JaxEpLLCombineReceive);
-  targets["jax_ep_ll_dispatch"] = handler_capsule(JaxEpLLDispatch);
-  targets["jax_ep_ll_combine"] = handler_capsule(JaxEpLLCombine);
-  // ---- end of table
+  add_targets(targets, std::make_integer_sequence<int, kNumTargets>{});
   return targets;
+}
+
+nb::dict handler_calls() {
+  nb::dict calls;
+  for (int i = 0; i < kNumTargets; ++i) calls[kTargets[i].name] = g_calls[i].load();
+  return calls;
 }
 
 }  // namespace
@@ -42,6 +68,8 @@ nb::dict ffi_targets() {
 NB_MODULE(_C, m) {
   m.doc() = "jax_ep native extension: typed XLA FFI handlers and the NVSHMEM runtime";
   m.def("ffi_targets", &ffi_targets, "{target name: PyCapsule} of every FFI handler");
+  m.def("handler_calls", &handler_calls,
+        "{target name: executions of its FFI handler in this process} (diagnostic)");
   m.def("cuda_architectures", [] { return std::string(JAX_EP_CUDA_ARCHS); });
   m.def("create_unique_id", [] {
     std::string id = jax_ep::create_unique_id();

@@ -102,9 +102,13 @@ cases = dict(split=case_split_dispatch, chain=case_dispatch_chain,
              split_combine=case_split_combine)
 for case in [cases[c] for c in order]:
     print(f"calls before {case.__name__}: {module.low_latency_calls()}", flush=True)
+    handled = module.handler_calls()
     try:
         got = run(lambda *a, case=case: case("cuda", *a), R, xs, idxs, ws, ys)
-        print(f"calls after {case.__name__}: {module.low_latency_calls()}", flush=True)
+        print(f"calls after {case.__name__}: {module.low_latency_calls()}; handler runs: "
+              + str({k[len("jax_ep_"):]: v - handled[k]
+                     for k, v in module.handler_calls().items() if v != handled[k]}),
+              flush=True)
         want = run(lambda *a, case=case: case("reference", *a), R, xs, idxs, ws, ys)
         if isinstance(want[0], tuple):  # dispatch cases: (x_scales, src_rank) pairs
             oks = []
