@@ -60,6 +60,29 @@ def test_ffi_targets_are_capsules():
     assert module.buffer_bytes() == 0
 
 
+@needs_module
+def test_diagnostics_before_initialize():
+    # one counter per FFI target, nothing run yet in this (CPU) process
+    assert set(module.handler_calls()) == set(module.ffi_targets())
+    assert all(v == 0 for v in module.handler_calls().values())
+    assert module.low_latency_calls() == []  # no low-latency buffer
+    with pytest.raises(RuntimeError, match="not initialised"):
+        module.profile_read()
+
+
+def test_dispatch_modes_are_checked(monkeypatch):
+    from jax_ep import _cuda
+
+    monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
+    assert _cuda._push_dispatch() == 1  # push by default
+    for mode, value in (("pull", 0), ("push", 1), ("fused", 2)):
+        monkeypatch.setenv("JAX_EP_DISPATCH", mode)
+        assert _cuda._push_dispatch() == value
+    monkeypatch.setenv("JAX_EP_DISPATCH", "bogus")
+    with pytest.raises(ValueError, match="JAX_EP_DISPATCH"):
+        _cuda._push_dispatch()
+
+
 def test_missing_extension_is_reported_clearly():
     if module is not None:
         pytest.skip("the extension is built")
