@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,variants,ll,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,probe,test,bench,sweep,variants,ll,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -57,6 +57,12 @@ if [[ $WHAT == *variants* ]]; then
       grep -E "^\[rank 0\] (\| jax|\| jax.lax|[0-9]×|.*FAILED)" | grep -v "expert_major\|pull" |
       sed 's/^\[rank 0\] //'
   done
+fi
+if [[ $WHAT == *probe* ]]; then
+  step "low-latency split-send probe on $N GPUs"
+  JAX_EP_TIMEOUT_S=30 CASES=${CASES:-split,chain,split,combine,split_combine} timeout 200 \
+    $PY -m jax_ep.launch -n "$N" tests/gpu_ll_split_probe.py 2>&1 | tee "$OUT/ll_probe_$N.log" |
+    grep -E "case_|calls|timed out|still running" | grep "rank 0"
 fi
 if [[ $WHAT == *ll* ]]; then
   step "low-latency benchmark on $N GPUs"

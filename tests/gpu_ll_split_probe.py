@@ -9,6 +9,7 @@ case reached a third send from a fresh buffer: see benchmarks/NOTES.md). Not a p
 """
 import os
 import sys
+import threading
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -100,11 +101,27 @@ order = os.environ.get("CASES", "split,chain,split,reversed,combine,split_combin
 cases = dict(split=case_split_dispatch, chain=case_dispatch_chain,
              reversed=case_split_dispatch_reversed, combine=case_combine_chain,
              split_combine=case_split_combine)
+
+
+def report_if_stuck(name, handled, done):
+    """Prints the handler executions of a case still running after 15 s, past compilation (no
+    GPU sync needed: a case stuck in a device wait would otherwise never say what XLA ran)."""
+    if not done.wait(15.0):
+        print(f"{name} still running; handler runs so far: "
+              + str({k[len("jax_ep_"):]: v - handled[k]
+                     for k, v in module.handler_calls().items() if v != handled[k]}),
+              flush=True)
+
+
 for case in [cases[c] for c in order]:
     print(f"calls before {case.__name__}: {module.low_latency_calls()}", flush=True)
     handled = module.handler_calls()
+    done = threading.Event()
+    threading.Thread(target=report_if_stuck, args=(case.__name__, handled, done),
+                     daemon=True).start()
     try:
         got = run(lambda *a, case=case: case("cuda", *a), R, xs, idxs, ws, ys)
+        done.set()
         print(f"calls after {case.__name__}: {module.low_latency_calls()}; handler runs: "
               + str({k[len("jax_ep_"):]: v - handled[k]
                      for k, v in module.handler_calls().items() if v != handled[k]}),
