@@ -399,31 +399,39 @@ def _after(value, *deps):
     return value + flag.astype(value.dtype)
 
 
+def _ll_series(n, T=32, M=32, H=256):
+    """Inputs of n low-latency calls, stacked per rank: xs, idxs, ws [R, n, ...], expert
+    outputs ys [R, n, L, R*M, H], and E, M."""
+    R = num_ranks()
+    data = [_ll_inputs(100 + i, T, H, "random", 0.1) for i in range(n)]
+    E = data[0][3]
+    xs, idxs, ws = (np.stack([d[j] for d in data], 1) for j in range(3))
+    rng = np.random.default_rng(7)
+    ys = np.asarray(jnp.asarray(rng.standard_normal((R, n, E // R, R * M, H)), jnp.bfloat16))
+    return xs, idxs, ws, ys, E, M
+
+
+def _ll_chain(n, E, M, backend, xs, idxs, ws, ys):
+    """n fused dispatch + combine calls, each after the previous one (XLA may reorder
+    independent calls)."""
+    kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
+              backend=backend)
+    outs, backs = [], []
+    for i in range(n):
+        o = jax_ep.low_latency_dispatch(xs[i], _after(idxs[i], *outs[-1:]), **kw)
+        outs.append(o)
+        backs.append(jax_ep.low_latency_combine(_after(ys[i], *backs[-1:]), ws[i], o.handle))
+    return outs, backs, kw
+
+
 def test_low_latency_consecutive_calls():
     """Six dispatch + combine calls with different data in one program (every buffer half
     reused several times)."""
-    R = num_ranks()
-    T, M, H = 32, 32, 256
     n = 6
-    data = [_ll_inputs(100 + i, T, H, "random", 0.1) for i in range(n)]
-    E = data[0][3]
-    L = E // R
-    xs = np.stack([d[0] for d in data], 1)  # [R, n, T, H]
-    idxs = np.stack([d[1] for d in data], 1)
-    ws = np.stack([d[2] for d in data], 1)
-    rng = np.random.default_rng(7)
-    ys = np.asarray(jnp.asarray(rng.standard_normal((R, n, L, R * M, H)), jnp.bfloat16))
+    xs, idxs, ws, ys, E, M = _ll_series(n)
 
     def fn(backend, xs, idxs, ws, ys):
-        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
-                  backend=backend)
-        outs, backs = [], []
-        for i in range(n):
-            o = jax_ep.low_latency_dispatch(xs[i], _after(idxs[i], *outs[-1:]), **kw)
-            outs.append(o)
-            backs.append(jax_ep.low_latency_combine(_after(ys[i], *backs[-1:]), ws[i],
-                                                    o.handle))
-        return outs, backs
+        return _ll_chain(n, E, M, backend, xs, idxs, ws, ys)[:2]
 
     got, want = both(fn, xs, idxs, ws, ys)
     for i in range(n):
@@ -443,29 +451,12 @@ def test_low_latency_interleaved_split_calls():
     orders send(A), send(B), receive(A), receive(B) and send(A), send(B), receive(B),
     receive(A), for dispatch and combine (XLA may reorder independent halves: any order with
     at most two sends in flight must work)."""
-    R = num_ranks()
-    T, M, H = 32, 32, 256
     n = 6
-    data = [_ll_inputs(100 + i, T, H, "random", 0.1) for i in range(n)]
-    E = data[0][3]
-    L = E // R
-    xs = np.stack([d[0] for d in data], 1)  # [R, n, T, H]
-    idxs = np.stack([d[1] for d in data], 1)
-    ws = np.stack([d[2] for d in data], 1)
-    rng = np.random.default_rng(7)
-    ys = np.asarray(jnp.asarray(rng.standard_normal((R, n, L, R * M, H)), jnp.bfloat16))
+    xs, idxs, ws, ys, E, M = _ll_series(n)
 
     def fn(backend, xs, idxs, ws, ys):
-        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
-                  backend=backend)
-        outs, backs = [], []
-        for i in range(n):
-            # each call after the previous one (XLA may reorder independent calls; a split
-            # send must not have two other sends of its op before its receive)
-            o = jax_ep.low_latency_dispatch(xs[i], _after(idxs[i], *outs[-1:]), **kw)
-            outs.append(o)
-            backs.append(jax_ep.low_latency_combine(_after(ys[i], *backs[-1:]), ws[i],
-                                                    o.handle))
+        # a split send must not have two other sends of its op before its receive
+        outs, backs, kw = _ll_chain(n, E, M, backend, xs, idxs, ws, ys)
         # interleaved halves
         pa = jax_ep.low_latency_dispatch_send(xs[0], _after(idxs[0], outs[-1]), **kw)
         pb = jax_ep.low_latency_dispatch_send(xs[1], _after(idxs[1], outs[-1]), **kw)
