@@ -59,10 +59,14 @@ if [[ $WHAT == *variants* ]]; then
   done
 fi
 if [[ $WHAT == *probe* ]]; then
-  step "low-latency split-send probe on $N GPUs"
-  JAX_EP_TIMEOUT_S=30 CASES=${CASES:-split,chain,split,combine,split_combine} timeout 200 \
-    $PY -m jax_ep.launch -n "$N" tests/gpu_ll_split_probe.py 2>&1 | tee "$OUT/ll_probe_$N.log" |
-    grep -E "case_|calls|timed out|still running" | grep "rank 0"
+  for host_calls in 0 1; do  # call numbers from the device counter / from the handlers
+    step "low-latency split-send probe on $N GPUs, JAX_EP_LL_HOST_CALLS=$host_calls"
+    JAX_EP_LL_HOST_CALLS=$host_calls JAX_EP_TIMEOUT_S=30 \
+      CASES=${CASES:-split,chain,split,combine,split_combine} timeout 150 \
+      $PY -m jax_ep.launch -n "$N" tests/gpu_ll_split_probe.py 2>&1 |
+      tee "$OUT/ll_probe_${host_calls}_$N.log" |
+      grep -E "case_|calls|timed out|still running" | grep "rank 0"
+  done
 fi
 if [[ $WHAT == *ll* ]]; then
   step "low-latency benchmark on $N GPUs"

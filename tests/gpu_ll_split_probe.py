@@ -2,6 +2,7 @@
 
     JAX_EP_TIMEOUT_S=5 python -m jax_ep.launch -n 2 tests/gpu_ll_split_probe.py
     CASES=chain,split python -m jax_ep.launch -n 2 tests/gpu_ll_split_probe.py
+    JAX_EP_LL_HOST_CALLS=1 ...   # call numbers counted by the handlers instead of the device
 
 Runs each case with the CUDA and the reference backend and compares; prints the device's
 low-latency call counters before and after each CUDA run (on 2xH200, 2026-11-23, the split

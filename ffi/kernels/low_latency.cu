@@ -23,6 +23,12 @@ __device__ __forceinline__ LLControl* ll_control(const PeerContext& ctx, int pe)
   return reinterpret_cast<LLControl*>(ctx.peers[pe]);
 }
 
+// The arrival counter of a send kernel: with handler-assigned call numbers, one per parity, so
+// that two sends running at once (if XLA ever overlaps them) cannot mix their arrivals.
+__device__ __forceinline__ int send_counter(int slot, uint64_t host_call, uint64_t n) {
+  return host_call > 0 ? slot + 4 * int(n & 1) : slot;
+}
+
 // Offset of the region of call n's parity inside [begin, end): parity 0 at the start,
 // parity 1 ending at the end.
 __device__ __forceinline__ size_t region_of(uint64_t n, size_t begin, size_t end, size_t bytes) {
@@ -268,7 +274,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
 
   if (tid == 0) {
     check_rank(ctx, "low_latency_dispatch (send)");
-    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
+    const uint64_t n = a.host_call > 0
+                           ? a.host_call
+                           : *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
     call_s = n;
     dropped_s = 0;
     // The region of this parity at every destination must have been read (call n - 2).
@@ -371,7 +379,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
   }
 
   // ---- the last CTA publishes counts and raises arrived[me] at every destination
-  if (ll_last_block(ctx, kCounterDispatchSend)) {
+  if (ll_last_block(ctx, send_counter(kCounterDispatchSend, a.host_call, n))) {
     for (int i = tid; i < E; i += blockDim.x) {
       const int r = i / L, l = i % L;
       int32_t* counts = reinterpret_cast<int32_t*>(ll_base(ctx, r) + region + a.plan.counts);
@@ -475,7 +483,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
   LLControl* mine = ll_control(ctx, ctx.rank);
   if (tid == 0) {
     check_rank(ctx, "low_latency_combine (send)");
-    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) + 1;
+    const uint64_t n = a.host_call > 0
+                           ? a.host_call
+                           : *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) + 1;
     call_s = n;
     if (n > 2)
       for (int d = 0; d < R; ++d)
@@ -507,7 +517,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
              min(kPiece, a.row_bytes - off), lane, 32);
   }
 
-  if (ll_last_block(ctx, kCounterCombineSend) && tid == 0) {
+  if (ll_last_block(ctx, send_counter(kCounterCombineSend, a.host_call, n)) && tid == 0) {
     for (int p = 0; p < R; ++p)
       store_release(&ll_control(ctx, p)->arrived[kOpCombine][n & 1][ctx.rank], n);
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;

@@ -48,6 +48,8 @@ struct LLDispatchSendArgs {
   int32_t* send_slot;
   int32_t* call_out;          // [2]: low, high 32 bits of the call number
   int32_t* num_dropped;
+  uint64_t host_call;         // > 0: the call number, counted by the handler (diagnostic mode
+                              // JAX_EP_LL_HOST_CALLS=1); 0: from LLControl::calls
 };
 
 struct LLDispatchReceiveArgs {
@@ -79,6 +81,7 @@ struct LLCombineSendArgs {
   const int32_t* src_k;
   const int32_t* recv_count;  // [L]
   int32_t* call_out;
+  uint64_t host_call;  // as in LLDispatchSendArgs
 };
 
 struct LLCombineReceiveArgs {
