@@ -63,6 +63,18 @@ nb::dict handler_calls() {
   return calls;
 }
 
+// Runs a device read that synchronises (without the GIL) and returns its values as a list.
+nb::list synchronised_list(std::vector<unsigned long long> (*read)()) {
+  std::vector<unsigned long long> values;
+  {
+    nb::gil_scoped_release release;
+    values = read();
+  }
+  nb::list out;
+  for (unsigned long long v : values) out.append(v);
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -115,30 +127,14 @@ NB_MODULE(_C, m) {
     return t ? t->num_ranks : 0;
   });
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
-  m.def("low_latency_calls", [] {
-    std::vector<unsigned long long> values;
-    {
-      nb::gil_scoped_release release;
-      values = jax_ep::read_low_latency_calls();
-    }
-    nb::list out;
-    for (unsigned long long v : values) out.append(v);
-    return out;
-  }, "Calls started by this PE's low-latency dispatch and combine sends (synchronises)");
+  m.def("low_latency_calls", [] { return synchronised_list(jax_ep::read_low_latency_calls); },
+        "Calls started by this PE's low-latency dispatch and combine sends (synchronises)");
   m.def("profile_reset", [] {
     nb::gil_scoped_release release;
     jax_ep::reset_profile();
   }, "Clears the communication kernels' phase timestamps (synchronises the device)");
-  m.def("profile_read", [] {
-    std::vector<unsigned long long> values;
-    {
-      nb::gil_scoped_release release;
-      values = jax_ep::read_profile();
-    }
-    nb::list out;
-    for (unsigned long long v : values) out.append(v);
-    return out;
-  }, "Phase timestamps [kernel slot][enter, waited, first end, last end] in ns (synchronises)");
+  m.def("profile_read", [] { return synchronised_list(jax_ep::read_profile); },
+        "Phase timestamps [kernel slot][enter, waited, first end, last end] in ns (synchronises)");
   m.def("required_buffer_bytes", &jax_ep::required_buffer_bytes, nb::arg("num_ranks"),
         nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("elem_bytes"), nb::arg("num_topk"),
         nb::arg("num_experts"), nb::arg("capacity"), nb::arg("expert_major"), nb::arg("fp8"),

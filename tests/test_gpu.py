@@ -228,6 +228,25 @@ def test_fp8_dispatch_matches_reference(layout, dispatch_mode):
     assert_trees_equal(*both(fn, x, idx, w))
 
 
+def _assert_repeats_identical(fn, R, arrays, repeats):
+    """Runs the per-rank fn(*arrays) `repeats` times as one compiled program and asserts every
+    result is bit-identical to the first."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ep import fetch, mesh, put
+
+    m = mesh(R)
+    f = jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda v: v[None], fn(*[v[0] for v in a])),
+                              mesh=m, in_specs=(P(AXIS),) * len(arrays), out_specs=P(AXIS)))
+    sh = NamedSharding(m, P(AXIS))
+    args = [put(a, sh) for a in arrays]
+    first = jax.tree.map(fetch, f(*args))
+    outs = [f(*args) for _ in range(repeats)]
+    for o in outs:
+        assert_trees_equal(jax.tree.map(fetch, o), first)
+
+
 def test_repeated_calls_are_bit_identical(dispatch_mode):
     R = num_ranks()
     T, H, K, E = 128, 384, 8, 8 * R
@@ -239,20 +258,7 @@ def test_repeated_calls_are_bit_identical(dispatch_mode):
         out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend="cuda")
         return out.x, jax_ep.combine(out.x, out.handle)
 
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ep import fetch, mesh, put
-
-    m = mesh(R)
-    f = jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda v: v[None], fn(*[v[0] for v in a])),
-                              mesh=m, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))
-    sh = NamedSharding(m, P(AXIS))
-    args = [put(a, sh) for a in (x, idx, w)]
-    first = jax.tree.map(fetch, f(*args))
-    outs = [f(*args) for _ in range(100)]
-    for o in outs:
-        assert_trees_equal(jax.tree.map(fetch, o), first)
+    _assert_repeats_identical(fn, R, (x, idx, w), 100)
 
 
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
@@ -497,20 +503,7 @@ def test_low_latency_repeated_programs_are_bit_identical():
                                         axis_name=AXIS, use_fp8=False, backend="cuda")
         return o.handle, jax_ep.low_latency_combine(o.x, w, o.handle)
 
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ep import fetch, mesh, put
-
-    m = mesh(R)
-    f = jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda v: v[None], fn(*[v[0] for v in a])),
-                              mesh=m, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))
-    sh = NamedSharding(m, P(AXIS))
-    args = [put(a, sh) for a in (x, idx, w)]
-    first = jax.tree.map(fetch, f(*args))
-    outs = [f(*args) for _ in range(50)]
-    for o in outs:
-        assert_trees_equal(jax.tree.map(fetch, o), first)
+    _assert_repeats_identical(fn, R, (x, idx, w), 50)
 
 
 def test_low_latency_gradients_match_reference():
