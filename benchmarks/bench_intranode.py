@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-from timing import looped, put, seconds_per_call  # noqa: E402
+from timing import after_barrier, kernel_phases, looped, print_phases, put, seconds_per_call  # noqa: E402
 
 AXIS = "ep"
 
@@ -110,7 +110,7 @@ def main():
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
             if args.profile and name.startswith("jax_ep") and backend == "cuda":
-                one = jax.jit(smap(looped(after_barrier(body, chained), 1, chained),
+                one = jax.jit(smap(looped(after_barrier(body, chained, AXIS), 1, chained),
                                    in_specs=(P(AXIS),) * len(a)))
                 profiles.append((name, kernel_phases(one, *a)))
         except Exception as e:  # a failing row must not hide the others
@@ -171,49 +171,7 @@ def main():
         baselines(R, T, H, in_rank, counts, x, shard, record)
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
     if profiles and jax.process_index() == 0:
-        print("\nKernel phases of one call on rank 0, µs from the first kernel's start: "
-              "entered (first block) / done waiting for peers (last block) / finished "
-              "(first block, last block)")
-        for name, phases in profiles:
-            print(f"{name}:")
-            for kernel, times in phases:
-                print(f"    {kernel:24s} " + " / ".join(f"{v:7.1f}" for v in times))
-
-
-# Slots of Control::profile (ffi/kernels/buffer_layout.h, ProfileSlot).
-KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_receive",
-           "cached_stage", "cached_gather", "combine_stage", "combine_reduce", "dispatch_fused"]
-
-
-def after_barrier(body, chained):
-    """body, after an all-reduce that every rank must reach: the profiled call then starts on
-    all ranks together, whatever the skew between the processes' launches."""
-
-    def run(*a):
-        a = list(a)
-        meet = jax.lax.psum(a[chained].reshape(-1)[0].astype(jnp.float32), AXIS)
-        a[chained] = a[chained] + (meet * 0).astype(a[chained].dtype)
-        return body(*a)
-
-    return run
-
-
-def kernel_phases(f, *a):
-    """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
-    end) µs from the earliest start)] for the kernels it ran."""
-    from jax_ep import _native
-
-    module = _native.load()[0]
-    jax.block_until_ready(f(*a))
-    module.profile_reset()
-    jax.block_until_ready(f(*a))
-    values = module.profile_read()
-    used = [(k, values[4 * i: 4 * i + 4]) for i, k in enumerate(KERNELS)
-            if values[4 * i + 3] != 0]
-    if not used:
-        return []
-    t0 = min(v[0] for _, v in used)
-    return [(k, tuple((x - t0) / 1e3 for x in v)) for k, v in sorted(used, key=lambda u: u[1][0])]
+        print_phases(profiles)
 
 
 def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):

@@ -30,6 +30,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--cpu-devices", type=int, default=4)
+    p.add_argument("--profile", action="store_true",
+                   help="also print the kernels' phase timestamps of one call (CUDA backend)")
     return p.parse_args()
 
 
@@ -46,7 +48,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-from timing import looped, put, seconds_per_call  # noqa: E402
+from timing import after_barrier, kernel_phases, looped, print_phases, put, seconds_per_call  # noqa: E402
 
 AXIS = "ep"
 
@@ -72,7 +74,7 @@ def main():
     w = put(rng.random((R * T, K)).astype(np.float32), shard)
     idx_d = put(idx, shard)
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
-    rows = []
+    rows, profiles = [], []
 
     def record(name, f, *a, chained=1):
         try:
@@ -80,6 +82,10 @@ def main():
                                     in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
             rows.append((name, t * 1e6))
+            if args.profile and name.startswith("jax_ep") and backend == "cuda":
+                one = jax.jit(smap(looped(after_barrier(f, chained, AXIS), 1, chained),
+                                   in_specs=(P(AXIS),) * len(a)))
+                profiles.append((name, kernel_phases(one, *a)))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan")))
             if jax.process_index() == 0:
@@ -164,6 +170,8 @@ def main():
         print(f"|{'-' * 42}|{'-' * 13}|")
         for name, us in rows:
             print(f"| {name:40s} | {us:11.1f} |")
+        if profiles:
+            print_phases(profiles)
 
 
 if __name__ == "__main__":

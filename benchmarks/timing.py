@@ -44,3 +44,52 @@ def seconds_per_call(f, *a, calls, repeats):
         jax.block_until_ready(f(*a))
         times.append((time.perf_counter() - t0) / calls)
     return float(np.median(times))
+
+
+# Slots of Control::profile (ffi/kernels/buffer_layout.h, ProfileSlot).
+KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_receive",
+           "cached_stage", "cached_gather", "combine_stage", "combine_reduce", "dispatch_fused",
+           "ll_dispatch_send", "ll_dispatch_receive", "ll_combine_send", "ll_combine_receive"]
+
+
+def after_barrier(body, chained, axis_name):
+    """body, after an all-reduce that every rank must reach: the profiled call then starts on
+    all ranks together, whatever the skew between the processes' launches."""
+
+    def run(*a):
+        a = list(a)
+        meet = jax.lax.psum(a[chained].reshape(-1)[0].astype(np.float32), axis_name)
+        a[chained] = a[chained] + (meet * 0).astype(a[chained].dtype)
+        return body(*a)
+
+    return run
+
+
+def kernel_phases(f, *a):
+    """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
+    end) µs from the earliest start)] for the kernels it ran, from the phase timestamps the
+    CUDA kernels write (rank-local clock)."""
+    from jax_ep import _native
+
+    module = _native.load()[0]
+    jax.block_until_ready(f(*a))
+    module.profile_reset()
+    jax.block_until_ready(f(*a))
+    values = module.profile_read()
+    used = [(k, values[4 * i: 4 * i + 4]) for i, k in enumerate(KERNELS)
+            if values[4 * i + 3] != 0]
+    if not used:
+        return []
+    t0 = min(v[0] for _, v in used)
+    return [(k, tuple((x - t0) / 1e3 for x in v)) for k, v in sorted(used, key=lambda u: u[1][0])]
+
+
+def print_phases(profiles):
+    """Prints kernel_phases results: [(operation, phases)]."""
+    print("\nKernel phases of one call on rank 0, µs from the first kernel's start: entered "
+          "(first block) / done waiting for peers (last block) / finished (first block, last "
+          "block)")
+    for name, phases in profiles:
+        print(f"{name}:")
+        for kernel, times in phases:
+            print(f"    {kernel:24s} " + " / ".join(f"{v:7.1f}" for v in times))

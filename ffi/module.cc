@@ -3,7 +3,12 @@
 #include <nanobind/stl/string.h>
 
 #include <atomic>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -38,11 +43,43 @@ constexpr Target kTargets[] = {
 constexpr int kNumTargets = sizeof(kTargets) / sizeof(kTargets[0]);
 std::atomic<unsigned long long> g_calls[kNumTargets];
 
+// Diagnostic JAX_EP_LOG_CALLS=1: one stderr line per handler execution with what tells two
+// executions apart (XLA's run id, the stream, the first operand's address, the host thread).
+bool log_calls() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("JAX_EP_LOG_CALLS");
+    return env != nullptr && env[0] == '1';
+  }();
+  return enabled;
+}
+
+void log_call(const char* name, unsigned long long n, XLA_FFI_CallFrame* frame) {
+  const XLA_FFI_Api* api = frame->api;
+  void* stream = nullptr;
+  long long run_id = -1;
+  XLA_FFI_Stream_Get_Args stream_args{XLA_FFI_Stream_Get_Args_STRUCT_SIZE, nullptr, frame->ctx,
+                                      nullptr};
+  if (api->XLA_FFI_Stream_Get(&stream_args) == nullptr) stream = stream_args.stream;
+  constexpr size_t kRunIdEnd = offsetof(XLA_FFI_Api, XLA_FFI_RunId_Get) + sizeof(void*);
+  if (api->struct_size >= kRunIdEnd && api->XLA_FFI_RunId_Get != nullptr) {
+    XLA_FFI_RunId_Get_Args run_args{XLA_FFI_RunId_Get_Args_STRUCT_SIZE, nullptr, frame->ctx, 0};
+    if (api->XLA_FFI_RunId_Get(&run_args) == nullptr) run_id = run_args.run_id;
+  }
+  const void* first = nullptr;
+  if (frame->args.size > 0 && frame->args.types[0] == XLA_FFI_ArgType_BUFFER)
+    first = static_cast<XLA_FFI_Buffer*>(frame->args.args[0])->data;
+  std::fprintf(stderr, "jax_ep handler %s #%llu run_id %lld stream %p arg0 %p thread %zx\n",
+               name, n, run_id, stream, first,
+               std::hash<std::thread::id>{}(std::this_thread::get_id()));
+}
+
 template <int I>
 XLA_FFI_Error* counted(XLA_FFI_CallFrame* frame) {
   // Metadata queries (at registration) and other stages are not executions.
-  if (frame->extension_start == nullptr && frame->stage == XLA_FFI_ExecutionStage_EXECUTE)
-    g_calls[I].fetch_add(1, std::memory_order_relaxed);
+  if (frame->extension_start == nullptr && frame->stage == XLA_FFI_ExecutionStage_EXECUTE) {
+    const unsigned long long n = g_calls[I].fetch_add(1, std::memory_order_relaxed) + 1;
+    if (log_calls()) log_call(kTargets[I].name, n, frame);
+  }
   return kTargets[I].handler(frame);
 }
 

@@ -39,7 +39,8 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
                    std::to_string(needed) + " to jax_ep.runtime.initialize()");
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
   *ctx = PeerContext{t->peers,    t->rank,          t->num_ranks,
-                    timeout_ns(), rank.typed_data(), device_fault_record()};
+                    timeout_ns(), rank.typed_data(), device_fault_record(),
+                    static_cast<Control*>(t->local)->profile};
   return ffi::Error::Success();
 }
 

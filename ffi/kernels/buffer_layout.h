@@ -42,8 +42,13 @@ enum ProfileSlot {
   kProfCombineStage,
   kProfCombineReduce,
   kProfDispatchFused,
+  kProfLLDispatchSend,
+  kProfLLDispatchReceive,
+  kProfLLCombineSend,
+  kProfLLCombineReceive,
   kProfNumSlots
 };
+static_assert(kProfNumSlots <= kProfileKernels, "Control::profile has a row per slot");
 
 struct Control {
   uint64_t epoch;               // calls this PE has completed

@@ -19,6 +19,9 @@ struct PeerContext {
   uint64_t timeout_ns;   // a wait longer than this ends in a trap naming the peer
   const int32_t* expected_rank;  // the EP axis index the program computed (must equal rank)
   FaultRecord* fault;    // mapped host memory for the timeout report (may be null)
+  // This PE's Control::profile in the normal-mode buffer (the low-latency kernels stamp
+  // their phases there too).
+  unsigned long long (*profile)[4];
 };
 
 __device__ __forceinline__ Control* control_of(const PeerContext& ctx, int pe) {
@@ -59,7 +62,7 @@ enum ProfilePhase { kEnter = 0, kWaited = 1, kFirstEnd = 2, kLastEnd = 3 };
 
 __device__ __forceinline__ void profile_mark(const PeerContext& ctx, int slot, ProfilePhase ph) {
   if (threadIdx.x != 0) return;
-  unsigned long long* p = &control_of(ctx, ctx.rank)->profile[slot][ph];
+  unsigned long long* p = &ctx.profile[slot][ph];
   const unsigned long long now = global_timer_ns();
   if (ph == kEnter || ph == kFirstEnd) atomicMin(p, now); else atomicMax(p, now);
 }

@@ -271,6 +271,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
   __shared__ char* dst[kLLMaxTopk];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   LLControl* mine = ll_control(ctx, me);
+  profile_mark(ctx, kProfLLDispatchSend, kEnter);
 
   if (tid == 0) {
     check_rank(ctx, "low_latency_dispatch (send)");
@@ -340,6 +341,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
     }
   }
   __syncthreads();
+  profile_mark(ctx, kProfLLDispatchSend, kWaited);  // slots computed, region free
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
@@ -393,6 +395,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
       *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
     }
   }
+  profile_end(ctx, kProfLLDispatchSend);
 }
 
 // ----------------------------------------------------------------------------- dispatch receive
@@ -405,6 +408,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
   const uint64_t n = read_call(a.call);
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
+  profile_mark(ctx, kProfLLDispatchReceive, kEnter);
   if (tid == 0) {
     check_rank(ctx, "low_latency_dispatch (receive)");
     for (int s = 0; s < R; ++s)
@@ -412,6 +416,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
                 "rows sent", s);
   }
   __syncthreads();
+  profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
   const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
   for (int i = tid; i < E; i += blockDim.x) {
@@ -469,6 +474,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
     for (int s = 0; s < R; ++s)
       store_release(&ll_control(ctx, s)->consumed[kOpDispatch][n & 1][ctx.rank], n);
   }
+  profile_end(ctx, kProfLLDispatchReceive);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -481,6 +487,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   __shared__ uint64_t call_s;
   LLControl* mine = ll_control(ctx, ctx.rank);
+  profile_mark(ctx, kProfLLCombineSend, kEnter);
   if (tid == 0) {
     check_rank(ctx, "low_latency_combine (send)");
     const uint64_t n = a.host_call > 0
@@ -495,6 +502,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
   for (int l = tid; l < L; l += blockDim.x) prefix[l] = min(max(a.recv_count[l], 0), RM);
   __syncthreads();
   block_exclusive_scan(prefix, L);
+  profile_mark(ctx, kProfLLCombineSend, kWaited);
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   if (blockIdx.x == 0 && tid == 0) {
@@ -522,6 +530,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
       store_release(&ll_control(ctx, p)->arrived[kOpCombine][n & 1][ctx.rank], n);
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
+  profile_end(ctx, kProfLLCombineSend);
 }
 
 // ----------------------------------------------------------------------------- combine receive
@@ -600,6 +609,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombin
   const uint64_t n = read_call(a.call);
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
+  profile_mark(ctx, kProfLLCombineReceive, kEnter);
   if (threadIdx.x == 0) {
     check_rank(ctx, "low_latency_combine (receive)");
     for (int s = 0; s < R; ++s)
@@ -607,6 +617,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombin
                 "rows sent back", s);
   }
   __syncthreads();
+  profile_mark(ctx, kProfLLCombineReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
   switch (a.dtype) {
     case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, base); break;
@@ -617,6 +628,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombin
     for (int s = 0; s < R; ++s)
       store_release(&ll_control(ctx, s)->consumed[kOpCombine][n & 1][ctx.rank], n);
   }
+  profile_end(ctx, kProfLLCombineReceive);
 }
 
 }  // namespace
