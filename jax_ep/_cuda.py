@@ -73,8 +73,20 @@ def _as_varying(value, axis_name):
 
 
 def _call(name, result_types, *args, axis_name, **attrs):
+    """One custom call, its operands and results fenced by optimization barriers.
+
+    Why the barriers: XLA:GPU's dynamic-slice fusion (on by default) wraps a custom call whose
+    operand is a slice, or whose result feeds a dynamic-update-slice, into a fusion holding a
+    copy of the call, and keeps the original because it has side effects: the kernels then
+    run twice per call (seen on jax 0.11.2). A communication kernel run twice breaks the
+    protocol (a low-latency send numbered twice) and costs its time twice. Behind a barrier
+    no operand or result is a slice; a slice operand is copied, as XLA does anyway when it
+    does not fuse it.
+    """
     _native.register()
+    args = jax.lax.optimization_barrier(args)
     out = jax.ffi.ffi_call(name, result_types, has_side_effect=True)(*args, **attrs)
+    out = jax.lax.optimization_barrier(out)
     if axis_name is None:
         return out
     return jax.tree.map(lambda v: _as_varying(v, axis_name), out)

@@ -446,12 +446,43 @@ def test_low_latency_consecutive_calls():
         assert_sums_close(got[1][i], want[1][i], jnp.bfloat16)
 
 
-# On 2xH200 (2026-11-23) two split sends before their receives deadlocked: from a fresh
-# buffer, send(A), send(B) in one program reached a third send (call 3 waiting for call 1's
-# receive), as if each send custom call ran twice. Not yet understood; until it is, this
-# test would trap the process and take the rest of the suite with it.
-@pytest.mark.skip(reason="split sends of two calls in flight deadlock on GPU (a send custom "
-                         "call appears to run twice); under investigation, see NOTES.md")
+def test_each_custom_call_runs_once_with_sliced_operands():
+    """Operands sliced from stacked arrays and results written into bigger arrays: the pattern
+    XLA:GPU's dynamic-slice fusion rewrites. It once copied our custom calls into fusions and
+    kept the originals (side effects), so every kernel ran twice and two split sends in flight
+    deadlocked. Counts each handler's executions in one program."""
+    from jax_ep import _native
+
+    module = _native.load()[0]
+    R = num_ranks()
+    n = 2
+    xs, idxs, ws, ys, E, M = _ll_series(n)
+    T = xs.shape[2]
+    kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
+              backend="cuda")
+
+    def fn(xs, idxs, ws, ys):
+        pa = jax_ep.low_latency_dispatch_send(xs[0], idxs[0], **kw)
+        pb = jax_ep.low_latency_dispatch_send(xs[1], idxs[1], **kw)
+        oa = jax_ep.low_latency_dispatch_receive(pa)
+        ob = jax_ep.low_latency_dispatch_receive(pb)
+        back = jax_ep.low_latency_combine(ys[0], ws[0], oa.handle)
+        out = jax_ep.dispatch(xs[1], idxs[1], ws[1], num_experts=E, axis_name=AXIS,
+                              capacity=R * T, backend="cuda")
+        summed = jax_ep.combine(out.x, out.handle)
+        stacked = jnp.zeros((2,) + oa.x_scales.shape, oa.x_scales.dtype)
+        stacked = stacked.at[0].set(oa.x_scales).at[1].set(ob.x_scales)
+        rows = jnp.zeros((3,) + summed.shape, summed.dtype).at[1].set(summed).at[2].set(back)
+        return stacked, rows
+
+    before = module.handler_calls()
+    jax.block_until_ready(run(fn, R, xs, idxs, ws, ys))
+    ran = {k[len("jax_ep_"):]: v - before[k] for k, v in module.handler_calls().items()
+           if v != before[k]}
+    assert ran == {"ll_dispatch_send": 2, "ll_dispatch_receive": 2, "ll_combine": 1,
+                   "dispatch": 1, "combine": 1}, ran
+
+
 def test_low_latency_interleaved_split_calls():
     """Six calls with different data in one program (every buffer half reused), then the
     orders send(A), send(B), receive(A), receive(B) and send(A), send(B), receive(B),
