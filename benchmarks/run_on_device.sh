@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,probe,hlo,test,bench,sweep,variants,ll,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,variants,ll,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -58,34 +58,14 @@ if [[ $WHAT == *variants* ]]; then
       sed 's/^\[rank 0\] //'
   done
 fi
-if [[ $WHAT == *probe* ]]; then
-  for host_calls in 0 1; do  # call numbers from the device counter / from the handlers
-    step "low-latency split-send probe on $N GPUs, JAX_EP_LL_HOST_CALLS=$host_calls"
-    JAX_EP_LL_HOST_CALLS=$host_calls JAX_EP_TIMEOUT_S=30 \
-      CASES=${CASES:-split,chain,split,combine,split_combine} timeout 150 \
-      $PY -m jax_ep.launch -n "$N" tests/gpu_ll_split_probe.py 2>&1 |
-      tee "$OUT/ll_probe_${host_calls}_$N.log" |
-      grep -E "case_|calls|timed out|still running" | grep "rank 0"
-  done
-fi
-if [[ $WHAT == *hlo* ]]; then  # what XLA:GPU compiled for two split sends, and each execution
-  step "split-send program: optimised HLO and handler executions on $N GPUs"
-  rm -rf /tmp/jax_ep_hlo
-  JAX_EP_LOG_CALLS=1 JAX_EP_TIMEOUT_S=5 CASES=split \
-    XLA_FLAGS="--xla_dump_to=/tmp/jax_ep_hlo --xla_dump_hlo_as_text" timeout 120 \
-    $PY -m jax_ep.launch -n "$N" tests/gpu_ll_split_probe.py >"$OUT/ll_hlo_$N.log" 2>&1
-  grep -E "jax_ep handler|case_|timed out" "$OUT/ll_hlo_$N.log" | head -40
-  for f in $(grep -l "jax_ep_ll_dispatch_send" /tmp/jax_ep_hlo/*after_optimizations.txt); do
-    echo "$f: $(grep -c 'custom_call_target="jax_ep_ll_dispatch_send"' "$f") sends," \
-      "$(grep -c 'custom_call_target="jax_ep_ll_dispatch_receive"' "$f") receives"
-  done
-  grep -h -E "custom-call|jax_ep" /tmp/jax_ep_hlo/*thunk* 2>/dev/null | head -20
-  tar czf "$OUT/ll_hlo_dump.tgz" -C /tmp jax_ep_hlo
-fi
 if [[ $WHAT == *ll* ]]; then
   step "low-latency benchmark on $N GPUs"
   timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py --profile 2>&1 |
     tee "$OUT/bench_low_latency_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" | sed 's/^\[rank 0\] //'
+  step "low-latency benchmark on $N GPUs, JAX_EP_COMMAND_BUFFERS=1 (calls recorded into CUDA graphs)"
+  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py \
+    2>&1 | tee "$OUT/bench_low_latency_graphs_$N.log" | grep -E "^\[rank 0\] (\||.*FAILED)" |
+    sed 's/^\[rank 0\] //'
 fi
 if [[ $WHAT == *example* ]]; then
   step "example on $N GPUs"

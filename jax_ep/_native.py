@@ -79,7 +79,15 @@ def register(force: bool = False) -> bool:
         module, why = load()
         if module is None:
             raise RuntimeError(why)
+        extra = {}
+        if os.environ.get("JAX_EP_COMMAND_BUFFERS", "0") == "1":
+            # The handlers only launch kernels whose arguments depend on buffer addresses and
+            # attributes (call numbers live on the device), so XLA may record them into CUDA
+            # graphs. Opt-in until measured: XLA may then run independent calls concurrently.
+            from jax._src.lib import xla_client
+
+            extra["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, capsule in module.ffi_targets().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA", **extra)
         _registered = True
         return True

@@ -2,7 +2,6 @@
 // jax_ep_ll_combine_send / _receive. They validate shapes, check the low-latency buffer is
 // large enough, fill the kernels' argument structs and launch; nothing here waits for the
 // device.
-#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -38,18 +37,6 @@ int sm_count() {
     return count;
   }();
   return value;
-}
-
-// Diagnostic mode JAX_EP_LL_HOST_CALLS=1: the handlers number the calls of each op (the
-// kernels otherwise read LLControl::calls). Every rank runs the same program, so the host
-// order of the handlers' invocations is the same everywhere. 0 when the mode is off.
-uint64_t next_host_call(int op) {
-  static const bool enabled = [] {
-    const char* env = std::getenv("JAX_EP_LL_HOST_CALLS");
-    return env != nullptr && env[0] == '1';
-  }();
-  static std::atomic<uint64_t> calls[2];
-  return enabled ? calls[op].fetch_add(1) + 1 : 0;
 }
 
 int blocks_or_default(int64_t num_blocks) {
@@ -190,7 +177,6 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
   a.send_slot = send_slot->typed_data();
   a.call_out = call->typed_data();
   a.num_dropped = num_dropped->typed_data();
-  a.host_call = next_host_call(0);  // last: only a call that will launch takes a number
   return ffi::Error::Success();
 }
 
@@ -360,7 +346,6 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
   a.src_k = src_k.typed_data();
   a.recv_count = recv_count.typed_data();
   a.call_out = call->typed_data();
-  a.host_call = next_host_call(1);
   return ffi::Error::Success();
 }
 

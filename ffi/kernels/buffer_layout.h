@@ -200,16 +200,17 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 //   dispatch area [ctrl, mid)  parity 0 region grows up from ctrl, parity 1 down from mid
 //   combine area  [mid, end)   parity 0 region grows up from mid, parity 1 down from end
 //
-// with end = the buffer size rounded down to kRegionAlign and mid = ctrl + 7/8 of (end - ctrl)
-// rounded down (a fixed split: dispatch regions hold E*M records, combine regions M*K, and
-// E >> K for the models that need big buffers). Call n of an operation uses the region of
+// with end = the buffer size rounded down to kRegionAlign and mid = ctrl + 3/8 of (end - ctrl)
+// rounded down (a fixed split: dispatch regions hold R*M records, possibly FP8, combine
+// regions M*K records of the wider combine dtype, and R is at most a few times K). Call n of an operation uses the region of
 // parity n % 2; the two parities grow from opposite ends of their area, so two calls in
 // flight never overlap whatever their shapes, as long as each fits in half of its area
 // (what the handlers check).
 //
 // Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
-// local expert), then records [L][R][M]: record (l, s, slot) = {token, k, 0, 0} int32,
-// the row (data) padded to 16 bytes, the FP8 scales padded to 16 bytes.
+// local expert), the index table [L][R][M] int32 (entry (l, s, slot): token << kLLPairBits |
+// k of that pair), then records [R][M]: record (s, token) = the row (data) padded to 16
+// bytes, the FP8 scales padded to 16 bytes. A token is stored once per destination rank.
 // Combine region (at the token owner): records [M][K], each the y row padded to 16 bytes.
 
 namespace jax_ep {
@@ -231,9 +232,10 @@ JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
 
 struct LLDispatchPlan {
   size_t counts = 0;         // [R][L] int32, relative to the region
-  size_t records = 0;        // [L][R][M] records, relative to the region
+  size_t table = 0;          // [L][R][M] int32 index entries: token << kLLPairBits | k
+  size_t records = 0;        // [R][M] records (source, token)
   size_t record_stride = 0;
-  size_t data_offset = 16;   // inside a record
+  size_t data_offset = 0;    // inside a record
   size_t scale_offset = 0;   // inside a record
   size_t bytes = 0;          // region size
 };
@@ -243,11 +245,13 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
                                                           size_t scale_bytes) {
   LLDispatchPlan p;
   p.counts = 0;
-  p.records = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
-  p.data_offset = 16;
-  p.scale_offset = p.data_offset + row_stride(row_bytes);
+  p.table = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
+  p.records = align_up(p.table + sizeof(int32_t) * size_t(num_experts) * max_tokens,
+                       kRegionAlign);
+  p.data_offset = 0;
+  p.scale_offset = row_stride(row_bytes);
   p.record_stride = p.scale_offset + row_stride(scale_bytes);
-  p.bytes = align_up(p.records + p.record_stride * size_t(num_experts) * max_tokens,
+  p.bytes = align_up(p.records + p.record_stride * size_t(num_ranks) * max_tokens,
                      kRegionAlign);
   return p;
 }
@@ -269,7 +273,7 @@ struct LLAreas {
   size_t dispatch_begin = 0, dispatch_end = 0, combine_begin = 0, combine_end = 0;
 };
 
-constexpr size_t kLLDispatchEighths = 7;  // of the buffer after the control block
+constexpr size_t kLLDispatchEighths = 3;  // of the buffer after the control block
 
 inline LLAreas ll_areas(size_t buffer_bytes) {
   LLAreas a;

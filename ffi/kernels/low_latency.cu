@@ -23,12 +23,6 @@ __device__ __forceinline__ LLControl* ll_control(const PeerContext& ctx, int pe)
   return reinterpret_cast<LLControl*>(ctx.peers[pe]);
 }
 
-// The arrival counter of a send kernel: with handler-assigned call numbers, one per parity, so
-// that two sends running at once (if XLA ever overlaps them) cannot mix their arrivals.
-__device__ __forceinline__ int send_counter(int slot, uint64_t host_call, uint64_t n) {
-  return host_call > 0 ? slot + 4 * int(n & 1) : slot;
-}
-
 // Offset of the region of call n's parity inside [begin, end): parity 0 at the start,
 // parity 1 ending at the end.
 __device__ __forceinline__ size_t region_of(uint64_t n, size_t begin, size_t end, size_t bytes) {
@@ -257,37 +251,15 @@ __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const*
   }
 }
 
-__global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
-  extern __shared__ int smem[];
-  const PeerContext& ctx = a.ctx;
-  const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
-  const int R = ctx.num_ranks, L = E / R, me = ctx.rank, n_pairs = T * K;
-  const int W = a.hist_warps;
+// Every (token, k) pair's per-(source, expert) slot into slot[] (shared, -1 = not sent) and the
+// pairs each expert receives from this source into total[] (dropped ones included); returns
+// through dropped_s the pairs past max_tokens. One block; all its threads call it.
+__device__ void compute_slots(const LLDispatchSendArgs& a, int* smem, int* dropped_s) {
+  const int E = a.num_experts, M = a.max_tokens, n_pairs = a.num_tokens * a.num_topk;
+  const int W = a.hist_warps, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int* hist = smem;             // [W][E]: per-warp counts, then their exclusive prefix
-  int* total = hist + W * E;    // [E]: this source's pairs per expert
-  int* slot = total + E;        // [T*K]: per-(source, expert) slot of every pair, -1 = none
-  __shared__ uint64_t call_s;
-  __shared__ int dropped_s;
-  __shared__ char* dst[kLLMaxTopk];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  LLControl* mine = ll_control(ctx, me);
-  profile_mark(ctx, kProfLLDispatchSend, kEnter);
-
-  if (tid == 0) {
-    check_rank(ctx, "low_latency_dispatch (send)");
-    const uint64_t n = a.host_call > 0
-                           ? a.host_call
-                           : *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
-    call_s = n;
-    dropped_s = 0;
-    // The region of this parity at every destination must have been read (call n - 2).
-    if (n > 2)
-      for (int d = 0; d < R; ++d)
-        wait_flag(ctx, &mine->consumed[kOpDispatch][n & 1][d], n - 2,
-                  "low_latency_dispatch (send)", "receive of call n-2 finished", d);
-  }
-
-  // ---- slots (every CTA computes all of them: topk_idx is tiny)
+  int* total = hist + W * E;    // [E]
+  int* slot = total + E;        // [T*K]
   if (a.cached) {
     for (int e = tid; e < E; e += blockDim.x) total[e] = 0;
     __syncthreads();
@@ -297,103 +269,142 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
       slot[p] = kept ? s : -1;
       if (kept) atomicAdd(&total[e], 1);
     }
-  } else {
-    for (int i = tid; i < W * E; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    const int seg = (n_pairs + W - 1) / W;
-    if (warp < W) {
-      const int begin = warp * seg, end = min(n_pairs, begin + seg);
-      int* h = hist + warp * E;
-      for (int base = begin; base < end; base += 32) {  // warp-uniform
-        const int p = base + lane;
-        int e = -1;
-        if (p < end) {
-          const int v = a.topk_idx[p];
-          if (v >= 0 && v < E) e = v;
-        }
-        const unsigned peers = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) slot[p] = h[e] + __popc(peers & ((1u << lane) - 1u));
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(peers) - 1) h[e] += __popc(peers);
-        __syncwarp();
+    return;
+  }
+  for (int i = tid; i < W * E; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  const int seg = (n_pairs + W - 1) / W;
+  if (warp < W) {
+    const int begin = warp * seg, end = min(n_pairs, begin + seg);
+    int* h = hist + warp * E;
+    for (int base = begin; base < end; base += 32) {  // warp-uniform
+      const int p = base + lane;
+      int e = -1;
+      if (p < end) {
+        const int v = a.topk_idx[p];
+        if (v >= 0 && v < E) e = v;
       }
-    }
-    __syncthreads();
-    for (int e = tid; e < E; e += blockDim.x) {
-      int run = 0;
-      for (int w = 0; w < W; ++w) {
-        const int c = hist[w * E + e];
-        hist[w * E + e] = run;
-        run += c;
-      }
-      total[e] = run;
-    }
-    __syncthreads();
-    for (int p = tid; p < n_pairs; p += blockDim.x) {
-      const int e = a.topk_idx[p];
-      if (e >= 0 && e < E) {
-        const int s = slot[p] + hist[(p / seg) * E + e];
-        if (s >= M && blockIdx.x == 0) atomicAdd(&dropped_s, 1);
-        slot[p] = s < M ? s : -1;
-      } else {
-        slot[p] = -1;
-      }
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      if (e >= 0) slot[p] = h[e] + __popc(peers & ((1u << lane) - 1u));
+      __syncwarp();
+      if (e >= 0 && lane == __ffs(peers) - 1) h[e] += __popc(peers);
+      __syncwarp();
     }
   }
   __syncthreads();
-  profile_mark(ctx, kProfLLDispatchSend, kWaited);  // slots computed, region free
+  for (int e = tid; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < W; ++w) {
+      const int c = hist[w * E + e];
+      hist[w * E + e] = run;
+      run += c;
+    }
+    total[e] = run;
+  }
+  __syncthreads();
+  for (int p = tid; p < n_pairs; p += blockDim.x) {
+    const int e = a.topk_idx[p];
+    if (e >= 0 && e < E) {
+      const int s = slot[p] + hist[(p / seg) * E + e];
+      if (s >= M) atomicAdd(dropped_s, 1);
+      slot[p] = s < M ? s : -1;
+    } else {
+      slot[p] = -1;
+    }
+  }
+  __syncthreads();
+}
+
+// Block 0 computes the slots and writes the per-(expert, source) index table and counts into
+// every destination; the other blocks send whole tokens, each row once per destination rank
+// (not once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes).
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
+  extern __shared__ int smem[];
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
+  const int R = ctx.num_ranks, L = E / R, me = ctx.rank, n_pairs = T * K;
+  __shared__ uint64_t call_s;
+  __shared__ int dropped_s, num_dst;
+  __shared__ char* dst[kLLMaxTopk];
+  const int tid = threadIdx.x, lane = tid & 31;
+  LLControl* mine = ll_control(ctx, me);
+  profile_mark(ctx, kProfLLDispatchSend, kEnter);
+
+  if (tid == 0) {
+    check_rank(ctx, "low_latency_dispatch (send)");
+    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
+    call_s = n;
+    dropped_s = 0;
+    // The region of this parity at every destination must have been read (call n - 2).
+    if (n > 2)
+      for (int d = 0; d < R; ++d)
+        wait_flag(ctx, &mine->consumed[kOpDispatch][n & 1][d], n - 2,
+                  "low_latency_dispatch (send)", "receive of call n-2 finished", d);
+  }
+  __syncthreads();
+  profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
   if (blockIdx.x == 0) {
-    for (int p = tid; p < n_pairs; p += blockDim.x) a.send_slot[p] = slot[p];
+    compute_slots(a, smem, &dropped_s);
+    const int* total = smem + a.hist_warps * E;
+    const int* slot = total + E;
+    for (int p = tid; p < n_pairs; p += blockDim.x) {
+      const int s = slot[p];
+      a.send_slot[p] = s;
+      if (s < 0) continue;
+      const int e = a.topk_idx[p], r = e / L, l = e % L;
+      int32_t* table = reinterpret_cast<int32_t*>(ll_base(ctx, r) + region + a.plan.table);
+      table[(size_t(l) * R + me) * M + s] = ((p / K) << kLLPairBits) | (p % K);
+    }
+    for (int e = tid; e < E; e += blockDim.x) {
+      int32_t* counts = reinterpret_cast<int32_t*>(ll_base(ctx, e / L) + region + a.plan.counts);
+      counts[me * L + e % L] = min(total[e], M);
+    }
     if (tid == 0) {
       *a.num_dropped = dropped_s;
       a.call_out[0] = int32_t(uint32_t(n));
       a.call_out[1] = int32_t(uint32_t(n >> 32));
     }
+  } else {
+    for (int t = blockIdx.x - 1; t < T; t += gridDim.x - 1) {
+      if (tid < 32) {  // the distinct destination ranks of token t
+        int r = -1;
+        if (lane < K) {
+          const int p = t * K + lane, e = a.topk_idx[p];
+          const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
+                                                              a.slots_in[p] < M));
+          if (sent) r = e / L;
+        }
+        const unsigned same = __match_any_sync(0xffffffffu, r);
+        const bool leader = r >= 0 && lane == __ffs(same) - 1;
+        const unsigned leaders = __ballot_sync(0xffffffffu, leader);
+        if (leader)
+          dst[__popc(leaders & ((1u << lane) - 1u))] =
+              ll_base(ctx, r) + region + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
+        if (lane == 0) num_dst = __popc(leaders);
+      }
+      __syncthreads();
+      if (a.use_fp8) {
+        switch (a.x_type) {
+          case LLElement::kBF16: quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst); break;
+          case LLElement::kF16: quantize_and_store<__half>(a, t, dst, num_dst); break;
+          default: quantize_and_store<float>(a, t, dst, num_dst); break;
+        }
+      } else {
+        copy_raw_to_all(a, t, dst, num_dst);
+      }
+      __syncthreads();  // dst[] is rewritten for the next token
+    }
   }
 
-  // ---- rows: whole tokens per CTA
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    if (tid < K) {
-      const int p = t * K + tid, s = slot[p];
-      char* rec = nullptr;
-      if (s >= 0) {
-        const int e = a.topk_idx[p], r = e / L, l = e % L;
-        rec = ll_base(ctx, r) + region + a.plan.records +
-              ((size_t(l) * R + me) * M + s) * a.plan.record_stride;
-        *reinterpret_cast<int4*>(rec) = make_int4(t, tid, 0, 0);
-      }
-      dst[tid] = rec;
-    }
-    __syncthreads();
-    if (a.use_fp8) {
-      switch (a.x_type) {
-        case LLElement::kBF16: quantize_and_store<__nv_bfloat16>(a, t, dst, K); break;
-        case LLElement::kF16: quantize_and_store<__half>(a, t, dst, K); break;
-        default: quantize_and_store<float>(a, t, dst, K); break;
-      }
-    } else {
-      copy_raw_to_all(a, t, dst, K);
-    }
-    __syncthreads();  // dst[] is rewritten for the next token
-  }
-
-  // ---- the last CTA publishes counts and raises arrived[me] at every destination
-  if (ll_last_block(ctx, send_counter(kCounterDispatchSend, a.host_call, n))) {
-    for (int i = tid; i < E; i += blockDim.x) {
-      const int r = i / L, l = i % L;
-      int32_t* counts = reinterpret_cast<int32_t*>(ll_base(ctx, r) + region + a.plan.counts);
-      counts[me * L + l] = min(total[i], M);
-    }
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence_system();
-      for (int r = 0; r < R; ++r)
-        store_release(&ll_control(ctx, r)->arrived[kOpDispatch][n & 1][me], n);
-      *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
-    }
+  // ---- the last block raises arrived[me] at every destination
+  if (ll_last_block(ctx, kCounterDispatchSend) && tid == 0) {
+    for (int r = 0; r < R; ++r)
+      store_release(&ll_control(ctx, r)->arrived[kOpDispatch][n & 1][me], n);
+    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
   }
   profile_end(ctx, kProfLLDispatchSend);
 }
@@ -419,6 +430,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
   const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
+  const int32_t* table = reinterpret_cast<const int32_t*>(base + a.plan.table);
   for (int i = tid; i < E; i += blockDim.x) {
     const int l = i / R, s = i % R;
     prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
@@ -451,7 +463,10 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
     const int j = last_not_above(prefix, E, r);
     const int l = j / R, s = j % R, slot = r - prefix[j];
     const size_t row = size_t(l) * RM + (r - prefix[l * R]);
-    const char* rec = base + a.plan.records + ((size_t(l) * R + s) * M + slot) * a.plan.record_stride;
+    const int entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
+    const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
+    if (t < 0 || t >= M) continue;  // never read outside the records
+    const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
     if (q < data_pieces) {
       const size_t off = q * kPiece;
       const size_t bytes = min(kPiece, a.row_bytes - off);
@@ -462,10 +477,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
                           rec + a.plan.scale_offset, a.scale_bytes, lane);
     }
     if (q == 0 && lane == 0 && a.src_rank != nullptr) {
-      const int4 meta = __ldcg(reinterpret_cast<const int4*>(rec));
       a.src_rank[row] = s;
-      a.src_token[row] = meta.x;
-      a.src_k[row] = meta.y;
+      a.src_token[row] = t;
+      a.src_k[row] = k;
     }
   }
 
@@ -490,9 +504,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
   profile_mark(ctx, kProfLLCombineSend, kEnter);
   if (tid == 0) {
     check_rank(ctx, "low_latency_combine (send)");
-    const uint64_t n = a.host_call > 0
-                           ? a.host_call
-                           : *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) + 1;
+    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) + 1;
     call_s = n;
     if (n > 2)
       for (int d = 0; d < R; ++d)
@@ -525,7 +537,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
              min(kPiece, a.row_bytes - off), lane, 32);
   }
 
-  if (ll_last_block(ctx, send_counter(kCounterCombineSend, a.host_call, n)) && tid == 0) {
+  if (ll_last_block(ctx, kCounterCombineSend) && tid == 0) {
     for (int p = 0; p < R; ++p)
       store_release(&ll_control(ctx, p)->arrived[kOpCombine][n & 1][ctx.rank], n);
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
@@ -642,7 +654,9 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
     if (status != cudaSuccess) return status;
     configured = true;
   }
-  const int grid = a.num_tokens < 1 ? 1 : (a.num_tokens < a.num_blocks ? a.num_tokens : a.num_blocks);
+  // block 0: slots and index table; the others: tokens
+  const int token_blocks = a.num_tokens < a.num_blocks - 1 ? a.num_tokens : a.num_blocks - 1;
+  const int grid = 1 + (token_blocks > 0 ? token_blocks : 0);
   ll_dispatch_send_kernel<<<grid, kLLThreads, a.smem_bytes, stream>>>(a);
   return cudaGetLastError();
 }

@@ -1,13 +1,16 @@
 // Low-latency (decode) kernels: one launch per half of each operation, on their own symmetric
 // buffer (see the low-latency section of buffer_layout.h).
 //
-//   dispatch send     every (token, k) pair's per-(source, expert) slot, computed at the source
-//                     (redundantly by every CTA); each CTA takes whole tokens, reads a row once
-//                     (quantising it to FP8 in registers) and stores it with 16-byte stores
-//                     into the record (local expert, me, slot) of each destination's buffer;
-//                     the last CTA publishes the per-expert counts and raises arrived[me].
-//   dispatch receive  waits for every source, lays the records out as [L, R*M] blocks in
-//                     (source, token, k) order, then raises consumed[me] at every source.
+//   dispatch send     block 0 computes every (token, k) pair's per-(source, expert) slot and
+//                     writes the index table entry (local expert, me, slot) -> (token, k) and
+//                     the per-expert counts into each destination; the other blocks take
+//                     whole tokens, read a row once (quantising it to FP8 in registers) and
+//                     store it with 16-byte stores into record (me, token) of each distinct
+//                     destination rank (once per rank, not per expert); the last block
+//                     raises arrived[me].
+//   dispatch receive  waits for every source, expands the records through the index table
+//                     into [L, R*M] blocks in (source, token, k) order, then raises
+//                     consumed[me] at every source.
 //   combine send      every used row goes back into its token owner's record [token][k].
 //   combine receive   sums a token's K records in k order (float32, no FMA), weighted.
 //
@@ -27,6 +30,7 @@
 namespace jax_ep {
 
 constexpr int kLLMaxTopk = 32;
+constexpr int kLLPairBits = 5;  // index table entry: token << kLLPairBits | k (k < kLLMaxTopk)
 constexpr int kLLThreads = 512;
 
 enum class LLElement { kBF16, kF16, kF32, kRaw };
@@ -48,8 +52,6 @@ struct LLDispatchSendArgs {
   int32_t* send_slot;
   int32_t* call_out;          // [2]: low, high 32 bits of the call number
   int32_t* num_dropped;
-  uint64_t host_call;         // > 0: the call number, counted by the handler (diagnostic mode
-                              // JAX_EP_LL_HOST_CALLS=1); 0: from LLControl::calls
 };
 
 struct LLDispatchReceiveArgs {
@@ -81,7 +83,6 @@ struct LLCombineSendArgs {
   const int32_t* src_k;
   const int32_t* recv_count;  // [L]
   int32_t* call_out;
-  uint64_t host_call;  // as in LLDispatchSendArgs
 };
 
 struct LLCombineReceiveArgs {
