@@ -155,7 +155,7 @@ def main():
     record("jax_ep layout", layout, idx_d, nbytes=0)
     pairs_bytes = float(np.mean(np.bincount(dest.reshape(-1), minlength=R))) * H * 2
     record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0)
-    for mode in ("pull", "push", "fused"):  # JAX_EP_DISPATCH, read when the call is traced
+    for mode in ("pull", "push", "fused", "bulk"):  # JAX_EP_DISPATCH, read when the call is traced
         os.environ["JAX_EP_DISPATCH"] = mode
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
         record(f"jax_ep dispatch FP8, quantize included [{mode}]", partial(dispatch, fp8=True),

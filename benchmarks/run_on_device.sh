@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,variants,ll,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,variants,ll,graphs,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -61,7 +61,10 @@ fi
 if [[ $WHAT == *ll* ]]; then
   step "low-latency benchmark on $N GPUs"
   timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py --profile 2>&1 |
-    tee "$OUT/bench_low_latency_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" | sed 's/^\[rank 0\] //'
+    tee "$OUT/bench_low_latency_$N.log" | grep -E "^\[rank [0-9]+\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" |
+    grep -v "^\[rank [1-9][0-9]*\] |"
+fi
+if [[ $WHAT == *graphs* ]]; then
   step "low-latency benchmark on $N GPUs, JAX_EP_COMMAND_BUFFERS=1 (calls recorded into CUDA graphs)"
   JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py \
     2>&1 | tee "$OUT/bench_low_latency_graphs_$N.log" | grep -E "^\[rank 0\] (\||.*FAILED)" |

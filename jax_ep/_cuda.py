@@ -42,7 +42,7 @@ def _num_blocks() -> np.int64:
     return np.int64(int(os.environ.get("JAX_EP_NUM_BLOCKS", "0")))
 
 
-_DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2}
+_DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3}
 
 
 def _push_dispatch() -> np.int64:

@@ -122,7 +122,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["pull", "push", "fused"])
+@pytest.fixture(params=["pull", "push", "fused", "bulk"])
 def dispatch_mode(request, monkeypatch):
     monkeypatch.setenv("JAX_EP_DISPATCH", request.param)
     return request.param

@@ -110,8 +110,9 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       src_rank->element_count() != size_t(capacity) ||
       out_x->element_count() != size_t(capacity) * H)
     return invalid("dispatch: result shapes do not match the capacity and EP size");
-  // 0: pull, 1: push, 2: push with the receive fused into the push kernel
-  if (push_mode < 0 || push_mode > 2) return invalid("dispatch: push must be 0, 1 or 2");
+  // 0: pull, 1: push, 2: push with the receive fused into the push kernel, 3: push with bulk
+  // (TMA) copies of the rows
+  if (push_mode < 0 || push_mode > 3) return invalid("dispatch: push must be 0, 1, 2 or 3");
   const bool push = push_mode != 0;
   if (block > 0 && (!expert_major || alignment != 1 || capacity != num_experts / R * block))
     return invalid("dispatch: fixed blocks need expert_major, alignment 1 and capacity = "
@@ -133,6 +134,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.push = push_plan;
   a.use_push = push;
   a.fused = push_mode == 2;
+  a.bulk = push_mode == 3;
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);

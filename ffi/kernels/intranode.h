@@ -26,12 +26,20 @@ constexpr int kMaxSources = 16;
 // Fused dispatch: output chunks one CTA may own (its shared-memory table of expected rows).
 constexpr int kMaxOwnedChunks = 512;
 
+// Bulk push: barriers at the start of the bulk area of shared memory (two per pipeline), then
+// two row buffers per pipeline; the area's size is capped so that one CTA fits an SM.
+constexpr size_t kBulkBarrierBytes = 256;
+constexpr size_t kMaxBulkSharedBytes = 200 * 1024;
+
 struct DispatchArgs {
   PeerContext ctx;
   RegionPlan plan;  // pull mode
   PushPlan push;    // push mode
   bool use_push;
   bool fused;      // push mode with the copy-out in the same kernel (use_push is set too)
+  bool bulk;       // push mode with bulk (TMA) copies of the rows where they fit
+  int bulk_pipes;  // set by the launcher: bulk pipelines (warps) per CTA, 0 = plain stores
+  size_t bulk_offset;  // set by the launcher: start of the bulk area in dynamic shared memory
   int chunk_rows;  // fused: output rows per arrival counter
   int num_tokens, num_topk, num_experts, capacity, alignment;
   int block;  // expert_major with fixed blocks of this many rows per expert (low latency); 0: off

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "kernels/intranode.h"
+#include "kernels/bulk_copy.cuh"
 
 namespace jax_ep {
 namespace {
@@ -503,6 +504,65 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const 
   }
 }
 
+// Where token t's row goes: for each destination j (a rank, or a top-k slot), its output row's
+// address in the receiver's push region (or in our own output when we are the receiver), and
+// the chunk of the receiver's output it lands in (-1: not sent). Writes the metadata record of
+// every destination row and the row index into send_slot. All lanes of the warp call it.
+template <bool kExpertMajor>
+__device__ __forceinline__ void token_destinations(const DispatchArgs& a, const GatherTables& tb,
+                                                   int t, int lane, char* (&rows)[kMaxSources],
+                                                   char* (&scales)[kMaxSources],
+                                                   int (&landed)[kMaxSources]) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
+  const int E = a.num_experts, L = E / R;
+  const int sources = kExpertMajor ? K : R;  // destinations of one token, in order
+  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+#pragma unroll
+  for (int j = 0; j < kMaxSources; ++j) {  // compile-time indices: registers
+    rows[j] = scales[j] = nullptr;
+    landed[j] = -1;
+    if (j >= sources) continue;
+    const int entry = t * sources + j;
+    const int rank_in_list = a.send_slot[entry];
+    if (rank_in_list < 0) continue;  // masked, or not for this rank
+    const int row = destination_row<kExpertMajor>(a, tb, entry, rank_in_list);
+    __syncwarp();
+    if (lane == 0) a.send_slot[entry] = row;
+    if (row < 0) continue;  // dropped at the destination's capacity
+    const int r = kExpertMajor ? a.topk_idx[entry] / L : j;
+    landed[j] = row / a.chunk_rows;
+    // the metadata record: token, k, then local ids and weights for that destination
+    char* meta = region<char>(ctx, r, a.push.meta) + size_t(row) * a.push.meta_stride;
+    int32_t* ids = reinterpret_cast<int32_t*>(meta) + 2;
+    float* weights = reinterpret_cast<float*>(ids + K);
+    if (lane == 0) {
+      reinterpret_cast<int32_t*>(meta)[0] = t;
+      reinterpret_cast<int32_t*>(meta)[1] = kExpertMajor ? j : -1;
+    }
+    if (kExpertMajor) {
+      if (lane == 0) {
+        ids[0] = a.topk_idx[entry] % L;
+        weights[0] = a.topk_weights[entry];
+      }
+    } else {
+      for (int kk = lane; kk < K; kk += 32) {
+        const int e = a.topk_idx[size_t(t) * K + kk];
+        const bool here = valid_expert(e, E) && e / L == r;
+        ids[kk] = here ? e % L : -1;
+        weights[kk] = here ? a.topk_weights[size_t(t) * K + kk] : 0.f;
+      }
+    }
+    if (r == me) {
+      rows[j] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
+      scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
+    } else {
+      rows[j] = region<char>(ctx, r, a.push.rows) + size_t(row) * stride;
+      scales[j] = region<char>(ctx, r, a.push.scales) + size_t(row) * scale_stride;
+    }
+  }
+}
+
 // Senders write each row once per destination, straight to its final position: into the
 // receiver's region over NVLink, or into their own output when they are the destination. A
 // warp reads a token's row once and stores it to all of its destinations. With
@@ -512,59 +572,15 @@ template <bool kExpertMajor>
 __device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb, int warp, int warps,
                             bool count_arrivals) {
   const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
-  const int E = a.num_experts, L = E / R;
+  const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
   const int lane = threadIdx.x % 32;
-  const int sources = kExpertMajor ? K : R;  // destinations of one token, in order
-  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+  const int sources = kExpertMajor ? a.num_topk : R;
   // Tokens in ascending order across the grid: destinations' chunks fill up progressively.
   for (int t = warp; t < T; t += warps) {
     char* rows[kMaxSources];
     char* scales[kMaxSources];
     int landed[kMaxSources];  // chunk of the destination's output each row landed in, or -1
-#pragma unroll
-    for (int j = 0; j < kMaxSources; ++j) {  // compile-time indices: registers
-      rows[j] = scales[j] = nullptr;
-      landed[j] = -1;
-      if (j >= sources) continue;
-      const int entry = t * sources + j;
-      const int rank_in_list = a.send_slot[entry];
-      if (rank_in_list < 0) continue;  // masked, or not for this rank
-      const int row = destination_row<kExpertMajor>(a, tb, entry, rank_in_list);
-      __syncwarp();
-      if (lane == 0) a.send_slot[entry] = row;
-      if (row < 0) continue;  // dropped at the destination's capacity
-      const int r = kExpertMajor ? a.topk_idx[entry] / L : j;
-      landed[j] = row / a.chunk_rows;
-      // the metadata record: token, k, then local ids and weights for that destination
-      char* meta = region<char>(ctx, r, a.push.meta) + size_t(row) * a.push.meta_stride;
-      int32_t* ids = reinterpret_cast<int32_t*>(meta) + 2;
-      float* weights = reinterpret_cast<float*>(ids + K);
-      if (lane == 0) {
-        reinterpret_cast<int32_t*>(meta)[0] = t;
-        reinterpret_cast<int32_t*>(meta)[1] = kExpertMajor ? j : -1;
-      }
-      if (kExpertMajor) {
-        if (lane == 0) {
-          ids[0] = a.topk_idx[entry] % L;
-          weights[0] = a.topk_weights[entry];
-        }
-      } else {
-        for (int kk = lane; kk < K; kk += 32) {
-          const int e = a.topk_idx[size_t(t) * K + kk];
-          const bool here = valid_expert(e, E) && e / L == r;
-          ids[kk] = here ? e % L : -1;
-          weights[kk] = here ? a.topk_weights[size_t(t) * K + kk] : 0.f;
-        }
-      }
-      if (r == me) {
-        rows[j] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
-        scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
-      } else {
-        rows[j] = region<char>(ctx, r, a.push.rows) + size_t(row) * stride;
-        scales[j] = region<char>(ctx, r, a.push.scales) + size_t(row) * scale_stride;
-      }
-    }
+    token_destinations<kExpertMajor>(a, tb, t, lane, rows, scales, landed);
     broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
                   a.x_row_bytes, lane);
     if (a.scales != nullptr)
@@ -585,6 +601,60 @@ __device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb, int w
   }
 }
 
+// push_tokens with bulk copies: the first a.bulk_pipes warps of each CTA are pipelines; lane 0
+// of each loads a token's row into one of two shared buffers and stores it from there to every
+// destination, while the previous token's stores still drain from the other buffer. Rows are a
+// multiple of 16 bytes (the host checks). `buffers` is the CTA's bulk area of shared memory.
+template <bool kExpertMajor>
+__device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, char* buffers) {
+#if JAX_EP_BULK_COPY
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (w >= a.bulk_pipes) return;
+  const int pipe = blockIdx.x * a.bulk_pipes + w, pipes = gridDim.x * a.bulk_pipes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(buffers) + 2 * w;
+  char* stage_buf[2];
+  const size_t stage_bytes = row_stride(a.x_row_bytes);
+  stage_buf[0] = buffers + kBulkBarrierBytes + (2 * w) * stage_bytes;
+  stage_buf[1] = stage_buf[0] + stage_bytes;
+  if (lane == 0) {
+    barrier_init(&bars[0]);
+    barrier_init(&bars[1]);
+  }
+  __syncwarp();
+  const uint32_t bytes = static_cast<uint32_t>(a.x_row_bytes);
+  int iter = 0;
+  for (int t = pipe; t < a.num_tokens; t += pipes, ++iter) {
+    char* rows[kMaxSources];
+    char* scales[kMaxSources];
+    int landed[kMaxSources];
+    token_destinations<kExpertMajor>(a, tb, t, lane, rows, scales, landed);
+    const int stage = iter & 1;
+    if (lane == 0) {
+      bulk_wait_read<1>();  // the stores from this buffer two tokens ago have read it
+      bulk_load(stage_buf[stage], static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
+                bytes, &bars[stage]);
+      barrier_wait(&bars[stage], (iter >> 1) & 1);
+#pragma unroll
+      for (int j = 0; j < kMaxSources; ++j)
+        if (rows[j] != nullptr) bulk_store(rows[j], stage_buf[stage], bytes);
+      bulk_commit();
+    }
+    if (a.scales != nullptr)
+      broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+                    a.scale_row_bytes, lane);
+  }
+  if (lane == 0) {
+    bulk_wait_all();         // every row written
+    __threadfence_system();  // before the CTA's arrival (last_block) publishes them
+  }
+  __syncwarp();
+#else
+  (void)buffers;
+  push_tokens<kExpertMajor>(a, tb, (blockIdx.x * kThreads + threadIdx.x) / 32,
+                            gridDim.x * kWarps, /*count_arrivals=*/false);
+#endif
+}
+
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
@@ -595,8 +665,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
   extern __shared__ int32_t tables[];
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
-  push_tokens<kExpertMajor>(a, tb, warp, gridDim.x * kWarps, /*count_arrivals=*/false);
+  if (a.bulk_pipes > 0) {
+    push_tokens_bulk<kExpertMajor>(a, tb, reinterpret_cast<char*>(tables) + a.bulk_offset);
+  } else {
+    const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
+    push_tokens<kExpertMajor>(a, tb, warp, gridDim.x * kWarps, /*count_arrivals=*/false);
+  }
   profile_end(ctx, kProfDispatchPush);
   if (last_block(ctx, 6) && threadIdx.x == 0) signal_all(ctx, Flag::kPushed, call);
 }
@@ -807,26 +881,38 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
 template <bool kExpertMajor>
 cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStream_t stream) {
   cudaError_t status = cudaSuccess;
-  auto allow_tables = [&](auto kernel) {
-    if (tables > 48 * 1024)
+  auto allow_tables = [&](auto kernel, size_t bytes) {
+    if (bytes > 48 * 1024)
       status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(tables));
+                                    static_cast<int>(bytes));
     return status == cudaSuccess;
   };
   if (a.use_push && a.fused) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
-    if (!allow_tables(dispatch_fused<kExpertMajor>)) return status;
+    if (!allow_tables(dispatch_fused<kExpertMajor>, tables)) return status;
     dispatch_fused<kExpertMajor><<<fused_grid(a), kThreads, tables, stream>>>(a);
   } else if (a.use_push) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
-    if (!allow_tables(dispatch_push<kExpertMajor>)) return status;
-    dispatch_push<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+    DispatchArgs push = a;
+    size_t push_smem = tables;
+    const size_t stage = row_stride(a.x_row_bytes);
+    push.bulk_offset = align_up(tables, 128);
+    const size_t room = kMaxBulkSharedBytes > push.bulk_offset + kBulkBarrierBytes
+                            ? kMaxBulkSharedBytes - push.bulk_offset - kBulkBarrierBytes
+                            : 0;
+    push.bulk_pipes = a.bulk && a.x_row_bytes % 16 == 0 && a.x_row_bytes > 0
+                          ? static_cast<int>(std::min<size_t>(kWarps, room / (2 * stage)))
+                          : 0;
+    if (push.bulk_pipes > 0)
+      push_smem = push.bulk_offset + kBulkBarrierBytes + 2 * stage * push.bulk_pipes;
+    if (!allow_tables(dispatch_push<kExpertMajor>, push_smem)) return status;
+    dispatch_push<kExpertMajor><<<a.num_blocks, kThreads, push_smem, stream>>>(push);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
-    if (!allow_tables(dispatch_receive<kExpertMajor>)) return status;
+    if (!allow_tables(dispatch_receive<kExpertMajor>, tables)) return status;
     dispatch_receive<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
   } else {
     if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
-    if (!allow_tables(dispatch_gather<kExpertMajor>)) return status;
+    if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
     dispatch_gather<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
   }
   return cudaGetLastError();
