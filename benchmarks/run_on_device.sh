@@ -65,6 +65,10 @@ if [[ $WHAT == *ll* ]]; then
     grep -v "^\[rank [1-9][0-9]*\] |"
 fi
 if [[ $WHAT == *graphs* ]]; then
+  step "low-latency GPU tests with JAX_EP_COMMAND_BUFFERS=1 on $N GPUs"
+  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -p no:cacheprovider \
+    tests/test_gpu.py -k "low_latency or runs_once" 2>&1 | tee "$OUT/gpu_suite_graphs_$N.log" |
+    grep -E "passed|failed|FAILED|timed out" | tail -8
   step "low-latency benchmark on $N GPUs, JAX_EP_COMMAND_BUFFERS=1 (calls recorded into CUDA graphs)"
   JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py \
     2>&1 | tee "$OUT/bench_low_latency_graphs_$N.log" | grep -E "^\[rank 0\] (\||.*FAILED)" |

@@ -119,16 +119,18 @@ __device__ __forceinline__ void copy_from_peer_data(void* dst, const void* src, 
     const int4* s = static_cast<const int4*>(src);
     int4* d = static_cast<int4*>(dst);
     const size_t n = bytes / 16;
-    constexpr int kInFlight = 8;
-    size_t i = lane;
-    for (; i + (kInFlight - 1) * 32 < n; i += kInFlight * 32) {
+    // 16 loads per lane before the first store (a 7 KB FP8 row in one round, 14 KB BF16 in
+    // two), the last round predicated rather than a serial tail
+    constexpr int kInFlight = 16;
+    for (size_t i = lane; i < n; i += kInFlight * 32) {
       int4 v[kInFlight];
 #pragma unroll
-      for (int u = 0; u < kInFlight; ++u) v[u] = __ldcg(s + i + u * 32);
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n) v[u] = __ldcg(s + i + u * 32);
 #pragma unroll
-      for (int u = 0; u < kInFlight; ++u) d[i + u * 32] = v[u];
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n) d[i + u * 32] = v[u];
     }
-    for (; i < n; i += 32) d[i] = __ldcg(s + i);
   } else if ((bits & 3) == 0) {
     const int* s = static_cast<const int*>(src);
     int* d = static_cast<int*>(dst);
@@ -348,7 +350,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
   if (blockIdx.x == 0) {
+    profile_mark(ctx, kProfLLDispatchSlots, kEnter);
     compute_slots(a, smem, &dropped_s);
+    profile_mark(ctx, kProfLLDispatchSlots, kWaited);  // slots known
     const int* total = smem + a.hist_warps * E;
     const int* slot = total + E;
     for (int p = tid; p < n_pairs; p += blockDim.x) {
@@ -368,6 +372,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
       a.call_out[0] = int32_t(uint32_t(n));
       a.call_out[1] = int32_t(uint32_t(n >> 32));
     }
+    profile_end(ctx, kProfLLDispatchSlots);
   } else {
     for (int t = blockIdx.x - 1; t < T; t += gridDim.x - 1) {
       if (tid < 32) {  // the distinct destination ranks of token t
@@ -454,12 +459,10 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
     }
   }
 
-  const size_t data_pieces = (a.row_bytes + kPiece - 1) / kPiece;
-  const size_t per_row = data_pieces + (a.out_scales != nullptr ? 1 : 0);
-  const size_t units = size_t(total) * per_row;
-  for (size_t u = size_t(blockIdx.x) * kWarps + warp; u < units; u += size_t(gridDim.x) * kWarps) {
-    const int r = int(u / per_row);
-    const size_t q = u % per_row;
+  // one warp per received row: its index entry, then the whole record with every load in
+  // flight at once (rows are read from the local buffer; a token's record serves each of its
+  // experts here)
+  for (int r = blockIdx.x * kWarps + warp; r < total; r += gridDim.x * kWarps) {
     const int j = last_not_above(prefix, E, r);
     const int l = j / R, s = j % R, slot = r - prefix[j];
     const size_t row = size_t(l) * RM + (r - prefix[l * R]);
@@ -467,16 +470,12 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
     const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
     if (t < 0 || t >= M) continue;  // never read outside the records
     const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
-    if (q < data_pieces) {
-      const size_t off = q * kPiece;
-      const size_t bytes = min(kPiece, a.row_bytes - off);
-      copy_from_peer_data(static_cast<char*>(a.out_x) + row * a.row_bytes + off,
-                          rec + a.plan.data_offset + off, bytes, lane);
-    } else {
+    copy_from_peer_data(static_cast<char*>(a.out_x) + row * a.row_bytes, rec + a.plan.data_offset,
+                        a.row_bytes, lane);
+    if (a.out_scales != nullptr)
       copy_from_peer_data(reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes,
                           rec + a.plan.scale_offset, a.scale_bytes, lane);
-    }
-    if (q == 0 && lane == 0 && a.src_rank != nullptr) {
+    if (lane == 0 && a.src_rank != nullptr) {
       a.src_rank[row] = s;
       a.src_token[row] = t;
       a.src_k[row] = k;
