@@ -462,7 +462,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
   // one warp per received row: its index entry, then the whole record with every load in
   // flight at once (rows are read from the local buffer; a token's record serves each of its
   // experts here)
-  for (int r = blockIdx.x * kWarps + warp; r < total; r += gridDim.x * kWarps) {
+  // rows dealt block by block (row r to block r % grid): every SM copies about total / grid
+  for (int r = warp * gridDim.x + blockIdx.x; r < total; r += gridDim.x * kWarps) {
     const int j = last_not_above(prefix, E, r);
     const int l = j / R, s = j % R, slot = r - prefix[j];
     const size_t row = size_t(l) * RM + (r - prefix[l * R]);
@@ -523,7 +524,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
 
   const size_t pieces = (a.row_bytes + kPiece - 1) / kPiece;
   const size_t units = size_t(prefix[L]) * pieces;
-  for (size_t u = size_t(blockIdx.x) * kWarps + warp; u < units; u += size_t(gridDim.x) * kWarps) {
+  // units dealt block by block (unit u to block u % grid): every SM sends about units / grid
+  for (size_t u = size_t(warp) * gridDim.x + blockIdx.x; u < units;
+       u += size_t(gridDim.x) * kWarps) {
     const int r = int(u / pieces);
     const size_t q = u % pieces;
     const int l = last_not_above(prefix, L, r);
