@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,bench,sweep,variants,ll,graphs,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,variants,ll,graphs,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -26,10 +26,17 @@ if [[ $WHAT == *build* ]]; then
     tests/test_gpu_failures.py 2>&1 | tail -3
   grep -E "jax_ep|initialised|compiled|failed|launch" $OUT/failure_probe.log 2>/dev/null | head -20
 fi
-if [[ $WHAT == *test* ]]; then
+if [[ ,$WHAT, == *,test,* ]]; then
   step "GPU suite on $N GPUs"
   timeout 420 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [[ $WHAT == *lltest* ]]; then  # the low-latency part of the suite only
+  step "low-latency GPU tests on $N GPUs"
+  timeout 200 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+    -k "low_latency or runs_once" 2>&1 | tee "$OUT/gpu_suite_ll_$N.log" |
+    grep -E "passed|failed|FAILED|Error|timed out" | tail -12
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *bench* ]]; then
@@ -58,7 +65,7 @@ if [[ $WHAT == *variants* ]]; then
       sed 's/^\[rank 0\] //'
   done
 fi
-if [[ $WHAT == *ll* ]]; then
+if [[ ,$WHAT, == *,ll,* ]]; then
   step "low-latency benchmark on $N GPUs"
   timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py --profile 2>&1 |
     tee "$OUT/bench_low_latency_$N.log" | grep -E "^\[rank [0-9]+\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" |

@@ -321,8 +321,8 @@ __device__ void compute_slots(const LLDispatchSendArgs& a, int* smem, int* dropp
 // Block 0 computes the slots and writes the per-(expert, source) index table and counts into
 // every destination; the other blocks send whole tokens, each row once per destination rank
 // (not once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes).
-__global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
-  extern __shared__ int smem[];
+// Returns the call number (every thread). smem: ll_dispatch_send_smem() bytes.
+__device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank, n_pairs = T * K;
@@ -412,16 +412,16 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
   }
   profile_end(ctx, kProfLLDispatchSend);
+  return n;
 }
 
 // ----------------------------------------------------------------------------- dispatch receive
 
-__global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
-  extern __shared__ int prefix[];  // [E + 1] over (local expert, source), expert-major
+// prefix: E + 1 ints of shared memory (over (local expert, source), expert-major).
+__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint64_t n = read_call(a.call);
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
@@ -491,10 +491,30 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
+  extern __shared__ int smem[];
+  dispatch_send(a, smem);
+}
+
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
+  extern __shared__ int smem[];
+  dispatch_receive(a, smem, read_call(a.call));
+}
+
+// Send and receive in one cooperative launch (every block resident: the receive half waits
+// for this PE's own arrival, raised by the last block of the send half). One launch gap less.
+__global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendArgs send,
+                                                                 LLDispatchReceiveArgs receive) {
+  extern __shared__ int smem[];
+  const uint64_t n = dispatch_send(send, smem);
+  __syncthreads();  // shared memory is reused
+  dispatch_receive(receive, smem, n);
+}
+
 // ----------------------------------------------------------------------------- combine send
 
-__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSendArgs a) {
-  extern __shared__ int prefix[];  // [L + 1] used rows per local expert
+// Returns the call number (every thread). prefix: L + 1 ints of shared memory.
+__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* prefix) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_local_experts, RM = a.rows_per_expert, M = a.max_tokens, K = a.num_topk;
   const int R = ctx.num_ranks;
@@ -545,6 +565,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   profile_end(ctx, kProfLLCombineSend);
+  return n;
 }
 
 // ----------------------------------------------------------------------------- combine receive
@@ -617,10 +638,9 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base) {
   }
 }
 
-__global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
+__device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks;
-  const uint64_t n = read_call(a.call);
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
@@ -643,6 +663,24 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombin
       store_release(&ll_control(ctx, s)->consumed[kOpCombine][n & 1][ctx.rank], n);
   }
   profile_end(ctx, kProfLLCombineReceive);
+}
+
+__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSendArgs a) {
+  extern __shared__ int smem[];
+  combine_send(a, smem);
+}
+
+__global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
+  combine_receive(a, read_call(a.call));
+}
+
+// Both halves of a combine in one cooperative launch (see ll_dispatch_kernel).
+__global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArgs send,
+                                                                LLCombineReceiveArgs receive) {
+  extern __shared__ int smem[];
+  const uint64_t n = combine_send(send, smem);
+  __syncthreads();
+  combine_receive(receive, n);
 }
 
 }  // namespace
@@ -678,6 +716,64 @@ cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stre
 cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
   ll_combine_receive_kernel<<<a.num_blocks, kLLThreads, 0, stream>>>(a);
   return cudaGetLastError();
+}
+
+namespace {
+
+// Blocks of a cooperative launch of `kernel`: `wanted`, capped at what the device holds at once
+// (0 when it cannot tell).
+int cooperative_grid(const void* kernel, size_t smem, int wanted) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLLThreads, smem) !=
+          cudaSuccess)
+    return 0;
+  return wanted < per_sm * sms ? wanted : per_sm * sms;
+}
+
+}  // namespace
+
+cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
+                               const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t status = cudaFuncSetAttribute(ll_dispatch_kernel,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              200 * 1024);
+    if (status != cudaSuccess) return status;
+    configured = true;
+  }
+  const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);
+  const size_t smem = send.smem_bytes > receive_smem ? send.smem_bytes : receive_smem;
+  const int wanted = receive.num_blocks > 2 ? receive.num_blocks : 2;  // the send needs 2
+  const int grid = cooperative_grid(reinterpret_cast<const void*>(ll_dispatch_kernel), smem,
+                                    wanted);
+  if (grid < 2) {  // cannot hold both halves at once: two launches
+    cudaError_t status = launch_ll_dispatch_send(send, stream);
+    return status != cudaSuccess ? status : launch_ll_dispatch_receive(receive, stream);
+  }
+  LLDispatchSendArgs s = send;
+  LLDispatchReceiveArgs r = receive;
+  void* args[] = {&s, &r};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(ll_dispatch_kernel),
+                                     dim3(grid), dim3(kLLThreads), args, smem, stream);
+}
+
+cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
+                              cudaStream_t stream) {
+  const size_t smem = sizeof(int) * (size_t(send.num_local_experts) + 1);
+  const int grid = cooperative_grid(reinterpret_cast<const void*>(ll_combine_kernel), smem,
+                                    receive.num_blocks);
+  if (grid < 1) {
+    cudaError_t status = launch_ll_combine_send(send, stream);
+    return status != cudaSuccess ? status : launch_ll_combine_receive(receive, stream);
+  }
+  LLCombineSendArgs s = send;
+  LLCombineReceiveArgs r = receive;
+  void* args[] = {&s, &r};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(ll_combine_kernel),
+                                     dim3(grid), dim3(kLLThreads), args, smem, stream);
 }
 
 }  // namespace jax_ep

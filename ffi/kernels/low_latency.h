@@ -109,5 +109,11 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& args, cudaStream_t
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_combine_send(const LLCombineSendArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& args, cudaStream_t stream);
+// Both halves in one cooperative launch (the fused calls); two launches where the device
+// cannot hold the grid at once.
+cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
+                               const LLDispatchReceiveArgs& receive, cudaStream_t stream);
+cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
+                              cudaStream_t stream);
 
 }  // namespace jax_ep
