@@ -183,17 +183,19 @@ def test_ue8m0_scales_are_exact_powers_of_two():
 
 
 def test_low_latency_buffer_hint_covers_both_parities():
-    """The hint (the handlers' own formula) holds two dispatch regions of E*M records of the
-    widest row in 7/8 of the buffer and two combine regions of M*K rows in the last 1/8.
-    Needs the extension, not a GPU."""
+    """The hint (the handlers' own formula) holds two dispatch regions in 3/8 of the buffer
+    (per-expert counts, an index entry per (expert, slot), one record per (source, token) of
+    the widest row) and two combine regions of M*K rows in the other 5/8. Needs the
+    extension, not a GPU."""
     from jax_ep import _native
 
     if _native.load()[0] is None:
         pytest.skip("extension not built")
     for M, H, E, K, R in [(128, 7168, 256, 8, 2), (64, 256, 16, 8, 2), (5, 128, 8, 2, 8)]:
         got = jax_ep.low_latency_buffer_size_hint(M, H, E, K, R)
-        rec = 16 + H * 2  # metadata + a bf16 row (wider than FP8 data + scales)
-        dispatch, combine = 2 * E * M * rec, 2 * M * K * H * 2
-        assert got >= dispatch * 8 / 7 and got >= combine * 8
-        assert got <= 1.02 * max(dispatch * 8 / 7, combine * 8) + (1 << 20)
+        row = H * 2  # a bf16 row (wider than FP8 data + scales)
+        dispatch = 2 * (4 * E + 4 * E * M + R * M * row)
+        combine = 2 * M * K * row
+        assert got >= dispatch * 8 / 3 and got >= combine * 8 / 5
+        assert got <= 1.02 * max(dispatch * 8 / 3, combine * 8 / 5) + (1 << 20)
         assert jax_ep.low_latency_buffer_size_hint(M, H, E, K, R, jnp.float32) > got

@@ -1,5 +1,5 @@
 // Typed-FFI handlers of the low-latency (decode) mode: jax_ep_ll_dispatch_send / _receive,
-// jax_ep_ll_combine_send / _receive. They validate shapes, check the low-latency buffer is
+// jax_ep_ll_combine_send / _receive, and the fused jax_ep_ll_dispatch / jax_ep_ll_combine. They validate shapes, check the low-latency buffer is
 // large enough, fill the kernels' argument structs and launch; nothing here waits for the
 // device.
 #include <cstdlib>

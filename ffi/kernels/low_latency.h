@@ -1,5 +1,6 @@
-// Low-latency (decode) kernels: one launch per half of each operation, on their own symmetric
-// buffer (see the low-latency section of buffer_layout.h).
+// Low-latency (decode) kernels on their own symmetric buffer (see the low-latency section of
+// buffer_layout.h): one launch per half of a split operation, one cooperative launch of both
+// halves for a fused one.
 //
 //   dispatch send     block 0 computes every (token, k) pair's per-(source, expert) slot and
 //                     writes the index table entry (local expert, me, slot) -> (token, k) and
