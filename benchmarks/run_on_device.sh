@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,variants,ll,graphs,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,variants,ll,graphs,storeprobe,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -80,6 +80,20 @@ if [[ $WHAT == *graphs* ]]; then
   JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py \
     2>&1 | tee "$OUT/bench_low_latency_graphs_$N.log" | grep -E "^\[rank 0\] (\||.*FAILED)" |
     sed 's/^\[rank 0\] //'
+fi
+if [[ $WHAT == *storeprobe* ]]; then  # NVLink write throughput by instruction kind and CTAs
+  step "NVLink store probe on $N GPUs"
+  NV=$($PY -c "import nvidia.nvshmem as m; print(m.__path__[0])")
+  nvcc -O3 -rdc=true -arch=sm_90 -I"$NV/include" benchmarks/nvlink_store_probe.cu \
+    -o build/nvlink_store_probe -L"$NV/lib" -l:libnvshmem_host.so.3 -lnvshmem_device \
+    -Xlinker -rpath="$NV/lib" && {
+    rm -f /tmp/jax_ep_probe_uid
+    (for ((r = 0; r < N; r++)); do
+       NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_REMOTE_TRANSPORT=none timeout 120 \
+         build/nvlink_store_probe "$r" "$N" /tmp/jax_ep_probe_uid &
+     done
+     wait) 2>&1 | tee "$OUT/store_probe_$N.log"
+  }
 fi
 if [[ $WHAT == *example* ]]; then
   step "example on $N GPUs"

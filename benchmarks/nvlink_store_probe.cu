@@ -1,0 +1,256 @@
+// How fast can a few SMs write into a peer GPU over NVLink, and with which instructions?
+// The question behind the normal-mode target (issue 8): ≥ 338 GB/s per direction from at most
+// 24 SMs, where plain 16-byte stores were measured at 285 GB/s with 24 blocks.
+//
+// One process per GPU; every PE writes BYTES into the next PE's symmetric buffer while the
+// previous PE writes into its own (all directions busy at once). Variants, each at several
+// CTA counts:
+//   plain_copy   16-byte loads from local memory, 16-byte stores to the peer (8 in flight/lane)
+//   plain_store  16-byte stores of register values to the peer (no loads)
+//   tma_store    bulk (TMA) stores of a shared-memory chunk, several pipelines per CTA
+//   tma_copy     bulk loads global -> shared and bulk stores shared -> peer, S stages a pipeline
+//   copy_engine  cudaMemcpyAsync to the peer's address (no SM)
+//
+//   NV=$(python -c "import nvidia.nvshmem as m; print(m.__path__[0])")
+//   nvcc -O3 -rdc=true -arch=sm_90 -I$NV/include benchmarks/nvlink_store_probe.cu -o probe \
+//        -L$NV/lib -l:libnvshmem_host.so.3 -lnvshmem_device -Xlinker -rpath=$NV/lib
+//   for r in 0 1; do NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_REMOTE_TRANSPORT=none \
+//       NVSHMEM_DISABLE_NVLS=1 ./probe $r 2 /tmp/uid & done; wait
+//
+// (benchmarks/run_on_device.sh step `storeprobe` does exactly that.)
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+
+namespace {
+
+#define CHECK(x)                                                                       \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+constexpr int kThreads = 512;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__global__ void plain_copy(const int4* src, int4* dst, size_t n) {
+  constexpr int kInFlight = 8;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride * kInFlight) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (i + u * stride < n) v[u] = __ldg(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (i + u * stride < n) dst[i + u * stride] = v[u];
+  }
+}
+
+__global__ void plain_store(int4* dst, size_t n) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    dst[i] = make_int4(int(i), 1, 2, 3);
+}
+
+// Lane 0 of the first `pipes` warps of each CTA streams its shared chunk to successive peer
+// chunks; nothing waits until the end (the shared source never changes).
+__global__ void tma_store(char* dst, size_t bytes, uint32_t chunk, int pipes) {
+  extern __shared__ __align__(128) char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= pipes) return;
+  char* buf = smem + size_t(warp) * chunk;
+  for (uint32_t i = lane * 16; i < chunk; i += 32 * 16)
+    *reinterpret_cast<int4*>(buf + i) = make_int4(int(i), warp, 7, 9);
+  __syncwarp();
+  if (lane != 0) return;
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  const size_t chunks = bytes / chunk, pipe = size_t(blockIdx.x) * pipes + warp;
+  const size_t all = size_t(gridDim.x) * pipes;
+  for (size_t c = pipe; c < chunks; c += all) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                     dst + c * chunk),
+                 "r"(smem_addr(buf)), "r"(chunk)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Lane 0 of the first `pipes` warps: chunk j of the pipeline is loaded into stage j % stages
+// (mbarrier) and stored to the peer from there; the stage of chunk j - 1 is refilled with chunk
+// j - 1 + stages once its store has read it, so loads and stores of several chunks overlap.
+__global__ void tma_copy(const char* src, char* dst, size_t bytes, uint32_t chunk, int pipes,
+                         int stages) {
+  extern __shared__ __align__(128) char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= pipes || lane != 0) return;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + size_t(warp) * stages;
+  char* bufs = smem + 1024 + size_t(warp) * stages * chunk;
+  for (int s = 0; s < stages; ++s)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[s])) : "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  const size_t chunks = bytes / chunk, pipe = size_t(blockIdx.x) * pipes + warp;
+  const size_t all = size_t(gridDim.x) * pipes;
+  auto load = [&](size_t j) {  // chunk j of this pipeline into stage j % stages
+    const size_t c = pipe + j * all;
+    if (c >= chunks) return;
+    uint64_t* bar = &bars[j % stages];
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+                 "r"(chunk)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(smem_addr(bufs + (j % stages) * chunk)),
+        "l"(src + c * chunk), "r"(chunk), "r"(smem_addr(bar))
+        : "memory");
+  };
+  for (int s = 0; s < stages; ++s) load(s);
+  for (size_t j = 0; pipe + j * all < chunks; ++j) {
+    const uint32_t phase = uint32_t(j / stages) & 1;
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+          "selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(smem_addr(&bars[j % stages])), "r"(phase)
+          : "memory");
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                     dst + (pipe + j * all) * chunk),
+                 "r"(smem_addr(bufs + (j % stages) * chunk)), "r"(chunk)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (j >= 1) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // store j - 1 has read
+      load(j - 1 + stages);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+  }
+};
+
+// GB/s this PE wrote into its peer: `run` launched `iters` times between two barriers.
+template <typename Run>
+double measure(Run run, size_t bytes, int iters) {
+  static Timer t;
+  run();  // warm-up
+  CHECK(cudaGetLastError());
+  nvshmemx_barrier_all_on_stream(0);
+  CHECK(cudaEventRecord(t.a, 0));
+  for (int i = 0; i < iters; ++i) run();
+  CHECK(cudaEventRecord(t.b, 0));
+  nvshmemx_barrier_all_on_stream(0);
+  CHECK(cudaEventSynchronize(t.b));
+  CHECK(cudaGetLastError());
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, t.a, t.b));
+  return double(bytes) * iters / (ms * 1e-3) / 1e9;
+}
+
+nvshmemx_uniqueid_t shared_unique_id(int rank, const std::string& path) {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (rank == 0) {
+    nvshmemx_get_uniqueid(&id);
+    std::ofstream out(path + ".part", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&id), sizeof(id));
+    out.close();
+    std::rename((path + ".part").c_str(), path.c_str());
+    return id;
+  }
+  for (;;) {  // the others wait for process 0's file
+    std::ifstream in(path, std::ios::binary);
+    if (in.good() && in.read(reinterpret_cast<char*>(&id), sizeof(id)) && in.gcount() == sizeof(id))
+      return id;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s RANK WORLD UNIQUE_ID_FILE\n", argv[0]);
+    return 2;
+  }
+  const int rank = std::atoi(argv[1]), world = std::atoi(argv[2]);
+  CHECK(cudaSetDevice(rank));
+  nvshmemx_uniqueid_t id = shared_unique_id(rank, argv[3]);
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr);
+  if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
+    std::fprintf(stderr, "rank %d: NVSHMEM init failed\n", rank);
+    return 1;
+  }
+  const int me = nvshmem_my_pe(), n = nvshmem_n_pes(), peer = (me + 1) % n;
+  const size_t bytes = size_t(64) << 20;  // written into the peer per launch
+  char* local = static_cast<char*>(nvshmem_malloc(2 * bytes));  // [source | landing zone]
+  CHECK(cudaMemset(local, 1, 2 * bytes));
+  char* remote = static_cast<char*>(nvshmem_ptr(local + bytes, peer));
+  if (remote == nullptr) {
+    std::fprintf(stderr, "rank %d: no peer-to-peer mapping of PE %d\n", me, peer);
+    return 1;
+  }
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rank));
+  const int iters = 10;
+  const uint32_t chunk = 16 * 1024;
+  const int stages = 4;
+  const int store_pipes = 8, copy_pipes = 3;
+  const size_t store_smem = size_t(store_pipes) * chunk;
+  const size_t copy_smem = 1024 + size_t(copy_pipes) * stages * chunk;
+  CHECK(cudaFuncSetAttribute(tma_store, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(store_smem)));
+  CHECK(cudaFuncSetAttribute(tma_copy, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(copy_smem)));
+  const int grids[] = {8, 16, 24, 32, 64, sms};
+  if (me == 0)
+    std::printf("%d×GPU, every PE writes %zu MB into the next one, all at once; GB/s per "
+                "direction (one PE's writes / time)\n| CTAs | plain_copy | plain_store | "
+                "tma_store (%d×%u KB) | tma_copy (%d pipes × %d × %u KB) |\n|---:|---:|---:|---:|---:|\n",
+                n, bytes >> 20, store_pipes, chunk >> 10, copy_pipes, stages, chunk >> 10);
+  for (int g : grids) {
+    const double a = measure([&] {
+      plain_copy<<<g, kThreads>>>(reinterpret_cast<const int4*>(local),
+                                  reinterpret_cast<int4*>(remote), bytes / 16);
+    }, bytes, iters);
+    const double b = measure([&] {
+      plain_store<<<g, kThreads>>>(reinterpret_cast<int4*>(remote), bytes / 16);
+    }, bytes, iters);
+    const double c = measure([&] {
+      tma_store<<<g, kThreads, store_smem>>>(remote, bytes, chunk, store_pipes);
+    }, bytes, iters);
+    const double d = measure([&] {
+      tma_copy<<<g, kThreads, copy_smem>>>(local, remote, bytes, chunk, copy_pipes, stages);
+    }, bytes, iters);
+    if (me == 0) std::printf("| %d | %.1f | %.1f | %.1f | %.1f |\n", g, a, b, c, d);
+  }
+  const double ce = measure([&] {
+    CHECK(cudaMemcpyAsync(remote, local, bytes, cudaMemcpyDeviceToDevice, 0));
+  }, bytes, iters);
+  if (me == 0) std::printf("copy engine (cudaMemcpyAsync to the peer's address): %.1f GB/s\n", ce);
+  nvshmem_free(local);
+  nvshmem_finalize();
+  return 0;
+}
