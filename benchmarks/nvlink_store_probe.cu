@@ -30,7 +30,17 @@
 #include <string>
 #include <thread>
 
+#include "../ffi/kernels/bulk_copy.cuh"  // the extension's own bulk-copy helpers
+
 namespace {
+
+using jax_ep::barrier_init;
+using jax_ep::barrier_wait;
+using jax_ep::bulk_commit;
+using jax_ep::bulk_load;
+using jax_ep::bulk_store;
+using jax_ep::bulk_wait_all;
+using jax_ep::bulk_wait_read;
 
 #define CHECK(x)                                                                       \
   do {                                                                                 \
@@ -42,10 +52,6 @@ namespace {
   } while (0)
 
 constexpr int kThreads = 512;
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __global__ void plain_copy(const int4* src, int4* dst, size_t n) {
   constexpr int kInFlight = 8;
@@ -78,17 +84,14 @@ __global__ void tma_store(char* dst, size_t bytes, uint32_t chunk, int pipes) {
     *reinterpret_cast<int4*>(buf + i) = make_int4(int(i), warp, 7, 9);
   __syncwarp();
   if (lane != 0) return;
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> bulk reads
   const size_t chunks = bytes / chunk, pipe = size_t(blockIdx.x) * pipes + warp;
   const size_t all = size_t(gridDim.x) * pipes;
   for (size_t c = pipe; c < chunks; c += all) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                     dst + c * chunk),
-                 "r"(smem_addr(buf)), "r"(chunk)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    bulk_store(dst + c * chunk, buf, chunk);
+    bulk_commit();
   }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  bulk_wait_all();
 }
 
 // Lane 0 of the first `pipes` warps: chunk j of the pipeline is loaded into stage j % stages
@@ -101,46 +104,24 @@ __global__ void tma_copy(const char* src, char* dst, size_t bytes, uint32_t chun
   if (warp >= pipes || lane != 0) return;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + size_t(warp) * stages;
   char* bufs = smem + 1024 + size_t(warp) * stages * chunk;
-  for (int s = 0; s < stages; ++s)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[s])) : "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  for (int s = 0; s < stages; ++s) barrier_init(&bars[s]);
   const size_t chunks = bytes / chunk, pipe = size_t(blockIdx.x) * pipes + warp;
   const size_t all = size_t(gridDim.x) * pipes;
   auto load = [&](size_t j) {  // chunk j of this pipeline into stage j % stages
     const size_t c = pipe + j * all;
-    if (c >= chunks) return;
-    uint64_t* bar = &bars[j % stages];
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-                 "r"(chunk)
-                 : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-            "r"(smem_addr(bufs + (j % stages) * chunk)),
-        "l"(src + c * chunk), "r"(chunk), "r"(smem_addr(bar))
-        : "memory");
+    if (c < chunks) bulk_load(bufs + (j % stages) * chunk, src + c * chunk, chunk, &bars[j % stages]);
   };
   for (int s = 0; s < stages; ++s) load(s);
   for (size_t j = 0; pipe + j * all < chunks; ++j) {
-    const uint32_t phase = uint32_t(j / stages) & 1;
-    uint32_t done = 0;
-    while (!done)
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-          "selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(smem_addr(&bars[j % stages])), "r"(phase)
-          : "memory");
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                     dst + (pipe + j * all) * chunk),
-                 "r"(smem_addr(bufs + (j % stages) * chunk)), "r"(chunk)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    barrier_wait(&bars[j % stages], uint32_t(j / stages) & 1);
+    bulk_store(dst + (pipe + j * all) * chunk, bufs + (j % stages) * chunk, chunk);
+    bulk_commit();
     if (j >= 1) {
-      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // store j - 1 has read
+      bulk_wait_read<1>();  // the store of chunk j - 1 has read its stage
       load(j - 1 + stages);
     }
   }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  bulk_wait_all();
 }
 
 struct Timer {

@@ -20,22 +20,29 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Declared in every compilation pass; the instructions exist only where JAX_EP_BULK_COPY (the
+// callers check it too, and use plain copies below sm_90).
 #if JAX_EP_BULK_COPY
+#define JAX_EP_BULK_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define JAX_EP_BULK_ASM(...) __trap()
+#endif
+
 __device__ __forceinline__ void barrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+  JAX_EP_BULK_ASM("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
   // the barrier must be visible to the copy engine (the async proxy) before its first use
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  JAX_EP_BULK_ASM("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // Loads `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` into
 // shared `dst`; `bar` completes the current phase when they have landed.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
                                           uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+  JAX_EP_BULK_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
                    shared_address(bar)),
                "r"(bytes)
                : "memory");
-  asm volatile(
+  JAX_EP_BULK_ASM(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
           "r"(shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar))
@@ -44,8 +51,12 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 
 __device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t phase) {
   uint32_t done = 0;
+#if !JAX_EP_BULK_COPY
+  done = 1;
+  __trap();
+#endif
   while (!done)
-    asm volatile(
+    JAX_EP_BULK_ASM(
         "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
         "selp.u32 %0, 1, 0, p; }"
         : "=r"(done)
@@ -55,25 +66,24 @@ __device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t phase) {
 
 // Stores `bytes` from shared `src` to global `dst` (local or a peer's, mapped over NVLink).
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+  JAX_EP_BULK_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
                "r"(shared_address(src)), "r"(bytes)
                : "memory");
 }
 
 __device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  JAX_EP_BULK_ASM("cp.async.bulk.commit_group;" ::: "memory");
 }
 
 // Waits until at most N committed store groups still read their shared source.
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+  JAX_EP_BULK_ASM("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
 // Waits until every committed store group has completed its writes.
 __device__ __forceinline__ void bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  JAX_EP_BULK_ASM("cp.async.bulk.wait_group 0;" ::: "memory");
 }
-#endif
 
 }  // namespace jax_ep
