@@ -53,7 +53,15 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-from timing import after_barrier, kernel_phases, looped, print_phases, put, seconds_per_call  # noqa: E402
+from timing import (  # noqa: E402
+    after_barrier,
+    jax_baselines,
+    kernel_phases,
+    looped,
+    print_phases,
+    put,
+    seconds_per_call,
+)
 
 AXIS = "ep"
 
@@ -119,7 +127,7 @@ def main():
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
     if args.baselines_only:
-        baselines(R, T, H, in_rank, counts, x, shard, record)
+        jax_baselines(R, H, in_rank, counts, x, shard, record, AXIS)
         report(rows, R, T, H, K, E, mean_recv, bytes_bf16, "JAX baselines only")
         return
 
@@ -168,7 +176,7 @@ def main():
 
     # ------------------------------------------------------------------ baselines
     if not args.skip_baselines:
-        baselines(R, T, H, in_rank, counts, x, shard, record)
+        jax_baselines(R, H, in_rank, counts, x, shard, record, AXIS)
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
     if profiles and jax.process_index() == 0:
         print_phases(profiles)
@@ -184,44 +192,6 @@ def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
         print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|")
         for name, us, gbs in rows:
             print(f"| {name:52s} | {us:9.1f} | {gbs:12.1f} |")
-
-
-def baselines(R, T, H, in_rank, counts, x, shard, record):
-    """ragged_all_to_all (deduplicated rows) and a capacity-padded all_to_all."""
-    S = int(counts.sum(1).max())
-    Rv = int(counts.sum(0).max())
-    C = int(counts.max())
-    idx = np.zeros((R, S), np.int32)
-    in_off = np.zeros((R, R), np.int32)
-    out_off = np.zeros((R, R), np.int32)
-    didx = np.zeros((R, R, C), np.int32)
-    for r in range(R):
-        order = np.concatenate([np.nonzero(in_rank[r, :, d])[0] for d in range(R)])
-        idx[r, : len(order)] = order
-        in_off[r] = np.concatenate([[0], np.cumsum(counts[r])[:-1]])
-        for d in range(R):
-            tok = np.nonzero(in_rank[r, :, d])[0]
-            didx[r, d, : len(tok)] = tok
-    for d in range(R):
-        out_off[:, d] = np.concatenate([[0], np.cumsum(counts[:, d])[:-1]])
-    flat = lambda a: put(a.reshape((R * a.shape[1], *a.shape[2:])), shard)  # noqa: E731
-
-    def ragged(x, idx, in_off, sizes, out_off, recv_sizes):
-        send = jnp.take(x, idx, axis=0)
-        out = jnp.zeros((Rv, H), x.dtype)
-        got = jax.lax.ragged_all_to_all(send, out, in_off, sizes, out_off, recv_sizes,
-                                        axis_name=AXIS)
-        return got[0, 0].astype(jnp.float32)
-
-    def padded(x, didx):
-        send = jnp.take(x, didx.reshape(-1), axis=0).reshape(R, C, H)
-        got = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)
-        return got[0, 0, 0].astype(jnp.float32)
-
-    if jax.process_count() == 1:
-        record("jax.lax.ragged_all_to_all", ragged, x, flat(idx), flat(in_off), flat(counts),
-               flat(out_off), flat(np.ascontiguousarray(counts.T)))
-    record("jax.lax.all_to_all (capacity-padded)", padded, x, flat(didx))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 Each figure is (time of one jitted program of ``--calls`` unrolled calls) / calls, median of
 repeats: XLA's own launch cost is included, Python's is not. Consecutive calls depend on each
 other through a zero-weighted feedback, so XLA can neither hoist nor overlap them. Baselines in
-the same run: a capacity-padded ``jax.lax.all_to_all`` and ``jax.lax.ragged_all_to_all``.
+the same run: a capacity-padded ``jax.lax.all_to_all`` and ``jax.lax.ragged_all_to_all`` (XLA
+runs the latter in one process only: under the launcher take it from ``--baselines-only``, a
+second run without the launcher over all local GPUs, as the device script does).
 The overlap row runs dispatch-send, an independent matmul, dispatch-receive: compare it with
 the sum of the two alone (the matmul depends on the chained argument, so XLA cannot hoist it
 out of the loop). The combine-alone row reuses one dispatch's handle for every call.
@@ -30,6 +32,9 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--cpu-devices", type=int, default=4)
+    p.add_argument("--baselines-only", action="store_true",
+                   help="only the JAX baselines (ragged_all_to_all needs one process: run it "
+                        "without the launcher, over all local GPUs)")
     p.add_argument("--profile", action="store_true",
                    help="also print the kernels' phase timestamps of one call (CUDA backend)")
     return p.parse_args()
@@ -48,49 +53,22 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
-from timing import after_barrier, kernel_phases, looped, print_phases, put, seconds_per_call  # noqa: E402
+from timing import (  # noqa: E402
+    after_barrier,
+    jax_baselines,
+    kernel_phases,
+    looped,
+    print_phases,
+    put,
+    seconds_per_call,
+)
 
 AXIS = "ep"
 
 
-def main():
-    if "JAX_EP_RANK" in os.environ:
-        from jax_ep import launch
-
-        launch.init_distributed()
-    R, T, H, K, E = jax.device_count(), args.tokens, args.hidden, args.topk, args.experts
-    L = E // R
-    if args.backend != "reference" and jax.default_backend() == "gpu":
-        from jax_ep import runtime
-
-        runtime.initialize(low_latency_bytes=jax_ep.low_latency_buffer_size_hint(T, H, E, K, R))
-    backend = jax_ep.api._resolve_backend(args.backend)
-    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    shard = NamedSharding(mesh, P(AXIS))
-    smap = partial(jax.shard_map, mesh=mesh, out_specs=P(AXIS), check_vma=False)
-    rng = np.random.default_rng(0)
-    idx = np.argsort(-rng.standard_normal((R * T, E)), axis=-1)[:, :K].astype(np.int32)
-    x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
-    w = put(rng.random((R * T, K)).astype(np.float32), shard)
-    idx_d = put(idx, shard)
-    ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
-    rows, profiles = [], []
-
-    def record(name, f, *a, chained=1):
-        try:
-            looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
-                                    in_specs=(P(AXIS),) * len(a)))
-            t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
-            rows.append((name, t * 1e6))
-            if args.profile and name.startswith("jax_ep") and backend == "cuda":
-                one = jax.jit(smap(looped(after_barrier(f, chained, AXIS), 1, chained),
-                                   in_specs=(P(AXIS),) * len(a)))
-                profiles.append((name, kernel_phases(one, *a)))
-        except Exception as e:  # a failing row must not hide the others
-            rows.append((name, float("nan")))
-            if jax.process_index() == 0:
-                print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
-
+def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, H, K, E):
+    """The jax_ep operations: fused dispatch (FP8, BF16), dispatch + combine, combine alone,
+    and the split dispatch around an independent matmul."""
     def dispatch_fp8(x, idx):
         return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).x_scales[0, 0, 0]
 
@@ -145,23 +123,53 @@ def main():
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
 
-    # baselines: capacity-padded all_to_all and ragged_all_to_all of the deduplicated tokens
+
+def main():
+    if "JAX_EP_RANK" in os.environ:
+        from jax_ep import launch
+
+        launch.init_distributed()
+    R, T, H, K, E = jax.device_count(), args.tokens, args.hidden, args.topk, args.experts
+    L = E // R
+    if args.backend != "reference" and jax.default_backend() == "gpu" and not args.baselines_only:
+        from jax_ep import runtime
+
+        runtime.initialize(low_latency_bytes=jax_ep.low_latency_buffer_size_hint(T, H, E, K, R))
+    backend = jax_ep.api._resolve_backend(args.backend)
+    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    shard = NamedSharding(mesh, P(AXIS))
+    smap = partial(jax.shard_map, mesh=mesh, out_specs=P(AXIS), check_vma=False)
+    rng = np.random.default_rng(0)
+    idx = np.argsort(-rng.standard_normal((R * T, E)), axis=-1)[:, :K].astype(np.int32)
+    x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
+    w = put(rng.random((R * T, K)).astype(np.float32), shard)
+    idx_d = put(idx, shard)
+    ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
+    rows, profiles = [], []
+
+    def record(name, f, *a, chained=1):
+        try:
+            looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
+                                    in_specs=(P(AXIS),) * len(a)))
+            t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
+            rows.append((name, t * 1e6))
+            if args.profile and name.startswith("jax_ep") and backend == "cuda":
+                one = jax.jit(smap(looped(after_barrier(f, chained, AXIS), 1, chained),
+                                   in_specs=(P(AXIS),) * len(a)))
+                profiles.append((name, kernel_phases(one, *a)))
+        except Exception as e:  # a failing row must not hide the others
+            rows.append((name, float("nan")))
+            if jax.process_index() == 0:
+                print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
+
+    if not args.baselines_only:
+        jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, H, K, E)
+
+    # baselines: ragged_all_to_all (one process only) and a capacity-padded all_to_all of the
+    # deduplicated tokens
     dest = idx.reshape(R, T, K) // L
     in_rank = (dest[..., None] == np.arange(R)).any(2)
-    counts = in_rank.sum(1)
-    C = int(counts.max())
-    didx = np.zeros((R, R, C), np.int32)
-    for r in range(R):
-        for d in range(R):
-            tok = np.nonzero(in_rank[r, :, d])[0]
-            didx[r, d, :len(tok)] = tok
-    didx_d = put(didx.reshape(R * R, C), shard)
-
-    def padded(x, didx):
-        send = jnp.take(x, didx.reshape(-1), axis=0).reshape(R, C, H)
-        return jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)[0, 0, 0]
-
-    record("jax.lax.all_to_all (capacity-padded)", padded, x, didx_d)
+    jax_baselines(R, H, in_rank, in_rank.sum(1), x, shard, record, AXIS)
 
     if jax.process_index() == 0:
         print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "

@@ -70,6 +70,9 @@ if [[ ,$WHAT, == *,ll,* ]]; then
   timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py --profile 2>&1 |
     tee "$OUT/bench_low_latency_$N.log" | grep -E "^\[rank [0-9]+\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" |
     grep -v "^\[rank [1-9][0-9]*\] |"
+  # ragged_all_to_all runs only within one process: the same routing, one process, all GPUs
+  timeout 200 $PY benchmarks/bench_low_latency.py --baselines-only 2>&1 |
+    tee "$OUT/bench_low_latency_baselines_$N.log" | grep -E "^(\||[0-9]|.*FAILED)"
 fi
 if [[ $WHAT == *graphs* ]]; then
   step "low-latency GPU tests with JAX_EP_COMMAND_BUFFERS=1 on $N GPUs"

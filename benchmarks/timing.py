@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -94,3 +95,47 @@ def print_phases(profiles):
         print(f"{name}:")
         for kernel, times in phases:
             print(f"    {kernel:24s} " + " / ".join(f"{v:7.1f}" for v in times))
+
+
+def jax_baselines(R, H, in_rank, counts, x, shard, record, axis_name):
+    """What a JAX user has today, on the same routing: ``jax.lax.ragged_all_to_all`` of the
+    rank-deduplicated rows (one process only: XLA refuses it across processes) and a
+    ``jax.lax.all_to_all`` padded to the largest (source, destination) count.
+
+    in_rank: [R(src), T, R(dst)] whether a token goes to a rank; counts: [R(src), R(dst)];
+    x: [R*T, H] sharded; record(name, body, *arrays, chained=0) times body.
+    """
+    S = int(counts.sum(1).max())
+    Rv = int(counts.sum(0).max())
+    C = int(counts.max())
+    idx = np.zeros((R, S), np.int32)
+    in_off = np.zeros((R, R), np.int32)
+    out_off = np.zeros((R, R), np.int32)
+    didx = np.zeros((R, R, C), np.int32)
+    for r in range(R):
+        order = np.concatenate([np.nonzero(in_rank[r, :, d])[0] for d in range(R)])
+        idx[r, : len(order)] = order
+        in_off[r] = np.concatenate([[0], np.cumsum(counts[r])[:-1]])
+        for d in range(R):
+            tok = np.nonzero(in_rank[r, :, d])[0]
+            didx[r, d, : len(tok)] = tok
+    for d in range(R):
+        out_off[:, d] = np.concatenate([[0], np.cumsum(counts[:, d])[:-1]])
+    flat = lambda a: put(a.reshape((R * a.shape[1], *a.shape[2:])), shard)  # noqa: E731
+
+    def ragged(x, idx, in_off, sizes, out_off, recv_sizes):
+        send = jnp.take(x, idx, axis=0)
+        out = jnp.zeros((Rv, H), x.dtype)
+        got = jax.lax.ragged_all_to_all(send, out, in_off, sizes, out_off, recv_sizes,
+                                        axis_name=axis_name)
+        return got[0, 0].astype(jnp.float32)
+
+    def padded(x, didx):
+        send = jnp.take(x, didx.reshape(-1), axis=0).reshape(R, C, H)
+        got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+        return got[0, 0, 0].astype(jnp.float32)
+
+    if jax.process_count() == 1:
+        record("jax.lax.ragged_all_to_all", ragged, x, flat(idx), flat(in_off), flat(counts),
+               flat(out_off), flat(np.ascontiguousarray(counts.T)), chained=0)
+    record("jax.lax.all_to_all (capacity-padded)", padded, x, flat(didx), chained=0)
