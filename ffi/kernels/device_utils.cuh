@@ -152,16 +152,15 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
   __syncthreads();
 }
 
-// True in exactly one block: the last to arrive, after every block's writes are visible
-// system-wide. `slot` picks the arrival counter; the last block resets it.
-__device__ inline bool last_block(const PeerContext& ctx, int slot) {
+// True in exactly one block: the last to arrive at `counter` (an arrival counter in this PE's
+// control block), after every block's writes are visible system-wide; the last block resets it.
+__device__ inline bool last_block_on(unsigned* counter) {
   __shared__ bool is_last;
   // The barrier orders the block's writes before thread 0's fence, which is cumulative: one
   // system-scope fence per block, not one per thread (each costs microseconds under load).
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    unsigned* counter = &control_of(ctx, ctx.rank)->block_counter[slot];
     unsigned arrived = atomicAdd(counter, 1u);
     is_last = arrived == gridDim.x - 1;
     if (is_last) {
@@ -171,6 +170,11 @@ __device__ inline bool last_block(const PeerContext& ctx, int slot) {
   }
   __syncthreads();
   return is_last;
+}
+
+// last_block_on the normal-mode counter `slot`.
+__device__ inline bool last_block(const PeerContext& ctx, int slot) {
+  return last_block_on(&control_of(ctx, ctx.rank)->block_counter[slot]);
 }
 
 // Called by one thread: set this PE's flag of the given kind on every peer.

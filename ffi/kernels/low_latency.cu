@@ -43,23 +43,9 @@ __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
   }
 }
 
-// True in exactly one block, the last to arrive, after every block's memory accesses are
-// ordered system-wide before it continues (the pattern of device_utils' last_block).
+// last_block_on the low-latency counter `slot`.
 __device__ inline bool ll_last_block(const PeerContext& ctx, int slot) {
-  __shared__ bool is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    unsigned* counter = &ll_control(ctx, ctx.rank)->block_counter[slot];
-    const unsigned arrived = atomicAdd(counter, 1u);
-    is_last = arrived == gridDim.x - 1;
-    if (is_last) {
-      *counter = 0;
-      __threadfence_system();
-    }
-  }
-  __syncthreads();
-  return is_last;
+  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot]);
 }
 
 // Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
