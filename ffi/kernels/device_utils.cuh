@@ -203,8 +203,17 @@ __device__ __forceinline__ uint64_t current_call(const PeerContext& ctx) {
   return *reinterpret_cast<volatile uint64_t*>(&control_of(ctx, ctx.rank)->epoch) + 1;
 }
 
+// A load for copy_row: cached, or (kFromPeer) bypassing L1, for data another PE wrote.
+template <bool kFromPeer, typename T>
+__device__ __forceinline__ T load_for_copy(const T* p) {
+  if constexpr (kFromPeer) return __ldcg(p);
+  else return *p;
+}
+
 // Copies `bytes` with the widest access that the two addresses and the size allow, the lanes
-// of a group of `width` threads striding through the row.
+// of a group of `width` threads striding through the row. kFromPeer: loads bypass L1 (the
+// source was written by another PE).
+template <bool kFromPeer = false>
 __device__ __forceinline__ void copy_row(void* dst, const void* src, size_t bytes, int lane,
                                          int width) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
@@ -220,7 +229,7 @@ __device__ __forceinline__ void copy_row(void* dst, const void* src, size_t byte
       int4 v[kInFlight];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
-        if (i + u * width < n) v[u] = s[i + u * width];
+        if (i + u * width < n) v[u] = load_for_copy<kFromPeer>(s + i + u * width);
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
         if (i + u * width < n) d[i + u * width] = v[u];
@@ -228,11 +237,11 @@ __device__ __forceinline__ void copy_row(void* dst, const void* src, size_t byte
   } else if ((bits & 3) == 0) {
     const int* s = static_cast<const int*>(src);
     int* d = static_cast<int*>(dst);
-    for (size_t i = lane; i < bytes / 4; i += width) d[i] = s[i];
+    for (size_t i = lane; i < bytes / 4; i += width) d[i] = load_for_copy<kFromPeer>(s + i);
   } else {
-    const char* s = static_cast<const char*>(src);
-    char* d = static_cast<char*>(dst);
-    for (size_t i = lane; i < bytes; i += width) d[i] = s[i];
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    unsigned char* d = static_cast<unsigned char*>(dst);
+    for (size_t i = lane; i < bytes; i += width) d[i] = load_for_copy<kFromPeer>(s + i);
   }
 }
 

@@ -95,37 +95,10 @@ __device__ __forceinline__ int last_not_above(const int* data, int n, int value)
   return lo;
 }
 
-// Copies `bytes` of a record written by a peer (loads bypass L1) into `dst`, a warp's lanes
-// striding through it with 16-byte accesses where both addresses and the size allow.
+// Copies `bytes` of a record written by a peer into `dst`, one warp's lanes striding.
 __device__ __forceinline__ void copy_from_peer_data(void* dst, const void* src, size_t bytes,
                                                     int lane) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         static_cast<uintptr_t>(bytes);
-  if ((bits & 15) == 0) {
-    const int4* s = static_cast<const int4*>(src);
-    int4* d = static_cast<int4*>(dst);
-    const size_t n = bytes / 16;
-    // 16 loads per lane before the first store (a 7 KB FP8 row in one round, 14 KB BF16 in
-    // two), the last round predicated rather than a serial tail
-    constexpr int kInFlight = 16;
-    for (size_t i = lane; i < n; i += kInFlight * 32) {
-      int4 v[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        if (i + u * 32 < n) v[u] = __ldcg(s + i + u * 32);
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        if (i + u * 32 < n) d[i + u * 32] = v[u];
-    }
-  } else if ((bits & 3) == 0) {
-    const int* s = static_cast<const int*>(src);
-    int* d = static_cast<int*>(dst);
-    for (size_t i = lane; i < bytes / 4; i += 32) d[i] = __ldcg(s + i);
-  } else {
-    const unsigned char* s = static_cast<const unsigned char*>(src);
-    unsigned char* d = static_cast<unsigned char*>(dst);
-    for (size_t i = lane; i < bytes; i += 32) d[i] = __ldcg(s + i);
-  }
+  copy_row<true>(dst, src, bytes, lane, 32);
 }
 
 // ----------------------------------------------------------------------------- dispatch send
