@@ -31,6 +31,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")
+    p.add_argument("--modes", default="pull,push,fused,bulk",
+                   help="dispatch modes to time (JAX_EP_DISPATCH values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
                    help="only the JAX baselines, in one process over all local GPUs")
     p.add_argument("--cpu-devices", type=int, default=4, help="fake devices for CPU runs")
@@ -54,11 +56,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
+    TIMELINE_CALLS,
     after_barrier,
+    call_timeline,
     jax_baselines,
     kernel_phases,
     looped,
     print_phases,
+    print_timeline,
     put,
     seconds_per_call,
 )
@@ -110,7 +115,7 @@ def main():
     bytes_bf16 = mean_recv * H * 2
     bytes_fp8 = mean_recv * (H + H // 128 * 4)
     rows = []
-    profiles = []
+    profiles, timelines = [], []
 
     def record(name, body, *a, chained=0, nbytes=bytes_bf16):
         try:
@@ -121,6 +126,9 @@ def main():
                 one = jax.jit(smap(looped(after_barrier(body, chained, AXIS), 1, chained),
                                    in_specs=(P(AXIS),) * len(a)))
                 profiles.append((name, kernel_phases(one, *a)))
+                chain = jax.jit(smap(looped(after_barrier(body, chained, AXIS), TIMELINE_CALLS,
+                                            chained), in_specs=(P(AXIS),) * len(a)))
+                timelines.append((name, call_timeline(chain, *a)))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan"), float("nan")))
             if jax.process_index() == 0:
@@ -163,7 +171,7 @@ def main():
     record("jax_ep layout", layout, idx_d, nbytes=0)
     pairs_bytes = float(np.mean(np.bincount(dest.reshape(-1), minlength=R))) * H * 2
     record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0)
-    for mode in ("pull", "push", "fused", "bulk"):  # JAX_EP_DISPATCH, read when the call is traced
+    for mode in args.modes.split(","):  # JAX_EP_DISPATCH, read when the call is traced
         os.environ["JAX_EP_DISPATCH"] = mode
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
         record(f"jax_ep dispatch FP8, quantize included [{mode}]", partial(dispatch, fp8=True),
@@ -180,6 +188,8 @@ def main():
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
     if profiles and jax.process_index() == 0:
         print_phases(profiles)
+        for name, timeline in timelines:
+            print_timeline(name, timeline)
 
 
 def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):

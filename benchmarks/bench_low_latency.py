@@ -54,11 +54,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
+    TIMELINE_CALLS,
     after_barrier,
+    call_timeline,
     jax_baselines,
     kernel_phases,
     looped,
     print_phases,
+    print_timeline,
     put,
     seconds_per_call,
 )
@@ -145,7 +148,7 @@ def main():
     w = put(rng.random((R * T, K)).astype(np.float32), shard)
     idx_d = put(idx, shard)
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
-    rows, profiles = [], []
+    rows, profiles, timelines = [], [], []
 
     def record(name, f, *a, chained=1):
         try:
@@ -157,6 +160,9 @@ def main():
                 one = jax.jit(smap(looped(after_barrier(f, chained, AXIS), 1, chained),
                                    in_specs=(P(AXIS),) * len(a)))
                 profiles.append((name, kernel_phases(one, *a)))
+                chain = jax.jit(smap(looped(after_barrier(f, chained, AXIS), TIMELINE_CALLS,
+                                            chained), in_specs=(P(AXIS),) * len(a)))
+                timelines.append((name, call_timeline(chain, *a)))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan")))
             if jax.process_index() == 0:
@@ -180,6 +186,8 @@ def main():
             print(f"| {name:40s} | {us:11.1f} |")
     if profiles:  # every rank: one rank's receive waits on the others' sends
         print_phases(profiles)
+        for name, timeline in timelines:
+            print_timeline(name, timeline)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_recei
            "cached_stage", "cached_gather", "combine_stage", "combine_reduce", "dispatch_fused",
            "ll_dispatch_send", "ll_dispatch_receive", "ll_combine_send", "ll_combine_receive",
            "ll_dispatch_slots"]
+PROFILE_KERNELS = 16  # kProfileKernels: slots per row of the profile ring
+TIMELINE_CALLS = 16  # chained calls in a timeline (at most kProfileCalls)
 
 
 def after_barrier(body, chained, axis_name):
@@ -67,6 +69,20 @@ def after_barrier(body, chained, axis_name):
     return run
 
 
+def _profile_rows(module):
+    """The profile ring as [(row, [(kernel, (enter, waited, first end, last end) ns)])] for
+    the rows that holds stamps (one row per handler call since the reset)."""
+    values = module.profile_read()
+    per_row = 4 * PROFILE_KERNELS
+    rows = []
+    for r in range(len(values) // per_row):
+        v = values[r * per_row:(r + 1) * per_row]
+        used = [(k, tuple(v[4 * i: 4 * i + 4])) for i, k in enumerate(KERNELS) if v[4 * i + 3] != 0]
+        if used:
+            rows.append((r, used))
+    return rows
+
+
 def kernel_phases(f, *a):
     """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
     end) µs from the earliest start)] for the kernels it ran, from the phase timestamps the
@@ -77,13 +93,47 @@ def kernel_phases(f, *a):
     jax.block_until_ready(f(*a))
     module.profile_reset()
     jax.block_until_ready(f(*a))
-    values = module.profile_read()
-    used = [(k, values[4 * i: 4 * i + 4]) for i, k in enumerate(KERNELS)
-            if values[4 * i + 3] != 0]
+    used = [u for _, row in _profile_rows(module) for u in row]
     if not used:
         return []
     t0 = min(v[0] for _, v in used)
     return [(k, tuple((x - t0) / 1e3 for x in v)) for k, v in sorted(used, key=lambda u: u[1][0])]
+
+
+def call_timeline(f, *a):
+    """Runs f (a chain of calls) once after a warm-up and returns, per handler call in order,
+    (start, span, gap) in µs: its first kernel's start from the chain's first, first-start to
+    last-end, and the idle time since the previous call's last kernel ended. The gaps hold
+    whatever else the program runs between the calls (launches, XLA's own kernels)."""
+    from jax_ep import _native
+
+    module = _native.load()[0]
+    jax.block_until_ready(f(*a))
+    module.profile_reset()
+    jax.block_until_ready(f(*a))
+    calls = sorted((min(v[0] for _, v in row), max(v[3] for _, v in row))
+                   for _, row in _profile_rows(module))
+    if not calls:
+        return []
+    t0, out, prev_end = calls[0][0], [], None
+    for start, end in calls:
+        gap = float("nan") if prev_end is None else (start - prev_end) / 1e3
+        out.append(((start - t0) / 1e3, (end - start) / 1e3, gap))
+        prev_end = end
+    return out
+
+
+def print_timeline(name, timeline):
+    """Prints call_timeline's result with its medians."""
+    if not timeline:
+        return
+    spans = np.array([s for _, s, _ in timeline])
+    gaps = np.array([g for _, _, g in timeline[1:]])
+    total = timeline[-1][0] + timeline[-1][1]
+    print(f"\nTimeline of {len(timeline)} chained calls, {name} (µs): per call "
+          f"{total / len(timeline):.1f}, kernel span median {np.median(spans):.1f}, gap between "
+          f"calls median {np.median(gaps) if len(gaps) else float('nan'):.1f}")
+    print("    " + "  ".join(f"{s:6.1f}+{g:5.1f}" for _, s, g in timeline[1:]))
 
 
 def print_phases(profiles):

@@ -40,7 +40,7 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
   *ctx = PeerContext{t->peers,    t->rank,          t->num_ranks,
                     timeout_ns(), rank.typed_data(), device_fault_record(),
-                    static_cast<Control*>(t->local)->profile};
+                    next_profile_row()};
   return ffi::Error::Success();
 }
 
@@ -52,6 +52,16 @@ size_t element_bytes(ffi::DataType type) {
     case ffi::DataType::F8E4M3FN: return 1;
     default: return 0;
   }
+}
+
+// Loads in flight per lane in the push (JAX_EP_PUSH_UNROLL, default 4): a tuning knob.
+int push_unroll() {
+  static const int value = [] {
+    const char* env = std::getenv("JAX_EP_PUSH_UNROLL");
+    const int v = env ? std::atoi(env) : 4;
+    return v >= 16 ? 16 : v >= 8 ? 8 : 4;
+  }();
+  return value;
 }
 
 int blocks_or_default(int64_t num_blocks) {
@@ -143,6 +153,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.block = static_cast<int>(block);
   a.expert_major = expert_major != 0;
   a.num_blocks = blocks_or_default(num_blocks);
+  a.push_unroll = push_unroll();
   a.x = x.untyped_data();
   a.x_row_bytes = size_t(H) * elem;
   a.scales = has_scales ? x_scales.typed_data() : nullptr;

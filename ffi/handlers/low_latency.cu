@@ -96,7 +96,7 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
                    std::to_string(t->ll_bytes) + "; " + hint_text());
   *ctx = PeerContext{t->ll_peers,  t->rank,          t->num_ranks,
                     timeout_ns(), rank.typed_data(), device_fault_record(),
-                    static_cast<Control*>(t->local)->profile};
+                    next_profile_row()};
   *begin = combine ? areas.combine_begin : areas.dispatch_begin;
   *end = combine ? areas.combine_end : areas.dispatch_end;
   return ffi::Error::Success();

@@ -25,6 +25,9 @@ namespace jax_ep {
 
 constexpr int kMaxRanks = 1024;
 constexpr int kProfileKernels = 16;
+// Rows of Control::profile: handler call c since the last reset stamps row c % kProfileCalls,
+// so a chain of calls leaves a timeline (gaps between calls included).
+constexpr int kProfileCalls = 32;
 // Arrival counters of the fused dispatch: one per chunk of output rows (kMaxChunks at most).
 constexpr int kMaxChunks = 16384;
 // The parallel rank_major stage: per-CTA counts of at most this many CTAs and ranks.
@@ -57,10 +60,10 @@ struct Control {
   uint64_t ready[kMaxRanks];    // ready[s] = e: PE s has staged its data of call e
   uint64_t done[kMaxRanks];     // done[s] = e: PE s has finished every access of call e
   uint64_t pushed[kMaxRanks];   // pushed[s] = e: PE s has written its rows of call e into ours
-  // Phase timestamps of the last call of each kernel (globaltimer ns), read by the benchmarks:
-  // [kernel][0] first block entered, [1] last block done waiting for peers, [2] first block
-  // finished, [3] last block finished. Reset by the host (runtime profile_reset).
-  unsigned long long profile[kProfileKernels][4];
+  // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
+  // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
+  // block finished, [3] last block finished. Reset by the host (runtime profile_reset).
+  unsigned long long profile[kProfileCalls][kProfileKernels][4];
   // arrivals[c] = rows of chunk c written into this PE's push region so far in the current
   // fused dispatch; the receiver that consumes the chunk sets it back to 0.
   uint32_t arrivals[kMaxChunks];

@@ -471,13 +471,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
 
 // Copies one row to every non-null destination, reading it once; the lanes of a warp stride
 // through it with the widest access all addresses allow.
+template <int kInFlight = 4>
 __device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const char* src,
                                               size_t bytes, int lane) {
   uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
 #pragma unroll
   for (int j = 0; j < kMaxSources; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
   if ((bits & 15) == 0) {
-    constexpr int kInFlight = 4;
     const int4* s = reinterpret_cast<const int4*>(src);
     const size_t n = bytes / 16;
     for (size_t i = lane; i < n; i += 32 * kInFlight) {
@@ -581,8 +581,11 @@ __device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb, int w
     char* scales[kMaxSources];
     int landed[kMaxSources];  // chunk of the destination's output each row landed in, or -1
     token_destinations<kExpertMajor>(a, tb, t, lane, rows, scales, landed);
-    broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
-                  a.x_row_bytes, lane);
+    const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
+    // loads in flight per lane (JAX_EP_PUSH_UNROLL): more bytes in flight per warp
+    if (a.push_unroll >= 16) broadcast_row<16>(rows, row, a.x_row_bytes, lane);
+    else if (a.push_unroll >= 8) broadcast_row<8>(rows, row, a.x_row_bytes, lane);
+    else broadcast_row<4>(rows, row, a.x_row_bytes, lane);
     if (a.scales != nullptr)
       broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
                     a.scale_row_bytes, lane);

@@ -102,10 +102,19 @@ void stop_fault_watchdog() {
   g_device_record = nullptr;
 }
 
+namespace {
+std::atomic<unsigned long long> g_profile_calls{0};
+}  // namespace
+
+unsigned long long (*next_profile_row())[4] {
+  Control* control = static_cast<Control*>(transport()->local);
+  return control->profile[g_profile_calls.fetch_add(1) % kProfileCalls];
+}
+
 std::vector<unsigned long long> read_profile() {
   Control* control = local_control();
   check(cudaDeviceSynchronize(), "waiting for the kernels");
-  std::vector<unsigned long long> values(kProfileKernels * 4);
+  std::vector<unsigned long long> values(sizeof(control->profile) / sizeof(unsigned long long));
   check(cudaMemcpy(values.data(), control->profile, sizeof(control->profile),
                    cudaMemcpyDeviceToHost),
         "reading the kernel profile");
@@ -126,14 +135,15 @@ std::vector<unsigned long long> read_low_latency_calls() {
 void reset_profile() {
   Control* control = local_control();
   check(cudaDeviceSynchronize(), "waiting for the kernels");
-  std::vector<unsigned long long> values(kProfileKernels * 4);
-  for (int k = 0; k < kProfileKernels; ++k) {
-    values[4 * k + 0] = values[4 * k + 2] = ~0ull;  // minima
-    values[4 * k + 1] = values[4 * k + 3] = 0;      // maxima
+  std::vector<unsigned long long> values(sizeof(control->profile) / sizeof(unsigned long long));
+  for (size_t i = 0; i < values.size(); i += 4) {
+    values[i + 0] = values[i + 2] = ~0ull;  // minima
+    values[i + 1] = values[i + 3] = 0;      // maxima
   }
   check(cudaMemcpy(control->profile, values.data(), sizeof(control->profile),
                    cudaMemcpyHostToDevice),
         "resetting the kernel profile");
+  g_profile_calls = 0;
 }
 
 }  // namespace jax_ep

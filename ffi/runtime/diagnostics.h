@@ -27,9 +27,13 @@ FaultRecord* device_fault_record();
 void start_fault_watchdog();
 void stop_fault_watchdog();
 
-// Phase timestamps of the communication kernels (Control::profile), after a device sync.
+// Phase timestamps of the communication kernels (Control::profile, every row of the ring),
+// after a device sync; the reset also restarts the row count.
 std::vector<unsigned long long> read_profile();
 void reset_profile();
+// The profile row of the next handler call (device pointer into this PE's Control). Counted
+// on the host: calls replayed from a CUDA graph keep the row they were recorded with.
+unsigned long long (*next_profile_row())[4];
 // Calls started so far by this PE's low-latency dispatch and combine sends (LLControl::calls).
 std::vector<unsigned long long> read_low_latency_calls();
 
