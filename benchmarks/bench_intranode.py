@@ -27,7 +27,7 @@ def parse_args():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--routing", default="random", choices=["random", "zipf", "hot"])
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")

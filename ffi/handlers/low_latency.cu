@@ -299,6 +299,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return err;
   if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
     return invalid("low_latency_dispatch: the result rows do not match the sent rows");
+  receive.ctx.profile = send.ctx.profile;  // one call, one profile row
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
 }
 
@@ -434,6 +435,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (receive.num_topk != send.num_topk || receive.plan.bytes != send.plan.bytes ||
       receive.plan.record_stride != send.plan.record_stride)
     return invalid("low_latency_combine: topk_idx and the result do not match y and the handle");
+  receive.ctx.profile = send.ctx.profile;  // one call, one profile row
   return cuda_error(launch_ll_combine(send, receive, stream), "low_latency_combine");
 }
 

@@ -27,7 +27,7 @@ constexpr int kMaxRanks = 1024;
 constexpr int kProfileKernels = 16;
 // Rows of Control::profile: handler call c since the last reset stamps row c % kProfileCalls,
 // so a chain of calls leaves a timeline (gaps between calls included).
-constexpr int kProfileCalls = 32;
+constexpr int kProfileCalls = 64;
 // Arrival counters of the fused dispatch: one per chunk of output rows (kMaxChunks at most).
 constexpr int kMaxChunks = 16384;
 // The parallel rank_major stage: per-CTA counts of at most this many CTAs and ranks.
@@ -70,7 +70,11 @@ struct Control {
   // Parallel rank_major stage: tokens each CTA has per destination, and its grid barrier.
   int32_t stage_counts[kMaxStageBlocks][kMaxStageRanks];
   unsigned stage_arrived, stage_generation;
+  // Work counters (kCursor*): warps claim tokens from them, so the SMs whose stores drain
+  // faster take more of the work. The kernel launched before the one claiming zeroes it.
+  uint32_t work_cursor[2];
 };
+enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 
 enum class Flag { kReady, kDone, kPushed };
 

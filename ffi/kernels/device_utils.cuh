@@ -72,6 +72,17 @@ __device__ __forceinline__ void profile_end(const PeerContext& ctx, int slot) {
   profile_mark(ctx, slot, kLastEnd);
 }
 
+// Next item for the calling warp from a work counter (Control::work_cursor); every lane gets it.
+__device__ __forceinline__ int claim_item(uint32_t* cursor, int lane) {
+  uint32_t item = 0;
+  if (lane == 0) item = atomicAdd(cursor, 1u);
+  return static_cast<int>(__shfl_sync(0xffffffffu, item, 0));
+}
+
+__device__ __forceinline__ void reset_cursor(const PeerContext& ctx, WorkCursor which) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) control_of(ctx, ctx.rank)->work_cursor[which] = 0;
+}
+
 __device__ inline void copy_text(char* dst, const char* src, int capacity) {
   int i = 0;
   for (; i < capacity - 1 && src[i] != 0; ++i) dst[i] = src[i];

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfCombineStage, kEnter);
+  reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
   enter_call(ctx, call, "combine");
   profile_mark(ctx, kProfCombineStage, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
@@ -67,9 +68,11 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   const int H = a.hidden;
   const int sources = a.expert_major ? K : R;
   const size_t stride = row_stride(row_bytes);
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const int chunks = H / kVector;
-  for (int t = warp; t < a.num_tokens; t += gridDim.x * kWarps) {
+  // Tokens claimed from the combine work counter: SMs whose loads return faster take more.
+  uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorCombine];
+  for (int t = claim_item(cursor, lane); t < a.num_tokens; t = claim_item(cursor, lane)) {
     // Compile-time indices only, so that these stay in registers.
     const T* rows[kSources];
     float weights[kSources];

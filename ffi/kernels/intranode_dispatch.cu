@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchStage, kEnter);
+  reset_cursor(ctx, kCursorDispatch);  // for the push that follows
   enter_call(ctx, call, "dispatch");
   profile_mark(ctx, kProfDispatchStage, kWaited);
   const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
@@ -166,6 +167,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchStage, kEnter);
+  reset_cursor(ctx, kCursorDispatch);  // for the push that follows
   enter_call(ctx, call, "dispatch");
   profile_mark(ctx, kProfDispatchStage, kWaited);
   const int R = ctx.num_ranks, T = a.num_tokens, K = a.num_topk, E = a.num_experts;
@@ -569,14 +571,16 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
 // `count_arrivals` (fused mode) it then bumps the destination's arrival counter of the chunk
 // each row landed in, after a system-scope fence, so receivers can consume finished chunks.
 template <bool kExpertMajor>
-__device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb, int warp, int warps,
-                            bool count_arrivals) {
+__device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb, bool count_arrivals) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
   const int lane = threadIdx.x % 32;
   const int sources = kExpertMajor ? a.num_topk : R;
-  // Tokens in ascending order across the grid: destinations' chunks fill up progressively.
-  for (int t = warp; t < T; t += warps) {
+  // Tokens claimed from the dispatch work counter, roughly in ascending order: destinations'
+  // chunks fill up progressively, and warps whose stores drain faster take more tokens
+  // (with a static split the last CTA finished ~80 µs after the first, 2×H200).
+  uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
+  for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
     char* rows[kMaxSources];
     char* scales[kMaxSources];
     int landed[kMaxSources];  // chunk of the destination's output each row landed in, or -1
@@ -653,8 +657,7 @@ __device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, 
   __syncwarp();
 #else
   (void)buffers;
-  push_tokens<kExpertMajor>(a, tb, (blockIdx.x * kThreads + threadIdx.x) / 32,
-                            gridDim.x * kWarps, /*count_arrivals=*/false);
+  push_tokens<kExpertMajor>(a, tb, /*count_arrivals=*/false);
 #endif
 }
 
@@ -671,8 +674,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
   if (a.bulk_pipes > 0) {
     push_tokens_bulk<kExpertMajor>(a, tb, reinterpret_cast<char*>(tables) + a.bulk_offset);
   } else {
-    const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
-    push_tokens<kExpertMajor>(a, tb, warp, gridDim.x * kWarps, /*count_arrivals=*/false);
+    push_tokens<kExpertMajor>(a, tb, /*count_arrivals=*/false);
   }
   profile_end(ctx, kProfDispatchPush);
   if (last_block(ctx, 6) && threadIdx.x == 0) signal_all(ctx, Flag::kPushed, call);
@@ -754,8 +756,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
   const int lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
-  push_tokens<kExpertMajor>(a, tb, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps,
-                            /*count_arrivals=*/true);
+  push_tokens<kExpertMajor>(a, tb, /*count_arrivals=*/true);
 
   // Rows expected in each chunk this CTA owns; -1 once it is moved out.
   __shared__ int expected[kMaxOwnedChunks];
