@@ -94,20 +94,28 @@ def low_latency_dispatch_receive(pending) -> LowLatencyOutput:
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
-    """[L, R*M, H] expert outputs -> [T, H]: sum_k topk_weights[t, k] * row(t, k), float32."""
+    """[L, R*M, H] expert outputs -> [T, H]: sum_k topk_weights[t, k] * row(t, k).
+
+    Order and rounding (both backends): every rank sums its own experts' rows of a token in k
+    order, weighted, in float32, and rounds that partial to y's dtype (it crosses the wire
+    once per (token, rank) instead of once per (token, k)); the token's owner adds the
+    partials in rank order in float32 and rounds to y's dtype.
+    """
     _check_combine(y, topk_weights, handle)
     return _ll_combine(y, topk_weights.astype(jnp.float32), handle)
 
 
-def low_latency_combine_send(y, handle: LowLatencyHandle):
-    """First half of ``low_latency_combine`` (not differentiable)."""
-    _check_combine(y, None, handle)
-    return _Pending(_backend(handle.config).low_latency_combine_send(y, handle), handle.config)
+def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
+    """First half of ``low_latency_combine`` (not differentiable): the gates enter here, at
+    the expert ranks, which read every owner's weights."""
+    _check_combine(y, topk_weights, handle)
+    return _Pending(_backend(handle.config).low_latency_combine_send(
+        y, topk_weights.astype(jnp.float32), handle), handle.config)
 
 
-def low_latency_combine_receive(pending, topk_weights, handle: LowLatencyHandle):
-    return _backend(handle.config).low_latency_combine_receive(
-        pending.arrays, topk_weights.astype(jnp.float32), handle)
+def low_latency_combine_receive(pending, handle: LowLatencyHandle):
+    """Second half: the owner adds the partial rows."""
+    return _backend(handle.config).low_latency_combine_receive(pending.arrays, handle)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -306,31 +306,40 @@ def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
     return jnp.where(used[..., None], rows, jnp.zeros_like(rows))
 
 
-def low_latency_combine_send(y, handle: LowLatencyHandle):
-    """Every used row goes back to its source, as [R(expert rank), T, K, H]."""
+def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
+    """The weighted rows w[t, k] * row(t, k) in float32, as [R(owner), T, K, H] (zero where a
+    pair is not here), exchanged: the owner gets [R(expert rank), T, K, H]. The reference
+    ships products rather than the CUDA kernels' partial sums so that the collective
+    materialises them: fused into the sums, a multiply and an add may be contracted into one
+    FMA, which rounds once where the kernels round twice. The arithmetic is the same."""
     config = handle.config
-    R, T, K = config.num_ranks, config.num_tokens, config.num_topk
+    R, T, K, axis = config.num_ranks, config.num_tokens, config.num_topk, config.axis_name
+    weights = _exchange(_to_all_ranks(topk_weights.astype(jnp.float32), R), axis)  # [R, T, K]
     used = handle.src_rank >= 0
-    send = jnp.zeros((R, T, K) + y.shape[2:], y.dtype)
-    send = send.at[jnp.where(used, handle.src_rank, R), handle.src_token, handle.src_k].set(
-        y, mode="drop")
-    return dict(rows=_exchange(send, config.axis_name))
+    owner = jnp.where(used, handle.src_rank, R)
+    rows = jnp.zeros((R, T, K) + y.shape[2:], jnp.float32)
+    rows = rows.at[owner, handle.src_token, handle.src_k].set(y.astype(jnp.float32), mode="drop")
+    return dict(terms=_exchange(weights[..., None] * rows, axis), dtype=jnp.zeros((0,), y.dtype))
 
 
-def low_latency_combine_receive(sent, topk_weights, handle: LowLatencyHandle):
-    """out[t] = sum over k ascending of topk_weights[t, k] * row(t, k), in float32."""
+def low_latency_combine_receive(sent, handle: LowLatencyHandle):
+    """Rank r's partial of token t: its pairs' terms summed in k order (float32), rounded to
+    y's dtype; out[t] = the partials of the ranks holding a kept pair of t, added in rank
+    order (float32), rounded to y's dtype."""
     config = handle.config
+    dtype = sent["dtype"].dtype
     dest, _ = _routing(handle.topk_idx, config.num_experts, config.num_ranks)
-    back = sent["rows"]
-    picked = jnp.take_along_axis(back, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
-    present = handle.send_slot >= 0
-    w = topk_weights.astype(jnp.float32)
-    total = jnp.zeros((config.num_tokens,) + back.shape[3:], jnp.float32)
-    for k in range(config.num_topk):  # fixed order: bit-identical to the CUDA kernels
-        term = w[:, k, None] * picked[:, k].astype(jnp.float32)
-        total = total + jnp.where(present[:, k, None], term, 0.0)
-    return total.astype(back.dtype)
+    kept_dest = jnp.where(handle.send_slot >= 0, dest, -1)  # [T, K]
+    terms = sent["terms"]  # [R, T, K, H]
+    total = jnp.zeros((config.num_tokens,) + terms.shape[3:], jnp.float32)
+    for r in range(config.num_ranks):
+        partial = jnp.zeros_like(total)
+        for k in range(config.num_topk):  # fixed order: bit-identical to the CUDA kernels
+            partial = partial + jnp.where((kept_dest[:, k] == r)[:, None], terms[r, :, k], 0.0)
+        has = jnp.any(kept_dest == r, axis=1)
+        total = total + jnp.where(has[:, None], partial.astype(dtype).astype(jnp.float32), 0.0)
+    return total.astype(dtype)
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
-    return low_latency_combine_receive(low_latency_combine_send(y, handle), topk_weights, handle)
+    return low_latency_combine_receive(low_latency_combine_send(y, topk_weights, handle), handle)

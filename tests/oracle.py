@@ -172,8 +172,10 @@ def low_latency_dispatch(x, topk_idx, num_experts, max_tokens):
 
 
 def low_latency_combine(y, topk_weights, topk_idx, num_experts, max_tokens):
-    """y: [R, L, R*M, H]; out[s, t] = sum over k ascending of w * (the row that pair (t, k)
-    became at its expert's rank), in float32; pairs not sent add nothing."""
+    """y: [R, L, R*M, H]; for source s, token t: each expert rank r sums w * (the row pair
+    (t, k) became there) over its pairs in k ascending order, in float32, rounded to y's
+    dtype; out[s, t] = the sum of those partials over r ascending, in float32, rounded to y's
+    dtype. Pairs not sent add nothing."""
     R, T, K = topk_idx.shape
     results, _ = low_latency_dispatch(np.zeros((R, T, 1), np.float32), topk_idx, num_experts,
                                       max_tokens)
@@ -182,14 +184,20 @@ def low_latency_combine(y, topk_weights, topk_idx, num_experts, max_tokens):
         for le, row in zip(*np.nonzero(o["src_rank"] >= 0)):
             key = (o["src_rank"][le, row], o["src_token"][le, row], o["src_k"][le, row])
             row_of[key] = (me, le, row)
-    out = np.zeros((R, T, y.shape[-1]), np.float32)
+    out = np.zeros((R, T, y.shape[-1]), y.dtype)
     for s in range(R):
         for t in range(T):
-            acc = np.zeros(y.shape[-1], np.float32)
-            for k in range(K):
-                if (s, t, k) not in row_of:
-                    continue
-                row = y[row_of[s, t, k]].astype(np.float32)
-                acc = acc + np.float32(topk_weights[s, t, k]) * row
-            out[s, t] = acc
+            total = np.zeros(y.shape[-1], np.float32)
+            for r in range(R):
+                partial, any_here = np.zeros(y.shape[-1], np.float32), False
+                for k in range(K):
+                    where = row_of.get((s, t, k))
+                    if where is None or where[0] != r:
+                        continue
+                    partial = partial + np.float32(topk_weights[s, t, k]) * y[where].astype(
+                        np.float32)
+                    any_here = True
+                if any_here:
+                    total = total + partial.astype(y.dtype).astype(np.float32)
+            out[s, t] = total.astype(y.dtype)
     return out

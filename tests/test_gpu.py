@@ -330,7 +330,7 @@ def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
         split = jax_ep.low_latency_dispatch_receive(jax_ep.low_latency_dispatch_send(x, idx, **kw))
         back = jax_ep.low_latency_combine(y, w, out.handle)
         back_split = jax_ep.low_latency_combine_receive(
-            jax_ep.low_latency_combine_send(y, out.handle), w, out.handle)
+            jax_ep.low_latency_combine_send(y, w, out.handle), out.handle)
         return out, split, back, back_split
 
     (out, split, back, back_split), (out_r, split_r, back_r, _) = both(fn, x, idx, w, y)
@@ -504,10 +504,10 @@ def test_low_latency_interleaved_split_calls():
         pd = jax_ep.low_latency_dispatch_send(xs[3], _after(idxs[3], oa, ob), **kw)
         od = jax_ep.low_latency_dispatch_receive(pd)
         oc = jax_ep.low_latency_dispatch_receive(pc)
-        ca = jax_ep.low_latency_combine_send(_after(ys[0], backs[-1]), oa.handle)
-        cb = jax_ep.low_latency_combine_send(_after(ys[1], backs[-1]), ob.handle)
-        bb = jax_ep.low_latency_combine_receive(cb, ws[1], ob.handle)
-        ba = jax_ep.low_latency_combine_receive(ca, ws[0], oa.handle)
+        ca = jax_ep.low_latency_combine_send(_after(ys[0], backs[-1]), ws[0], oa.handle)
+        cb = jax_ep.low_latency_combine_send(_after(ys[1], backs[-1]), ws[1], ob.handle)
+        bb = jax_ep.low_latency_combine_receive(cb, ob.handle)
+        ba = jax_ep.low_latency_combine_receive(ca, oa.handle)
         return outs, backs, (oa, ob, oc, od), (ba, bb)
 
     got, want = both(fn, xs, idxs, ws, ys)

@@ -79,8 +79,8 @@ def test_low_latency_combine_matches_oracle(split):
         o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
                                         axis_name=AXIS, use_fp8=False, backend="reference")
         if split:
-            pending = jax_ep.low_latency_combine_send(y, o.handle)
-            return jax_ep.low_latency_combine_receive(pending, w, o.handle), o.handle.send_slot
+            pending = jax_ep.low_latency_combine_send(y, w, o.handle)
+            return jax_ep.low_latency_combine_receive(pending, o.handle), o.handle.send_slot
         return jax_ep.low_latency_combine(y, w, o.handle), o.handle.send_slot
 
     got, slot = run(fn, R, x, idx, w, y)
