@@ -258,36 +258,35 @@ def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
                               cached=True)[3]
 
 
-def _ll_combine_args(y, handle: LowLatencyHandle):
-    return (y, handle.src_rank, handle.src_token, handle.src_k, handle.recv_count)
+def _ll_combine_args(y, topk_weights, handle: LowLatencyHandle):
+    return (y, handle.src_rank, handle.src_token, handle.src_k, handle.recv_count,
+            handle.topk_idx, handle.send_slot, topk_weights.astype(jnp.float32),
+            _rank(handle.config.axis_name))
 
 
-def low_latency_combine_send(y, handle: LowLatencyHandle):
+def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
     config = handle.config
     call = _call("jax_ep_ll_combine_send", jax.ShapeDtypeStruct((2,), jnp.int32),
-                 *_ll_combine_args(y, handle), _rank(config.axis_name),
-                 axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
+                 *_ll_combine_args(y, topk_weights, handle), axis_name=config.axis_name,
                  **_ll_attrs(config))
     return dict(call=call, dtype=jnp.zeros((0,), y.dtype), hidden=jnp.zeros((0, y.shape[2])))
 
 
-def low_latency_combine_receive(sent, topk_weights, handle: LowLatencyHandle):
-    """out[t] = sum over k ascending of topk_weights[t, k] * row(t, k), float32."""
+def low_latency_combine_receive(sent, handle: LowLatencyHandle):
+    """out[t] = the partial rows of the ranks holding t's kept pairs, added in rank order."""
     config = handle.config
     out = jax.ShapeDtypeStruct((config.num_tokens, sent["hidden"].shape[1]), sent["dtype"].dtype)
     return _call("jax_ep_ll_combine_receive", out, sent["call"], handle.topk_idx,
-                 handle.send_slot, topk_weights.astype(jnp.float32), _rank(config.axis_name),
-                 axis_name=config.axis_name, **_ll_attrs(config))
+                 handle.send_slot, _rank(config.axis_name), axis_name=config.axis_name,
+                 **_ll_attrs(config))
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
     config = handle.config
     types = (jax.ShapeDtypeStruct((2,), jnp.int32),
              jax.ShapeDtypeStruct((config.num_tokens, y.shape[2]), y.dtype))
-    return _call("jax_ep_ll_combine", types, *_ll_combine_args(y, handle), handle.topk_idx,
-                 handle.send_slot, topk_weights.astype(jnp.float32), _rank(config.axis_name),
-                 axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
-                 **_ll_attrs(config))[1]
+    return _call("jax_ep_ll_combine", types, *_ll_combine_args(y, topk_weights, handle),
+                 axis_name=config.axis_name, **_ll_attrs(config))[1]
 
 
 def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,

@@ -303,14 +303,18 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
 }
 
+// The gates (topk_idx, send_slot, weights [T, K]) are this rank's, as owner: the send
+// publishes them for the expert ranks.
 ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
                              ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
-                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> rank,
-                             ffi::ResultBuffer<ffi::S32> call, int64_t num_experts,
-                             int64_t max_tokens, int64_t num_topk, int64_t num_blocks,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> topk_idx,
+                             ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
+                             ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
+                             int64_t num_experts, int64_t max_tokens, int64_t num_blocks,
                              LLCombineSendArgs& a) {
   const char* op = "low_latency_combine (send)";
   auto dims = y.dimensions();
+  auto idx_dims = topk_idx.dimensions();
   const int R = num_ranks_or_one();
   if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
     return invalid(std::string(op) + ": bad num_experts / max_tokens_per_rank");
@@ -318,6 +322,12 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
   if (dims.size() != 3 || dims[0] != L || dims[1] != RM)
     return invalid(std::string(op) + ": y must be [L, R*M, H] = [" + std::to_string(L) + ", " +
                    std::to_string(RM) + ", H]; the EP axis must span every NVSHMEM PE");
+  if (idx_dims.size() != 2)
+    return invalid(std::string(op) + ": topk_idx must be [T, K]");
+  const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
+  if (T > max_tokens) return invalid(std::string(op) + ": more tokens than max_tokens_per_rank");
+  if (send_slot.element_count() != size_t(T) * K || weights.element_count() != size_t(T) * K)
+    return invalid(std::string(op) + ": send_slot and topk_weights must be [T, K]");
   LLElement dtype;
   if (!float_type(y.element_type(), &dtype))
     return invalid(std::string(op) + ": y must be bf16, f16 or f32");
@@ -328,42 +338,51 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
     return invalid(std::string(op) + ": the handle's arrays do not match [L, R*M] / [L]");
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
-  a.plan = plan_ll_combine(static_cast<int>(max_tokens), static_cast<int>(num_topk), a.row_bytes);
-  if (auto err = ll_context(op, rank, num_experts, num_topk, a.plan.bytes, true, &a.ctx,
+  a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
+  if (auto err = ll_context(op, rank, num_experts, K, a.plan.bytes, true, &a.ctx,
                             &a.area_begin, &a.area_end);
       err.failure())
     return err;
   a.num_local_experts = L;
   a.rows_per_expert = RM;
   a.max_tokens = static_cast<int>(max_tokens);
-  a.num_topk = static_cast<int>(num_topk);
+  a.num_topk = K;
+  a.num_experts = static_cast<int>(num_experts);
+  a.num_tokens = T;
+  a.dtype = dtype;
+  a.hidden = static_cast<int>(dims[2]);
   a.num_blocks = blocks_or_default(num_blocks);
   a.y = y.untyped_data();
   a.src_rank = src_rank.typed_data();
   a.src_token = src_token.typed_data();
   a.src_k = src_k.typed_data();
   a.recv_count = recv_count.typed_data();
+  a.topk_idx = topk_idx.typed_data();
+  a.send_slot = send_slot.typed_data();
+  a.weights = weights.typed_data();
   a.call_out = call->typed_data();
   return ffi::Error::Success();
 }
 
 ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
                              ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
-                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> rank,
-                             ffi::ResultBuffer<ffi::S32> call, int64_t num_experts,
-                             int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> topk_idx,
+                             ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
+                             ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
+                             int64_t num_experts, int64_t max_tokens, int64_t num_blocks) {
   LLCombineSendArgs a;
-  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, rank, call,
-                                   num_experts, max_tokens, num_topk, num_blocks, a);
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, topk_idx,
+                                   send_slot, weights, rank, call, num_experts, max_tokens,
+                                   num_blocks, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_combine_send(a, stream), "low_latency_combine (send)");
 }
 
 ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_idx,
-                                ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
-                                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                                int64_t num_experts, int64_t max_tokens, int64_t num_blocks,
+                                ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> rank,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
+                                int64_t max_tokens, int64_t num_blocks,
                                 LLCombineReceiveArgs& a) {
   const char* op = "low_latency_combine (receive)";
   auto idx_dims = topk_idx.dimensions();
@@ -371,15 +390,15 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   if (idx_dims.size() != 2 || dims.size() != 2 || dims[0] != idx_dims[0])
     return invalid(std::string(op) + ": topk_idx must be [T, K] and the result [T, H]");
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
-  if (send_slot.element_count() != size_t(T) * K || weights.element_count() != size_t(T) * K)
-    return invalid(std::string(op) + ": send_slot and topk_weights must be [T, K]");
+  if (send_slot.element_count() != size_t(T) * K)
+    return invalid(std::string(op) + ": send_slot must be [T, K]");
   if (max_tokens < 1 || T > max_tokens)
     return invalid(std::string(op) + ": more tokens than max_tokens_per_rank");
   a = LLCombineReceiveArgs{};
   if (!float_type(out->element_type(), &a.dtype))
     return invalid(std::string(op) + ": the result must be bf16, f16 or f32");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(out->element_type());
-  a.plan = plan_ll_combine(static_cast<int>(max_tokens), K, row_bytes);
+  a.plan = plan_ll_combine(num_ranks_or_one(), static_cast<int>(max_tokens), K, row_bytes);
   if (auto err = ll_context(op, rank, num_experts, K, a.plan.bytes, true, &a.ctx, &a.area_begin,
                             &a.area_end);
       err.failure())
@@ -392,20 +411,18 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   a.call = call;
   a.topk_idx = topk_idx.typed_data();
   a.send_slot = send_slot.typed_data();
-  a.weights = weights.typed_data();
   a.out = out->untyped_data();
   return ffi::Error::Success();
 }
 
 ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
-                                ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank,
-                                ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                                int64_t max_tokens, int64_t num_blocks) {
+                                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                                int64_t num_experts, int64_t max_tokens, int64_t num_blocks) {
   if (call.element_count() != 2)
     return invalid("low_latency_combine (receive): call must be [2] int32");
   LLCombineReceiveArgs a;
-  if (auto err = make_combine_receive(call.typed_data(), topk_idx, send_slot, weights, rank, out,
+  if (auto err = make_combine_receive(call.typed_data(), topk_idx, send_slot, rank, out,
                                       num_experts, max_tokens, num_blocks, a);
       err.failure())
     return err;
@@ -419,22 +436,22 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
                         ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts, int64_t max_tokens,
-                        int64_t num_topk, int64_t num_blocks) {
+                        int64_t num_blocks) {
   if (out->element_type() != y.element_type())
     return invalid("low_latency_combine: the result must have y's dtype");
   LLCombineSendArgs send;
-  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, rank, call,
-                                   num_experts, max_tokens, num_topk, num_blocks, send);
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, topk_idx,
+                                   send_slot, weights, rank, call, num_experts, max_tokens,
+                                   num_blocks, send);
       err.failure())
     return err;
   LLCombineReceiveArgs receive;
-  if (auto err = make_combine_receive(send.call_out, topk_idx, send_slot, weights, rank, out,
-                                      num_experts, max_tokens, num_blocks, receive);
+  if (auto err = make_combine_receive(send.call_out, topk_idx, send_slot, rank, out, num_experts,
+                                      max_tokens, num_blocks, receive);
       err.failure())
     return err;
-  if (receive.num_topk != send.num_topk || receive.plan.bytes != send.plan.bytes ||
-      receive.plan.record_stride != send.plan.record_stride)
-    return invalid("low_latency_combine: topk_idx and the result do not match y and the handle");
+  if (receive.plan.bytes != send.plan.bytes || receive.hidden != send.hidden)
+    return invalid("low_latency_combine: the result does not match y");
   receive.ctx.profile = send.ctx.profile;  // one call, one profile row
   return cuda_error(launch_ll_combine(send, receive, stream), "low_latency_combine");
 }
@@ -486,10 +503,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_topk")
                                   .Attr<int64_t>("num_blocks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_impl,
@@ -498,7 +517,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_imp
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
@@ -544,5 +562,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_topk")
                                   .Attr<int64_t>("num_blocks"));

@@ -208,9 +208,9 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 //   dispatch area [ctrl, mid)  parity 0 region grows up from ctrl, parity 1 down from mid
 //   combine area  [mid, end)   parity 0 region grows up from mid, parity 1 down from end
 //
-// with end = the buffer size rounded down to kRegionAlign and mid = ctrl + 3/8 of (end - ctrl)
+// with end = the buffer size rounded down to kRegionAlign and mid = ctrl + 4/8 of (end - ctrl)
 // rounded down (a fixed split: dispatch regions hold R*M records, possibly FP8, combine
-// regions M*K records of the wider combine dtype, and R is at most a few times K). Call n of an operation uses the region of
+// regions R*M partial rows of the combine dtype). Call n of an operation uses the region of
 // parity n % 2; the two parities grow from opposite ends of their area, so two calls in
 // flight never overlap whatever their shapes, as long as each fits in half of its area
 // (what the handlers check).
@@ -219,7 +219,9 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // local expert), the index table [L][R][M] int32 (entry (l, s, slot): token << kLLPairBits |
 // k of that pair), then records [R][M]: record (s, token) = the row (data) padded to 16
 // bytes, the FP8 scales padded to 16 bytes. A token is stored once per destination rank.
-// Combine region (at the token owner): records [M][K], each the y row padded to 16 bytes.
+// Combine region (at the token owner): the owner's gates (topk_idx, send_slot, weights, each
+// [M][K]), which the expert ranks read, then records [M][R]: record (token, r) = the partial
+// row expert rank r summed over its pairs of that token, padded to 16 bytes.
 
 namespace jax_ep {
 
@@ -232,6 +234,8 @@ struct LLControl {
   uint64_t arrived[kLLOps][2][kMaxRanks];
   // consumed[op][parity][d] = n: PE d has finished reading what this PE sent it in call n
   uint64_t consumed[kLLOps][2][kMaxRanks];
+  // gates[parity][s] = n: PE s has published its gates of combine call n (in its own buffer)
+  uint64_t gates[2][kMaxRanks];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
@@ -265,15 +269,24 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
 }
 
 struct LLCombinePlan {
-  size_t record_stride = 0;  // records [M][K]
+  size_t gate_idx = 0;       // [M][K] int32: the owner's topk_idx, read by the expert ranks
+  size_t gate_slot = 0;      // [M][K] int32: the owner's send_slot
+  size_t gate_weight = 0;    // [M][K] float32: the owner's gates
+  size_t records = 0;        // [M][R] partial rows (token, expert rank)
+  size_t record_stride = 0;
   size_t bytes = 0;
 };
 
-JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int max_tokens, int num_topk,
-                                                        size_t row_bytes) {
+JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_tokens,
+                                                        int num_topk, size_t row_bytes) {
   LLCombinePlan p;
+  const size_t gates = sizeof(int32_t) * size_t(max_tokens) * num_topk;
+  p.gate_idx = 0;
+  p.gate_slot = align_up(gates, kRegionAlign);
+  p.gate_weight = p.gate_slot + align_up(gates, kRegionAlign);
+  p.records = p.gate_weight + align_up(gates, kRegionAlign);
   p.record_stride = row_stride(row_bytes);
-  p.bytes = align_up(p.record_stride * size_t(max_tokens) * num_topk, kRegionAlign);
+  p.bytes = align_up(p.records + p.record_stride * size_t(max_tokens) * num_ranks, kRegionAlign);
   return p;
 }
 
@@ -281,7 +294,7 @@ struct LLAreas {
   size_t dispatch_begin = 0, dispatch_end = 0, combine_begin = 0, combine_end = 0;
 };
 
-constexpr size_t kLLDispatchEighths = 3;  // of the buffer after the control block
+constexpr size_t kLLDispatchEighths = 4;  // of the buffer after the control block
 
 inline LLAreas ll_areas(size_t buffer_bytes) {
   LLAreas a;
@@ -322,7 +335,8 @@ inline size_t required_low_latency_bytes(int max_tokens, int hidden, int num_exp
   };
   size_t dispatch = 0;
   for (size_t r : rows) dispatch = r > dispatch ? r : dispatch;
-  const size_t combine = plan_ll_combine(max_tokens, num_topk, size_t(hidden) * elem_bytes).bytes;
+  const size_t combine =
+      plan_ll_combine(num_ranks, max_tokens, num_topk, size_t(hidden) * elem_bytes).bytes;
   const size_t a = ll_bytes_for_dispatch(dispatch);
   const size_t b = ll_bytes_for_combine(combine);
   return a > b ? a : b;

@@ -472,14 +472,104 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
 
 // ----------------------------------------------------------------------------- combine send
 
-// Returns the call number (every thread). prefix: L + 1 ints of shared memory.
-__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* prefix) {
+// Lane k < K of the calling warp: whether pair (t, k) of `owner` is ours, its row in y and
+// its gate. The row is bounds-checked against the receive counts (never read outside y).
+struct GateEntry {
+  int row;  // -1: not a pair of this rank
+  float weight;
+};
+
+__device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, const char* owner,
+                                                const int* prefix, const int* first, int t,
+                                                int s, int k) {
+  const int L = a.num_local_experts, E = a.num_experts, K = a.num_topk, M = a.max_tokens;
+  const int me = a.ctx.rank, R = a.ctx.num_ranks;
+  GateEntry g{-1, 0.f};
+  if (k >= K) return g;
+  const size_t p = size_t(t) * K + k;
+  const int e = __ldcg(reinterpret_cast<const int32_t*>(owner + a.plan.gate_idx) + p);
+  const int slot = __ldcg(reinterpret_cast<const int32_t*>(owner + a.plan.gate_slot) + p);
+  if (e < 0 || e >= E || e / L != me || slot < 0 || slot >= M) return g;
+  const int l = e % L, start = first[l * R + s];
+  const int i = start + slot, count = prefix[l + 1] - prefix[l];
+  if (start < 0 || i >= count) return g;
+  g.row = l * a.rows_per_expert + i;
+  g.weight = __ldcg(reinterpret_cast<const float*>(owner + a.plan.gate_weight) + p);
+  return g;
+}
+
+// The partial row of one (owner, token) for bytes [off, off + bytes) of the row: the sum over
+// this rank's pairs (ks: the set lanes of `mask`, ascending) of weight * y[row], float32
+// without FMA, rounded to T; every lane of the warp calls it.
+template <typename T>
+__device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_row,
+                              float my_weight, char* dst, size_t off, size_t bytes, int lane) {
+  constexpr int kBatch = 8;  // rows loaded at once
+  const char* y = static_cast<const char*>(a.y);
+  const bool vec = ((a.row_bytes | off | bytes | reinterpret_cast<uintptr_t>(y) |
+                     reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+  if (vec) {
+    constexpr int kVec = 16 / sizeof(T);
+    for (size_t c = lane; c < bytes / 16; c += 32) {
+      float acc[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
+      for (unsigned m = mask; m != 0;) {
+        int4 raw[kBatch];
+        float w[kBatch];
+        int n = 0;
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int k = m != 0 ? __ffs(m) - 1 : 0;  // uniform over the warp
+          const int row = __shfl_sync(0xffffffffu, my_row, k);
+          w[b] = __shfl_sync(0xffffffffu, my_weight, k);
+          if (m != 0) {
+            raw[b] = __ldg(reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off) + c);
+            m &= m - 1;
+            ++n;
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (b >= n) break;
+          const T* v = reinterpret_cast<const T*>(&raw[b]);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            acc[j] = __fadd_rn(acc[j], __fmul_rn(w[b], to_float<T>(v[j])));
+        }
+      }
+      int4 packed;
+      T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[j]);
+      reinterpret_cast<int4*>(dst)[c] = packed;
+    }
+  } else {
+    for (size_t e = lane; e < bytes / sizeof(T); e += 32) {
+      float acc = 0.f;
+      for (unsigned m = mask; m != 0; m &= m - 1) {
+        const int k = __ffs(m) - 1;
+        const int row = __shfl_sync(0xffffffffu, my_row, k);
+        const float w = __shfl_sync(0xffffffffu, my_weight, k);
+        const T v = reinterpret_cast<const T*>(y + size_t(row) * a.row_bytes + off)[e];
+        acc = __fadd_rn(acc, __fmul_rn(w, to_float<T>(v)));
+      }
+      reinterpret_cast<T*>(dst)[e] = from_float<T>(acc);
+    }
+  }
+}
+
+// Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
+// block resident (a cooperative launch): the blocks wait for block 0's publication.
+__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
-  const int L = a.num_local_experts, RM = a.rows_per_expert, M = a.max_tokens, K = a.num_topk;
-  const int R = ctx.num_ranks;
+  const int L = a.num_local_experts, RM = a.rows_per_expert, K = a.num_topk, T = a.num_tokens;
+  const int R = ctx.num_ranks, me = ctx.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int* prefix = smem;          // [L + 1]: used rows per local expert, exclusive prefix
+  int* first = prefix + L + 1; // [L][R]: first row of source s in block l (-1: none)
   __shared__ uint64_t call_s;
-  LLControl* mine = ll_control(ctx, ctx.rank);
+  LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLCombineSend, kEnter);
   if (tid == 0) {
     check_rank(ctx, "low_latency_combine (send)");
@@ -490,37 +580,71 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* prefix) {
         wait_flag(ctx, &mine->consumed[kOpCombine][n & 1][d], n - 2,
                   "low_latency_combine (send)", "receive of call n-2 finished", d);
   }
-  for (int l = tid; l < L; l += blockDim.x) prefix[l] = min(max(a.recv_count[l], 0), RM);
   __syncthreads();
-  block_exclusive_scan(prefix, L);
-  profile_mark(ctx, kProfLLCombineSend, kWaited);
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
-  if (blockIdx.x == 0 && tid == 0) {
-    a.call_out[0] = int32_t(uint32_t(n));
-    a.call_out[1] = int32_t(uint32_t(n >> 32));
+
+  // block 0 publishes this rank's gates in its own buffer and tells every expert rank
+  if (blockIdx.x == 0) {
+    char* own = ll_base(ctx, me) + region;
+    for (int p = tid; p < T * K; p += blockDim.x) {
+      reinterpret_cast<int32_t*>(own + a.plan.gate_idx)[p] = a.topk_idx[p];
+      reinterpret_cast<int32_t*>(own + a.plan.gate_slot)[p] = a.send_slot[p];
+      reinterpret_cast<float*>(own + a.plan.gate_weight)[p] = a.weights[p];
+    }
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence_system();
+      for (int r = 0; r < R; ++r) store_release(&ll_control(ctx, r)->gates[n & 1][me], n);
+      a.call_out[0] = int32_t(uint32_t(n));
+      a.call_out[1] = int32_t(uint32_t(n >> 32));
+    }
   }
 
+  // where each source's rows start in each expert's block (rows are in source order there)
+  for (int l = tid; l < L; l += blockDim.x) prefix[l] = min(max(a.recv_count[l], 0), RM);
+  for (int i = tid; i < L * R; i += blockDim.x) first[i] = -1;
+  __syncthreads();
+  block_exclusive_scan(prefix, L);
+  for (int u = tid; u < prefix[L]; u += blockDim.x) {
+    const int l = last_not_above(prefix, L, u), i = u - prefix[l];
+    const int s = a.src_rank[size_t(l) * RM + i];
+    const int before = i > 0 ? a.src_rank[size_t(l) * RM + i - 1] : -1;
+    if (s != before && s >= 0 && s < R) first[l * R + s] = i;
+  }
+  if (tid == 0)
+    for (int s = 0; s < R; ++s)
+      wait_flag(ctx, &mine->gates[n & 1][s], n, "low_latency_combine (send)", "gates published",
+                s);
+  __syncthreads();
+  profile_mark(ctx, kProfLLCombineSend, kWaited);
+
+  // one unit: a piece of the partial row of one (owner, token)
   const size_t pieces = (a.row_bytes + kPiece - 1) / kPiece;
-  const size_t units = size_t(prefix[L]) * pieces;
-  // units dealt block by block (unit u to block u % grid): every SM sends about units / grid
+  const size_t units = size_t(R) * T * pieces;
   for (size_t u = size_t(warp) * gridDim.x + blockIdx.x; u < units;
        u += size_t(gridDim.x) * kWarps) {
-    const int r = int(u / pieces);
+    const int s = int(u / (size_t(T) * pieces)), t = int((u / pieces) % T);
     const size_t q = u % pieces;
-    const int l = last_not_above(prefix, L, r);
-    const size_t row = size_t(l) * RM + (r - prefix[l]);
-    const int s = a.src_rank[row], t = a.src_token[row], k = a.src_k[row];
-    if (s < 0 || s >= R || t < 0 || t >= M || k < 0 || k >= K) continue;  // never out of bounds
-    char* rec = ll_base(ctx, s) + region + (size_t(t) * K + k) * a.plan.record_stride;
-    const size_t off = q * kPiece;
-    copy_row(rec + off, static_cast<const char*>(a.y) + row * a.row_bytes + off,
-             min(kPiece, a.row_bytes - off), lane, 32);
+    const char* owner = ll_base(ctx, s) + region;
+    const GateEntry g = gate_entry(a, owner, prefix, first, t, s, lane);
+    const unsigned mask = __ballot_sync(0xffffffffu, g.row >= 0);
+    if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
+    char* dst = ll_base(ctx, s) + region + a.plan.records +
+                (size_t(t) * R + me) * a.plan.record_stride + q * kPiece;
+    const size_t off = q * kPiece, bytes = min(kPiece, a.row_bytes - off);
+    switch (a.dtype) {
+      case LLElement::kBF16:
+        partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
+        break;
+      case LLElement::kF16: partial_piece<__half>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
+      default: partial_piece<float>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
+    }
   }
 
   if (ll_last_block(ctx, kCounterCombineSend) && tid == 0) {
     for (int p = 0; p < R; ++p)
-      store_release(&ll_control(ctx, p)->arrived[kOpCombine][n & 1][ctx.rank], n);
+      store_release(&ll_control(ctx, p)->arrived[kOpCombine][n & 1][me], n);
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   profile_end(ctx, kProfLLCombineSend);
@@ -529,49 +653,42 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* prefix) {
 
 // ----------------------------------------------------------------------------- combine receive
 
-// out[t] = sum over k ascending of w[t, k] * record[t][k], float32 without FMA, then cast.
+// out[t] = the partials of the ranks holding a kept pair of t, added in rank order in float32,
+// rounded. lists: [T][K + 1] shared: count, then the ranks ascending.
 template <typename T>
-__device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base) {
-  const int K = a.num_topk, H = a.hidden, E = a.num_experts;
+__device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, const int* lists) {
+  const int K = a.num_topk, H = a.hidden;
   const size_t threads = size_t(gridDim.x) * blockDim.x;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int R = a.ctx.num_ranks;
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int kBatch = 8;  // records loaded at once
+  constexpr int kBatch = 8;  // partials loaded at once
   T* out = static_cast<T*>(a.out);
+  const char* records = base + a.plan.records;
   if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
     const int per_token = H / kVec;
     const size_t units = size_t(a.num_tokens) * per_token;
     for (size_t u = first; u < units; u += threads) {
       const int t = int(u / per_token), c = int(u % per_token);
+      const int* list = lists + t * (K + 1);
+      const int count = list[0];
       float acc[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
-      for (int k0 = 0; k0 < K; k0 += kBatch) {
-        // issue the batch's loads together, then add in k order
+      for (int j0 = 0; j0 < count; j0 += kBatch) {
         int4 raw[kBatch];
-        float w[kBatch];
-        bool present[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if (j0 + b < count)
+            raw[b] = __ldcg(reinterpret_cast<const int4*>(
+                                records + (size_t(t) * R + list[1 + j0 + b]) * a.plan.record_stride) +
+                            c);
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const int k = k0 + b, p = t * K + k;
-          present[b] = false;
-          w[b] = 0.f;
-          if (k < K) {
-            const int e = a.topk_idx[p];
-            present[b] = a.send_slot[p] >= 0 && e >= 0 && e < E;
-            w[b] = a.weights[p];
-          }
-          raw[b] = present[b] ? __ldcg(reinterpret_cast<const int4*>(
-                                           base + (size_t(t) * K + k) * a.plan.record_stride) + c)
-                              : make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (!present[b]) continue;
+          if (j0 + b >= count) break;
           const T* v = reinterpret_cast<const T*>(&raw[b]);
 #pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            acc[j] = __fadd_rn(acc[j], __fmul_rn(w[b], to_float<T>(v[j])));
+          for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], to_float<T>(v[j]));
         }
       }
       int4 packed;
@@ -584,38 +701,55 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base) {
     const size_t units = size_t(a.num_tokens) * H;
     for (size_t u = first; u < units; u += threads) {
       const int t = int(u / H), h = int(u % H);
+      const int* list = lists + t * (K + 1);
       float acc = 0.f;
-      for (int k = 0; k < K; ++k) {
-        const int p = t * K + k, e = a.topk_idx[p];
-        if (a.send_slot[p] < 0 || e < 0 || e >= E) continue;
+      for (int j = 0; j < list[0]; ++j) {
         const T v = __ldcg(reinterpret_cast<const T*>(
-            base + (size_t(t) * K + k) * a.plan.record_stride) + h);
-        acc = __fadd_rn(acc, __fmul_rn(a.weights[p], to_float<T>(v)));
+            records + (size_t(t) * R + list[1 + j]) * a.plan.record_stride) + h);
+        acc = __fadd_rn(acc, to_float<T>(v));
       }
       out[u] = from_float<T>(acc);
     }
   }
 }
 
-__device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
+// lists: ll_combine_receive_smem() bytes of shared memory.
+__device__ void combine_receive(const LLCombineReceiveArgs& a, int* lists, uint64_t n) {
   const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks;
+  const int R = ctx.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
+  // each token's ranks with a kept pair, ascending and distinct (insertion into its list)
+  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
+    int* list = lists + t * (K + 1);
+    int count = 0;
+    for (int k = 0; k < K; ++k) {
+      const int p = t * K + k, e = a.topk_idx[p];
+      if (a.send_slot[p] < 0 || e < 0 || e >= E) continue;
+      const int r = e / L;
+      int j = count;
+      while (j > 0 && list[j] > r) --j;  // list[1..count] ascending
+      if (j > 0 && list[j] == r) continue;
+      for (int m = count; m > j; --m) list[m + 1] = list[m];
+      list[j + 1] = r;
+      ++count;
+    }
+    list[0] = count;
+  }
   if (threadIdx.x == 0) {
     check_rank(ctx, "low_latency_combine (receive)");
     for (int s = 0; s < R; ++s)
       wait_flag(ctx, &mine->arrived[kOpCombine][n & 1][s], n, "low_latency_combine (receive)",
-                "rows sent back", s);
+                "partial rows sent back", s);
   }
   __syncthreads();
   profile_mark(ctx, kProfLLCombineReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
   switch (a.dtype) {
-    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, base); break;
-    case LLElement::kF16: combine_sum<__half>(a, base); break;
-    default: combine_sum<float>(a, base); break;
+    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, base, lists); break;
+    case LLElement::kF16: combine_sum<__half>(a, base, lists); break;
+    default: combine_sum<float>(a, base, lists); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive) && threadIdx.x == 0) {
     for (int s = 0; s < R; ++s)
@@ -630,7 +764,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
 }
 
 __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
-  combine_receive(a, read_call(a.call));
+  extern __shared__ int smem[];
+  combine_receive(a, smem, read_call(a.call));
 }
 
 // Both halves of a combine in one cooperative launch (see ll_dispatch_kernel).
@@ -638,8 +773,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
   const uint64_t n = combine_send(send, smem);
-  __syncthreads();
-  combine_receive(receive, n);
+  __syncthreads();  // shared memory is reused
+  combine_receive(receive, smem, n);
 }
 
 }  // namespace
@@ -663,17 +798,6 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
   const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
   ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (size_t(a.num_local_experts) + 1);
-  ll_combine_send_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
-  ll_combine_receive_kernel<<<a.num_blocks, kLLThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -719,20 +843,55 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                      dim3(grid), dim3(kLLThreads), args, smem, stream);
 }
 
+// The combine kernels wait for block 0's publication of the gates: always cooperative.
+namespace {
+
+cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void** args,
+                               cudaStream_t stream) {
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem > 48 * 1024 ? smem : 48 * 1024));
+  if (status != cudaSuccess) return status;
+  const int grid = cooperative_grid(kernel, smem, wanted);
+  if (grid < 1) return cudaErrorCooperativeLaunchTooLarge;
+  return cudaLaunchCooperativeKernel(kernel, dim3(grid), dim3(kLLThreads), args, smem, stream);
+}
+
+size_t combine_send_smem(const LLCombineSendArgs& a) {
+  return ll_combine_send_smem(a.num_local_experts, a.ctx.num_ranks);
+}
+
+size_t combine_receive_smem(const LLCombineReceiveArgs& a) {
+  return ll_combine_receive_smem(a.num_tokens, a.num_topk);
+}
+
+}  // namespace
+
+cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stream) {
+  LLCombineSendArgs s = a;
+  void* args[] = {&s};
+  return launch_cooperative(reinterpret_cast<const void*>(ll_combine_send_kernel), a.num_blocks,
+                            combine_send_smem(a), args, stream);
+}
+
+cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
+  const size_t smem = combine_receive_smem(a);
+  if (smem > 48 * 1024) {
+    cudaError_t status = cudaFuncSetAttribute(
+        ll_combine_receive_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (status != cudaSuccess) return status;
+  }
+  ll_combine_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
                               cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (size_t(send.num_local_experts) + 1);
-  const int grid = cooperative_grid(reinterpret_cast<const void*>(ll_combine_kernel), smem,
-                                    receive.num_blocks);
-  if (grid < 1) {
-    cudaError_t status = launch_ll_combine_send(send, stream);
-    return status != cudaSuccess ? status : launch_ll_combine_receive(receive, stream);
-  }
+  const size_t a = combine_send_smem(send), b = combine_receive_smem(receive);
   LLCombineSendArgs s = send;
   LLCombineReceiveArgs r = receive;
   void* args[] = {&s, &r};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(ll_combine_kernel),
-                                     dim3(grid), dim3(kLLThreads), args, smem, stream);
+  return launch_cooperative(reinterpret_cast<const void*>(ll_combine_kernel), receive.num_blocks,
+                            a > b ? a : b, args, stream);
 }
 
 }  // namespace jax_ep

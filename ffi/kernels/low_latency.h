@@ -12,8 +12,12 @@
 //   dispatch receive  waits for every source, expands the records through the index table
 //                     into [L, R*M] blocks in (source, token, k) order, then raises
 //                     consumed[me] at every source.
-//   combine send      every used row goes back into its token owner's record [token][k].
-//   combine receive   sums a token's K records in k order (float32, no FMA), weighted.
+//   combine send      block 0 publishes this rank's gates (topk_idx, send_slot, weights); every
+//                     block then reads each owner's gates over NVLink and, per (owner,
+//                     token), sums its own experts' rows of that token in k order, weighted
+//                     (float32, no FMA), and stores the partial, rounded to y's dtype, into
+//                     the owner's record [token][me]: one row per (token, rank), not per k.
+//   combine receive   adds a token's partials in rank order (float32) and rounds.
 //
 // Call numbers come from device-side counters in LLControl advanced by the send kernels; the
 // send returns its number and the receive takes it, so the two calls of one operation may be
@@ -75,14 +79,20 @@ struct LLCombineSendArgs {
   PeerContext ctx;
   size_t area_begin, area_end;
   LLCombinePlan plan;
-  int num_local_experts, rows_per_expert, max_tokens, num_topk;
+  int num_local_experts, rows_per_expert, max_tokens, num_topk, num_experts;
+  int num_tokens;             // T of every owner (the program is the same on every rank)
   size_t row_bytes;
+  LLElement dtype;            // of y
+  int hidden;
   int num_blocks;
   const void* y;              // [L, R*M] rows of row_bytes
   const int32_t* src_rank;
   const int32_t* src_token;
   const int32_t* src_k;
   const int32_t* recv_count;  // [L]
+  const int32_t* topk_idx;    // this rank's gates, published for the expert ranks: [T, K]
+  const int32_t* send_slot;
+  const float* weights;
   int32_t* call_out;
 };
 
@@ -96,9 +106,17 @@ struct LLCombineReceiveArgs {
   const int32_t* call;
   const int32_t* topk_idx;
   const int32_t* send_slot;
-  const float* weights;
   void* out;
 };
+
+// Dynamic shared memory of the combine kernels: the send's row offsets ([L + 1] prefix and
+// [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]).
+inline size_t ll_combine_send_smem(int num_local_experts, int num_ranks) {
+  return sizeof(int32_t) * (size_t(num_local_experts) + 1 + size_t(num_local_experts) * num_ranks);
+}
+inline size_t ll_combine_receive_smem(int num_tokens, int num_topk) {
+  return sizeof(int32_t) * size_t(num_tokens) * (num_topk + 1);
+}
 
 // Dynamic shared memory of the dispatch send kernel with `hist_warps` histogram warps.
 inline size_t ll_dispatch_send_smem(int num_experts, int num_tokens, int num_topk,
