@@ -508,9 +508,13 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
   const char* y = static_cast<const char*>(a.y);
   const bool vec = ((a.row_bytes | off | bytes | reinterpret_cast<uintptr_t>(y) |
                      reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+  // the loops run warp-uniformly (the shuffles need every lane); `active` guards the accesses
   if (vec) {
     constexpr int kVec = 16 / sizeof(T);
-    for (size_t c = lane; c < bytes / 16; c += 32) {
+    const size_t chunks = bytes / 16;
+    for (size_t c0 = 0; c0 < chunks; c0 += 32) {
+      const size_t c = c0 + lane;
+      const bool active = c < chunks;
       float acc[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
@@ -520,24 +524,27 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
         int n = 0;
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const int k = m != 0 ? __ffs(m) - 1 : 0;  // uniform over the warp
+          const int k = m != 0 ? __ffs(m) - 1 : 0;  // m is the same in every lane
           const int row = __shfl_sync(0xffffffffu, my_row, k);
           w[b] = __shfl_sync(0xffffffffu, my_weight, k);
           if (m != 0) {
-            raw[b] = __ldg(reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off) + c);
+            if (active)
+              raw[b] = __ldg(reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off) +
+                             c);
             m &= m - 1;
             ++n;
           }
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          if (b >= n) break;
+          if (b >= n || !active) break;
           const T* v = reinterpret_cast<const T*>(&raw[b]);
 #pragma unroll
           for (int j = 0; j < kVec; ++j)
             acc[j] = __fadd_rn(acc[j], __fmul_rn(w[b], to_float<T>(v[j])));
         }
       }
+      if (!active) continue;
       int4 packed;
       T* o = reinterpret_cast<T*>(&packed);
 #pragma unroll
@@ -545,16 +552,21 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
       reinterpret_cast<int4*>(dst)[c] = packed;
     }
   } else {
-    for (size_t e = lane; e < bytes / sizeof(T); e += 32) {
+    const size_t elements = bytes / sizeof(T);
+    for (size_t e0 = 0; e0 < elements; e0 += 32) {
+      const size_t e = e0 + lane;
+      const bool active = e < elements;
       float acc = 0.f;
       for (unsigned m = mask; m != 0; m &= m - 1) {
         const int k = __ffs(m) - 1;
         const int row = __shfl_sync(0xffffffffu, my_row, k);
         const float w = __shfl_sync(0xffffffffu, my_weight, k);
-        const T v = reinterpret_cast<const T*>(y + size_t(row) * a.row_bytes + off)[e];
-        acc = __fadd_rn(acc, __fmul_rn(w, to_float<T>(v)));
+        if (active) {
+          const T v = reinterpret_cast<const T*>(y + size_t(row) * a.row_bytes + off)[e];
+          acc = __fadd_rn(acc, __fmul_rn(w, to_float<T>(v)));
+        }
       }
-      reinterpret_cast<T*>(dst)[e] = from_float<T>(acc);
+      if (active) reinterpret_cast<T*>(dst)[e] = from_float<T>(acc);
     }
   }
 }
