@@ -337,7 +337,10 @@ def low_latency_combine_receive(sent, handle: LowLatencyHandle):
         for k in range(config.num_topk):  # fixed order: bit-identical to the CUDA kernels
             partial = partial + jnp.where((kept_dest[:, k] == r)[:, None], terms[r, :, k], 0.0)
         has = jnp.any(kept_dest == r, axis=1)
-        total = total + jnp.where(has[:, None], partial.astype(dtype).astype(jnp.float32), 0.0)
+        # The barrier keeps the rounding: XLA:GPU (default xla_allow_excess_precision) folds
+        # convert(convert(x, bf16), f32) into x, which would skip it.
+        rounded = jax.lax.optimization_barrier(partial.astype(dtype)).astype(jnp.float32)
+        total = total + jnp.where(has[:, None], rounded, 0.0)
     return total.astype(dtype)
 
 
