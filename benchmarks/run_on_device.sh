@@ -41,7 +41,7 @@ if [[ $WHAT == *lltest* ]]; then  # the low-latency part of the suite only
 fi
 if [[ $WHAT == *bench* ]]; then
   step "intranode benchmark on $N GPUs"
-  timeout 300 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py --profile 2>&1 |
+  timeout 300 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py --profile ${BENCH_ARGS:-} 2>&1 |
     tee "$OUT/bench_intranode_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" |
     sed 's/^\[rank 0\] //'
   # ragged_all_to_all runs only within one process: the same routing, one process, all GPUs
