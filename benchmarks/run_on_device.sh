@@ -52,8 +52,8 @@ if [[ $WHAT == *sweep* ]]; then
   for blocks in ${SWEEP_BLOCKS:-24 32 128}; do
     step "intranode benchmark on $N GPUs, JAX_EP_NUM_BLOCKS=$blocks"
     JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py \
-      --skip-baselines 2>&1 | tee "$OUT/bench_blocks_${blocks}_$N.log" |
-      grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|combine)|FAILED" | sed 's/^\[rank 0\] //'
+      --skip-baselines ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/bench_blocks_${blocks}_$N.log" |
+      grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|dispatch FP8|combine)|FAILED" | sed 's/^\[rank 0\] //'
   done
 fi
 if [[ $WHAT == *unroll* ]]; then  # push loads in flight per lane x CTAs

@@ -73,6 +73,8 @@ struct Control {
   // Work counters (kCursor*): warps claim tokens from them, so the SMs whose stores drain
   // faster take more of the work. The kernel launched before the one claiming zeroes it.
   uint32_t work_cursor[2];
+  // Fused dispatch: chunks of each chunk range (a source's rows) already moved out.
+  uint32_t chunk_cursor[kMaxStageRanks];
 };
 enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 

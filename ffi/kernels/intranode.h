@@ -23,9 +23,6 @@ namespace jax_ep {
 // (rank_major) or top-k slots (expert_major).
 constexpr int kMaxSources = 16;
 
-// Fused dispatch: output chunks one CTA may own (its shared-memory table of expected rows).
-constexpr int kMaxOwnedChunks = 512;
-
 // Bulk push: barriers at the start of the bulk area of shared memory (two per pipeline), then
 // two row buffers per pipeline; the area's size is capped so that one CTA fits an SM.
 constexpr size_t kBulkBarrierBytes = 256;

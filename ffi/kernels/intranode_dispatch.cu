@@ -62,6 +62,17 @@ __device__ __forceinline__ uint32_t rank_mask(const DispatchArgs& a, int t, int 
   return mask;
 }
 
+// Block 0 of the stage zeroes what the kernels after it count into: tokens per local expert
+// (rank_major receives count them with atomics; one op fewer per call than a memset) and the
+// fused kernel's chunk cursors.
+__device__ __forceinline__ void reset_call_state(const DispatchArgs& a) {
+  if (blockIdx.x != 0) return;
+  Control* mine = control_of(a.ctx, a.ctx.rank);
+  for (int q = threadIdx.x; q < kMaxStageRanks; q += kThreads) mine->chunk_cursor[q] = 0;
+  const int L = a.num_experts / a.ctx.num_ranks;
+  for (int l = threadIdx.x; l < L; l += kThreads) a.tokens_per_expert[l] = 0;
+}
+
 // All CTAs of the (co-resident) grid meet here; GPU scope, reusable.
 __device__ void grid_barrier(const PeerContext& ctx) {
   Control* control = control_of(ctx, ctx.rank);
@@ -94,6 +105,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchStage, kEnter);
   reset_cursor(ctx, kCursorDispatch);  // for the push that follows
+  reset_call_state(a);
   enter_call(ctx, call, "dispatch");
   profile_mark(ctx, kProfDispatchStage, kWaited);
   const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
@@ -168,6 +180,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchStage, kEnter);
   reset_cursor(ctx, kCursorDispatch);  // for the push that follows
+  reset_call_state(a);
   enter_call(ctx, call, "dispatch");
   profile_mark(ctx, kProfDispatchStage, kWaited);
   const int R = ctx.num_ranks, T = a.num_tokens, K = a.num_topk, E = a.num_experts;
@@ -565,47 +578,53 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
   }
 }
 
-// Senders write each row once per destination, straight to its final position: into the
-// receiver's region over NVLink, or into their own output when they are the destination. A
-// warp reads a token's row once and stores it to all of its destinations. With
-// `count_arrivals` (fused mode) it then bumps the destination's arrival counter of the chunk
-// each row landed in, after a system-scope fence, so receivers can consume finished chunks.
+// Pushes token t: its row once per destination, straight to its final position: into the
+// receiver's region over NVLink, or into our own output when we are the destination. The
+// warp reads the row once and stores it to all of its destinations. With `count_arrivals`
+// (fused mode) it then bumps the destination's arrival counter of the chunk each row landed
+// in, after a system-scope fence, so receivers can consume finished chunks.
 template <bool kExpertMajor>
-__device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb, bool count_arrivals) {
+__device__ __forceinline__ void push_token(const DispatchArgs& a, const GatherTables& tb, int t,
+                                           int lane, bool count_arrivals) {
   const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
-  const int lane = threadIdx.x % 32;
-  const int sources = kExpertMajor ? a.num_topk : R;
-  // Tokens claimed from the dispatch work counter, roughly in ascending order: destinations'
-  // chunks fill up progressively, and warps whose stores drain faster take more tokens
-  // (with a static split the last CTA finished ~80 µs after the first, 2×H200).
-  uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
-  for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
-    char* rows[kMaxSources];
-    char* scales[kMaxSources];
-    int landed[kMaxSources];  // chunk of the destination's output each row landed in, or -1
-    token_destinations<kExpertMajor>(a, tb, t, lane, rows, scales, landed);
-    const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
-    // loads in flight per lane (JAX_EP_PUSH_UNROLL): more bytes in flight per warp
-    if (a.push_unroll >= 16) broadcast_row<16>(rows, row, a.x_row_bytes, lane);
-    else if (a.push_unroll >= 8) broadcast_row<8>(rows, row, a.x_row_bytes, lane);
-    else broadcast_row<4>(rows, row, a.x_row_bytes, lane);
-    if (a.scales != nullptr)
-      broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
-                    a.scale_row_bytes, lane);
-    if (count_arrivals) {
-      __syncwarp();  // every lane's stores of this token precede lane 0's fence
-      if (lane == 0) {
-        __threadfence_system();
+  const int L = a.num_experts / ctx.num_ranks;
+  const int sources = kExpertMajor ? a.num_topk : ctx.num_ranks;
+  char* rows[kMaxSources];
+  char* scales[kMaxSources];
+  int landed[kMaxSources];  // chunk of the destination's output each row landed in, or -1
+  token_destinations<kExpertMajor>(a, tb, t, lane, rows, scales, landed);
+  const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
+  // loads in flight per lane (JAX_EP_PUSH_UNROLL): more bytes in flight per warp
+  if (a.push_unroll >= 16) broadcast_row<16>(rows, row, a.x_row_bytes, lane);
+  else if (a.push_unroll >= 8) broadcast_row<8>(rows, row, a.x_row_bytes, lane);
+  else broadcast_row<4>(rows, row, a.x_row_bytes, lane);
+  if (a.scales != nullptr)
+    broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+                  a.scale_row_bytes, lane);
+  if (count_arrivals) {
+    __syncwarp();  // every lane's stores of this token precede lane 0's fence
+    if (lane == 0) {
+      __threadfence_system();
 #pragma unroll
-        for (int j = 0; j < kMaxSources; ++j) {
-          if (landed[j] < 0) continue;
-          const int r = kExpertMajor ? a.topk_idx[t * sources + j] / L : j;
-          atomicAdd_system(&control_of(ctx, r)->arrivals[landed[j]], 1u);
-        }
+      for (int j = 0; j < kMaxSources; ++j) {
+        if (landed[j] < 0) continue;
+        const int r = kExpertMajor ? a.topk_idx[t * sources + j] / L : j;
+        atomicAdd_system(&control_of(ctx, r)->arrivals[landed[j]], 1u);
       }
     }
   }
+}
+
+// Every token of this PE, claimed from the dispatch work counter by whichever warp is free:
+// roughly in ascending order (destinations' chunks fill up progressively), and warps whose
+// stores drain faster take more tokens (with a static split the last CTA finished ~80 µs
+// after the first, 2×H200).
+template <bool kExpertMajor>
+__device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb) {
+  const int lane = threadIdx.x % 32;
+  uint32_t* cursor = &control_of(a.ctx, a.ctx.rank)->work_cursor[kCursorDispatch];
+  for (int t = claim_item(cursor, lane); t < a.num_tokens; t = claim_item(cursor, lane))
+    push_token<kExpertMajor>(a, tb, t, lane, /*count_arrivals=*/false);
 }
 
 // push_tokens with bulk copies: the first a.bulk_pipes warps of each CTA are pipelines; lane 0
@@ -657,7 +676,7 @@ __device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, 
   __syncwarp();
 #else
   (void)buffers;
-  push_tokens<kExpertMajor>(a, tb, /*count_arrivals=*/false);
+  push_tokens<kExpertMajor>(a, tb);
 #endif
 }
 
@@ -674,7 +693,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
   if (a.bulk_pipes > 0) {
     push_tokens_bulk<kExpertMajor>(a, tb, reinterpret_cast<char*>(tables) + a.bulk_offset);
   } else {
-    push_tokens<kExpertMajor>(a, tb, /*count_arrivals=*/false);
+    push_tokens<kExpertMajor>(a, tb);
   }
   profile_end(ctx, kProfDispatchPush);
   if (last_block(ctx, 6) && threadIdx.x == 0) signal_all(ctx, Flag::kPushed, call);
@@ -696,11 +715,12 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
     write_unused_row(a, i, out_k, lane);
     return;
   }
-  if (s != me) {
-    copy_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
-             region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane, 32);
+  if (s != me) {  // rows a peer wrote (in the fused kernel, during this kernel): bypass L1
+    copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
+                   region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane,
+                   32);
     if (a.scales != nullptr)
-      copy_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+      copy_row<true>(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
                region<char>(ctx, me, a.push.scales) + size_t(i) * scale_stride,
                a.scale_row_bytes, lane, 32);
   }
@@ -737,13 +757,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   finish_dispatch<kExpertMajor>(a, tb, call, 7);
 }
 
-// Fused push mode, one kernel: every CTA first pushes its tokens (push_tokens, counting
-// arrivals per destination chunk), then moves out the chunks of the output it owns (chunk c
-// belongs to CTA c mod grid) in whatever order they complete, so CTAs that finish sending
-// early copy out while stragglers (here and on the peers) are still sending, and no kernel
-// boundary or all-peers flag sits between the transfer and the copy-out. A CTA waits for rows
-// only after it has sent all of its own; still, the rows it waits for may come from a CTA not
-// yet started, so the launch caps the grid at one CTA per SM (all resident at once).
+// Fused push mode, one kernel: pushing and moving out interleave at warp granularity. A warp
+// moves out the next chunk of output rows of some chunk range once every row of it has
+// arrived (arrival counters), and otherwise pushes the next unclaimed token; so the copy-out
+// of a peer's rows runs while both PEs are still pushing, instead of after the last push.
+// rank_major has one chunk range per source (its rows are contiguous), so a peer's chunks do
+// not queue behind our own; expert_major has one range. A warp waits only once every token
+// is claimed, for rows that running warps (here or on the peers) are pushing: no grid-wide
+// residency is needed.
+template <bool kExpertMajor>
+__device__ __forceinline__ int chunk_range_begin(const DispatchArgs& a, const GatherTables& tb,
+                                                 int q) {
+  if (kExpertMajor || q == 0) return 0;
+  const int first_row = min(tb.src_offset[q], a.capacity);
+  return (first_row + a.chunk_rows - 1) / a.chunk_rows;
+}
+
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
@@ -755,58 +784,76 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   extern __shared__ int32_t tables[];
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
-  const int lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
-  push_tokens<kExpertMajor>(a, tb, /*count_arrivals=*/true);
-
-  // Rows expected in each chunk this CTA owns; -1 once it is moved out.
-  __shared__ int expected[kMaxOwnedChunks];
-  __shared__ int picked;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
   const int chunks = (a.capacity + a.chunk_rows - 1) / a.chunk_rows;
-  const int owned = chunks > int(blockIdx.x) ? (chunks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  for (int j = threadIdx.x; j < owned; j += kThreads) {
-    const int begin = (blockIdx.x + j * gridDim.x) * a.chunk_rows;
-    const int end = min(a.capacity, begin + a.chunk_rows);
-    int n = 0;
-    for (int i = begin; i < end; ++i) {
-      int position, local;
-      n += source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local) >= 0;
-    }
-    expected[j] = n;
-  }
-  __syncthreads();
-  uint32_t* arrivals = control_of(ctx, ctx.rank)->arrivals;
-  for (int left = owned; left > 0; --left) {
-    if (threadIdx.x == 0) {
-      const uint64_t start = global_timer_ns();
-      picked = -1;
-      while (picked < 0) {
-        for (int j = 0; j < owned && picked < 0; ++j) {
-          const int chunk = blockIdx.x + j * gridDim.x;
-          if (expected[j] >= 0 && load_acquire_u32(&arrivals[chunk]) >= uint32_t(expected[j]))
-            picked = j;
-        }
-        if (picked < 0 && global_timer_ns() - start > ctx.timeout_ns) {
-          int j = 0;
-          while (expected[j] < 0) ++j;
-          const int chunk = blockIdx.x + j * gridDim.x;
-          int position, local;
-          const int peer = source_of_row<kExpertMajor>(tb, chunk * a.chunk_rows, R, L, a.block,
-                                                       &position, &local);
-          report_timeout(ctx, "dispatch", "rows of an output chunk", peer, uint64_t(expected[j]),
-                         uint64_t(load_acquire_u32(&arrivals[chunk])));
-          trap_after_report();
-        }
+  const int ranges = kExpertMajor ? 1 : R;
+  Control* mine = control_of(ctx, ctx.rank);
+  uint32_t* token_cursor = &mine->work_cursor[kCursorDispatch];
+  uint32_t* arrivals = mine->arrivals;
+  int t = claim_item(token_cursor, lane);
+  uint64_t idle_since = 0;
+  while (true) {
+    // 1. Move out a complete chunk at the head of some range (ranges tried from a
+    //    warp-dependent start, remote sources first on average).
+    bool moved = false, all_claimed = true;
+    int waiting_chunk = -1, waiting_rows = 0;
+    for (int k = 0; k < ranges && !moved; ++k) {
+      const int q = (warp + k + ctx.rank + 1) % ranges;
+      const int begin = chunk_range_begin<kExpertMajor>(a, tb, q);
+      const int end = q + 1 < ranges ? chunk_range_begin<kExpertMajor>(a, tb, q + 1) : chunks;
+      uint32_t taken = 0;
+      if (lane == 0) taken = *reinterpret_cast<volatile uint32_t*>(&mine->chunk_cursor[q]);
+      const int head = begin + int(__shfl_sync(0xffffffffu, taken, 0));
+      if (head >= end) continue;
+      all_claimed = false;
+      const int first = head * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
+      int used = 0;  // rows of this chunk that some PE sends
+      for (int i = first + lane; i < last; i += 32) {
+        int position, local;
+        used += source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local) >= 0;
       }
-      // Every row of this call has arrived: the counter is ready for the next call.
-      arrivals[blockIdx.x + picked * gridDim.x] = 0;
-      expected[picked] = -1;
+      used = __reduce_add_sync(0xffffffffu, used);
+      int won = 0;
+      if (lane == 0 && load_acquire_u32(&arrivals[head]) >= uint32_t(used))
+        won = atomicCAS(&mine->chunk_cursor[q], taken, taken + 1) == taken;
+      if (!__shfl_sync(0xffffffffu, won, 0)) {
+        waiting_chunk = head;
+        waiting_rows = used;
+        continue;
+      }
+      __syncwarp();  // lane 0's acquire orders every lane's reads of the rows
+      // Every row of this chunk has arrived for this call: its counter is free for the next.
+      if (lane == 0) arrivals[head] = 0;
+      for (int i = first; i < last; ++i) receive_row<kExpertMajor>(a, tb, i, lane);
+      moved = true;
     }
-    __syncthreads();
-    const int begin = (blockIdx.x + picked * gridDim.x) * a.chunk_rows;
-    const int end = min(a.capacity, begin + a.chunk_rows);
-    for (int i = begin + warp_in_block; i < end; i += kWarps)
-      receive_row<kExpertMajor>(a, tb, i, lane);
-    __syncthreads();  // `picked` is rewritten next round
+    if (moved) {
+      idle_since = 0;
+      continue;
+    }
+    // 2. Otherwise push the next token of ours.
+    if (t < a.num_tokens) {
+      push_token<kExpertMajor>(a, tb, t, lane, /*count_arrivals=*/true);
+      t = claim_item(token_cursor, lane);
+      idle_since = 0;
+      continue;
+    }
+    if (all_claimed) break;
+    // 3. Nothing to push, and the chunk heads are still arriving: wait, bounded.
+    if (lane == 0) {
+      const uint64_t now = global_timer_ns();
+      if (idle_since == 0) idle_since = now;
+      if (now - idle_since > ctx.timeout_ns && waiting_chunk >= 0) {
+        int position, local;
+        const int peer = source_of_row<kExpertMajor>(tb, waiting_chunk * a.chunk_rows, R, L,
+                                                     a.block, &position, &local);
+        report_timeout(ctx, "dispatch", "rows of an output chunk", peer, uint64_t(waiting_rows),
+                       uint64_t(load_acquire_u32(&arrivals[waiting_chunk])));
+        trap_after_report();
+      }
+    }
+    __nanosleep(200);
   }
   profile_end(ctx, kProfDispatchFused);
   finish_dispatch<kExpertMajor>(a, tb, call, 7);
@@ -866,8 +913,6 @@ int multiprocessors() {
   return count;
 }
 
-// Fused dispatch: one CTA per SM at most (see dispatch_fused).
-int fused_grid(const DispatchArgs& a) { return std::min(a.num_blocks, multiprocessors()); }
 
 // The stage kernel: rank_major spreads its scan over a co-resident grid when it can.
 template <bool kExpertMajor, bool kPull>
@@ -894,7 +939,7 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
   if (a.use_push && a.fused) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_fused<kExpertMajor>, tables)) return status;
-    dispatch_fused<kExpertMajor><<<fused_grid(a), kThreads, tables, stream>>>(a);
+    dispatch_fused<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
   } else if (a.use_push) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     DispatchArgs push = a;
@@ -927,15 +972,10 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   DispatchArgs a = args;
   const int R = a.ctx.num_ranks, E = a.num_experts, L = E / R;
-  // Output rows per arrival counter (fused mode): at least kMinChunkRows, at most kMaxChunks
-  // counters, at most kMaxOwnedChunks chunks per CTA.
-  constexpr int kMinChunkRows = 16;
-  const int most = std::min(kMaxChunks, (a.fused ? fused_grid(a) : 1) * kMaxOwnedChunks);
-  a.chunk_rows = std::max(kMinChunkRows, (a.capacity + most - 1) / most);
-  if (!a.expert_major) {
-    cudaError_t status = cudaMemsetAsync(a.tokens_per_expert, 0, sizeof(int32_t) * L, stream);
-    if (status != cudaSuccess) return status;
-  }
+  // Output rows per arrival counter (fused mode): small chunks, so that the copy-out of the
+  // last rows to arrive (one warp per chunk) is short, at most kMaxChunks counters.
+  constexpr int kMinChunkRows = 4;
+  a.chunk_rows = std::max(kMinChunkRows, (a.capacity + kMaxChunks - 1) / kMaxChunks);
   const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
                                        : sizeof(int32_t) * (2 * R + 1);
   return a.expert_major ? launch_dispatch_mode<true>(a, tables, stream)
