@@ -757,14 +757,16 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   finish_dispatch<kExpertMajor>(a, tb, call, 7);
 }
 
-// Fused push mode, one kernel: pushing and moving out interleave at warp granularity. A warp
-// moves out the next chunk of output rows of some chunk range once every row of it has
-// arrived (arrival counters), and otherwise pushes the next unclaimed token; so the copy-out
-// of a peer's rows runs while both PEs are still pushing, instead of after the last push.
-// rank_major has one chunk range per source (its rows are contiguous), so a peer's chunks do
-// not queue behind our own; expert_major has one range. A warp waits only once every token
-// is claimed, for rows that running warps (here or on the peers) are pushing: no grid-wide
-// residency is needed.
+// Fused push mode, one kernel: pushing and moving out interleave at warp granularity. Each
+// warp holds at most one chunk of output rows to move out, taken in order from a chunk range
+// with a fetch-and-add (no contended compare-and-swap: an in-order claim serialised 2048
+// claims to ~0.4 µs each); between its pushes it checks whether every row of that chunk has
+// arrived (arrival counters) and moves it out, so the copy-out of a peer's rows runs while
+// both PEs are still pushing instead of after the last push. A warp holding a chunk keeps
+// pushing, and it waits only once every token is claimed, for rows that running warps (here
+// or on the peers) are pushing: nothing needs the whole grid resident. rank_major has one
+// chunk range per source (its rows are contiguous), so a peer's chunks do not queue behind
+// our own; expert_major has one range.
 template <bool kExpertMajor>
 __device__ __forceinline__ int chunk_range_begin(const DispatchArgs& a, const GatherTables& tb,
                                                  int q) {
@@ -792,64 +794,69 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   uint32_t* token_cursor = &mine->work_cursor[kCursorDispatch];
   uint32_t* arrivals = mine->arrivals;
   int t = claim_item(token_cursor, lane);
+  int chunk = -1, chunk_rows_used = 0;  // the chunk this warp holds, and its rows to arrive
+  int next_range = (warp + ctx.rank + 1) % ranges;  // ranges tried round-robin from here
+  bool ranges_left = true;
   uint64_t idle_since = 0;
   while (true) {
-    // 1. Move out a complete chunk at the head of some range (ranges tried from a
-    //    warp-dependent start, remote sources first on average).
-    bool moved = false, all_claimed = true;
-    int waiting_chunk = -1, waiting_rows = 0;
-    for (int k = 0; k < ranges && !moved; ++k) {
-      const int q = (warp + k + ctx.rank + 1) % ranges;
+    // 1. Hold a chunk: the next one of the first range that has any left.
+    for (int k = 0; k < ranges && chunk < 0 && ranges_left; ++k) {
+      const int q = next_range;
+      next_range = (next_range + 1) % ranges;
       const int begin = chunk_range_begin<kExpertMajor>(a, tb, q);
       const int end = q + 1 < ranges ? chunk_range_begin<kExpertMajor>(a, tb, q + 1) : chunks;
+      if (begin >= end) continue;
       uint32_t taken = 0;
-      if (lane == 0) taken = *reinterpret_cast<volatile uint32_t*>(&mine->chunk_cursor[q]);
-      const int head = begin + int(__shfl_sync(0xffffffffu, taken, 0));
-      if (head >= end) continue;
-      all_claimed = false;
-      const int first = head * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
-      int used = 0;  // rows of this chunk that some PE sends
+      if (lane == 0) {
+        // Peek first, so that exhausted ranges are not incremented by every warp forever.
+        taken = *reinterpret_cast<volatile uint32_t*>(&mine->chunk_cursor[q]);
+        if (begin + int(taken) < end) taken = atomicAdd(&mine->chunk_cursor[q], 1u);
+      }
+      const int c = begin + int(__shfl_sync(0xffffffffu, taken, 0));
+      if (c >= end) continue;
+      chunk = c;
+      const int first = c * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
+      int used = 0;  // rows of the chunk that some PE sends
       for (int i = first + lane; i < last; i += 32) {
         int position, local;
         used += source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local) >= 0;
       }
-      used = __reduce_add_sync(0xffffffffu, used);
-      int won = 0;
-      if (lane == 0 && load_acquire_u32(&arrivals[head]) >= uint32_t(used))
-        won = atomicCAS(&mine->chunk_cursor[q], taken, taken + 1) == taken;
-      if (!__shfl_sync(0xffffffffu, won, 0)) {
-        waiting_chunk = head;
-        waiting_rows = used;
+      chunk_rows_used = __reduce_add_sync(0xffffffffu, used);
+    }
+    if (chunk < 0) ranges_left = false;  // every range is exhausted: nothing more to hold
+    // 2. Move it out once every row has arrived.
+    if (chunk >= 0) {
+      uint32_t complete = 0;
+      if (lane == 0) complete = load_acquire_u32(&arrivals[chunk]) >= uint32_t(chunk_rows_used);
+      if (__shfl_sync(0xffffffffu, complete, 0)) {
+        __syncwarp();  // lane 0's acquire orders every lane's reads of the rows
+        // Every row of this chunk has arrived for this call: its counter is free for the next.
+        if (lane == 0) arrivals[chunk] = 0;
+        const int first = chunk * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
+        for (int i = first; i < last; ++i) receive_row<kExpertMajor>(a, tb, i, lane);
+        chunk = -1;
+        idle_since = 0;
         continue;
       }
-      __syncwarp();  // lane 0's acquire orders every lane's reads of the rows
-      // Every row of this chunk has arrived for this call: its counter is free for the next.
-      if (lane == 0) arrivals[head] = 0;
-      for (int i = first; i < last; ++i) receive_row<kExpertMajor>(a, tb, i, lane);
-      moved = true;
     }
-    if (moved) {
-      idle_since = 0;
-      continue;
-    }
-    // 2. Otherwise push the next token of ours.
+    // 3. Otherwise push the next token of ours.
     if (t < a.num_tokens) {
       push_token<kExpertMajor>(a, tb, t, lane, /*count_arrivals=*/true);
       t = claim_item(token_cursor, lane);
       idle_since = 0;
       continue;
     }
-    if (all_claimed) break;
-    // 3. Nothing to push, and the chunk heads are still arriving: wait, bounded.
+    if (chunk < 0) break;  // nothing held, nothing to push, no chunk left
+    // 4. Every token is claimed and the held chunk's rows are still arriving: wait, bounded.
     if (lane == 0) {
       const uint64_t now = global_timer_ns();
       if (idle_since == 0) idle_since = now;
-      if (now - idle_since > ctx.timeout_ns && waiting_chunk >= 0) {
+      if (now - idle_since > ctx.timeout_ns) {
         int position, local;
-        const int peer = source_of_row<kExpertMajor>(tb, waiting_chunk * a.chunk_rows, R, L,
-                                                     a.block, &position, &local);
-        report_timeout(ctx, "dispatch", "rows of an output chunk", peer, uint64_t(waiting_rows),
-                       uint64_t(load_acquire_u32(&arrivals[waiting_chunk])));
+        const int peer = source_of_row<kExpertMajor>(tb, chunk * a.chunk_rows, R, L, a.block,
+                                                     &position, &local);
+        report_timeout(ctx, "dispatch", "rows of an output chunk", peer,
+                       uint64_t(chunk_rows_used), uint64_t(load_acquire_u32(&arrivals[chunk])));
         trap_after_report();
       }
     }
