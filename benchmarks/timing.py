@@ -53,6 +53,7 @@ KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_recei
            "ll_dispatch_send", "ll_dispatch_receive", "ll_combine_send", "ll_combine_receive",
            "ll_dispatch_slots"]
 PROFILE_KERNELS = 16  # kProfileKernels: slots per row of the profile ring
+PROFILE_PHASES = 5  # kProfilePhases: enter, waited, first end, last end, retired
 TIMELINE_CALLS = 16  # chained calls in a timeline (at most kProfileCalls)
 
 
@@ -69,15 +70,17 @@ def after_barrier(body, chained, axis_name):
     return run
 
 
-def _profile_rows(module):
-    """The profile ring as [(row, [(kernel, (enter, waited, first end, last end) ns)])] for
-    the rows that holds stamps (one row per handler call since the reset)."""
-    values = module.profile_read()
-    per_row = 4 * PROFILE_KERNELS
+def profile_rows(values):
+    """The profile ring as [(row, [(kernel, (enter, waited, first end, last end, retired)
+    ns)])] for the rows that hold stamps (one row per handler call since the reset). Kernels
+    that stamp no retirement get their last end there."""
+    n = PROFILE_PHASES
+    per_row = n * PROFILE_KERNELS
     rows = []
     for r in range(len(values) // per_row):
         v = values[r * per_row:(r + 1) * per_row]
-        used = [(k, tuple(v[4 * i: 4 * i + 4])) for i, k in enumerate(KERNELS) if v[4 * i + 3] != 0]
+        used = [(k, tuple(v[n * i: n * i + 4]) + (max(v[n * i + 3], v[n * i + 4]),))
+                for i, k in enumerate(KERNELS) if v[n * i + 3] != 0]
         if used:
             rows.append((r, used))
     return rows
@@ -85,15 +88,15 @@ def _profile_rows(module):
 
 def kernel_phases(f, *a):
     """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
-    end) µs from the earliest start)] for the kernels it ran, from the phase timestamps the
-    CUDA kernels write (rank-local clock)."""
+    end, retired) µs from the earliest start)] for the kernels it ran, from the phase
+    timestamps the CUDA kernels write (rank-local clock)."""
     from jax_ep import _native
 
     module = _native.load()[0]
     jax.block_until_ready(f(*a))
     module.profile_reset()
     jax.block_until_ready(f(*a))
-    used = [u for _, row in _profile_rows(module) for u in row]
+    used = [u for _, row in profile_rows(module.profile_read()) for u in row]
     if not used:
         return []
     t0 = min(v[0] for _, v in used)
@@ -103,16 +106,20 @@ def kernel_phases(f, *a):
 def call_timeline(f, *a):
     """Runs f (a chain of calls) once after a warm-up and returns, per handler call in order,
     (start, span, gap) in µs: its first kernel's start from the chain's first, first-start to
-    last-end, and the idle time since the previous call's last kernel ended. The gaps hold
-    whatever else the program runs between the calls (launches, XLA's own kernels)."""
+    the last kernel's retirement, and the idle time since the previous call's retirement. The
+    gaps hold whatever else the program runs between the calls (launches, XLA's kernels)."""
     from jax_ep import _native
 
     module = _native.load()[0]
     jax.block_until_ready(f(*a))
     module.profile_reset()
     jax.block_until_ready(f(*a))
-    calls = sorted((min(v[0] for _, v in row), max(v[3] for _, v in row))
-                   for _, row in _profile_rows(module))
+    return timeline(profile_rows(module.profile_read()))
+
+
+def timeline(rows):
+    """call_timeline's result from profile_rows' result."""
+    calls = sorted((min(v[0] for _, v in row), max(v[4] for _, v in row)) for _, row in rows)
     if not calls:
         return []
     t0, out, prev_end = calls[0][0], [], None
@@ -123,24 +130,24 @@ def call_timeline(f, *a):
     return out
 
 
-def print_timeline(name, timeline):
+def print_timeline(name, calls):
     """Prints call_timeline's result with its medians."""
-    if not timeline:
+    if not calls:
         return
-    spans = np.array([s for _, s, _ in timeline])
-    gaps = np.array([g for _, _, g in timeline[1:]])
-    total = timeline[-1][0] + timeline[-1][1]
-    print(f"\nTimeline of {len(timeline)} chained calls, {name} (µs): per call "
-          f"{total / len(timeline):.1f}, kernel span median {np.median(spans):.1f}, gap between "
+    spans = np.array([s for _, s, _ in calls])
+    gaps = np.array([g for _, _, g in calls[1:]])
+    total = calls[-1][0] + calls[-1][1]
+    print(f"\nTimeline of {len(calls)} chained calls, {name} (µs): per call "
+          f"{total / len(calls):.1f}, kernel span median {np.median(spans):.1f}, gap between "
           f"calls median {np.median(gaps) if len(gaps) else float('nan'):.1f}")
-    print("    " + "  ".join(f"{s:6.1f}+{g:5.1f}" for _, s, g in timeline[1:]))
+    print("    " + "  ".join(f"{s:6.1f}+{g:5.1f}" for _, s, g in calls[1:]))
 
 
 def print_phases(profiles):
     """Prints kernel_phases results: [(operation, phases)]."""
     print("\nKernel phases of one call on rank 0, µs from the first kernel's start: entered "
           "(first block) / done waiting for peers (last block) / finished (first block, last "
-          "block)")
+          "block) / retired (last block past its closing fences and flags)")
     for name, phases in profiles:
         print(f"{name}:")
         for kernel, times in phases:

@@ -28,6 +28,8 @@ constexpr int kProfileKernels = 16;
 // Rows of Control::profile: handler call c since the last reset stamps row c % kProfileCalls,
 // so a chain of calls leaves a timeline (gaps between calls included).
 constexpr int kProfileCalls = 64;
+// Stamps per kernel and call: see Control::profile.
+constexpr int kProfilePhases = 5;
 // Arrival counters of the fused dispatch: one per chunk of output rows (kMaxChunks at most).
 constexpr int kMaxChunks = 16384;
 // The parallel rank_major stage: per-CTA counts of at most this many CTAs and ranks.
@@ -62,8 +64,9 @@ struct Control {
   uint64_t pushed[kMaxRanks];   // pushed[s] = e: PE s has written its rows of call e into ours
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
-  // block finished, [3] last block finished. Reset by the host (runtime profile_reset).
-  unsigned long long profile[kProfileCalls][kProfileKernels][4];
+  // block finished, [3] last block finished, [4] retired: the last block past its closing
+  // fences and flags (normal-mode kernels). Reset by the host (runtime profile_reset).
+  unsigned long long profile[kProfileCalls][kProfileKernels][kProfilePhases];
   // arrivals[c] = rows of chunk c written into this PE's push region so far in the current
   // fused dispatch; the receiver that consumes the chunk sets it back to 0.
   uint32_t arrivals[kMaxChunks];

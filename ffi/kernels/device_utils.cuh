@@ -21,7 +21,7 @@ struct PeerContext {
   FaultRecord* fault;    // mapped host memory for the timeout report (may be null)
   // This PE's Control::profile in the normal-mode buffer (the low-latency kernels stamp
   // their phases there too).
-  unsigned long long (*profile)[4];
+  unsigned long long (*profile)[kProfilePhases];
 };
 
 __device__ __forceinline__ Control* control_of(const PeerContext& ctx, int pe) {
@@ -58,7 +58,7 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // Thread 0 of each block stamps a phase of this kernel into Control::profile (one atomic per
 // block and phase: negligible next to the kernel). kEnter/kFirstEnd keep the earliest time,
 // kWaited/kLastEnd the latest.
-enum ProfilePhase { kEnter = 0, kWaited = 1, kFirstEnd = 2, kLastEnd = 3 };
+enum ProfilePhase { kEnter = 0, kWaited = 1, kFirstEnd = 2, kLastEnd = 3, kRetired = 4 };
 
 __device__ __forceinline__ void profile_mark(const PeerContext& ctx, int slot, ProfilePhase ph) {
   if (threadIdx.x != 0) return;

@@ -48,7 +48,10 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < used; i += gridDim.x * kThreads)
     weights[i] = a.weights[i];
   profile_end(ctx, kProfCombineStage);
-  if (last_block(ctx, 4) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+  if (last_block(ctx, 4) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfCombineStage, kRetired);
+  }
 }
 
 // One warp per token, `kVector` elements per lane access (16 bytes when rows allow it). The
@@ -144,6 +147,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   if (last_block(ctx, 5) && threadIdx.x == 0) {
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;
+    profile_mark(ctx, kProfCombineReduce, kRetired);
   }
 }
 

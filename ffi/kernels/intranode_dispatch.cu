@@ -26,7 +26,10 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   const int T = a.num_tokens, K = a.num_topk;
   if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
     profile_end(ctx, kProfDispatchStage);
-    if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+    if (last_block(ctx, 0) && threadIdx.x == 0) {
+      signal_all(ctx, Flag::kReady, call);
+      profile_mark(ctx, kProfDispatchStage, kRetired);
+    }
     return;
   }
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
@@ -49,7 +52,10 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
     weights[i] = a.topk_weights[i];
   }
   profile_end(ctx, kProfDispatchStage);
-  if (last_block(ctx, 0) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+  if (last_block(ctx, 0) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfDispatchStage, kRetired);
+  }
 }
 
 // Destination ranks of token t as a bit mask (R <= 32); invalid expert ids are ignored.
@@ -356,7 +362,7 @@ __device__ __forceinline__ int destination_row(const DispatchArgs& a, const Gath
 // Counts of the output; the last block then releases the peers and closes the call.
 template <bool kExpertMajor>
 __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
-                                int counter) {
+                                int counter, int profile_slot) {
   const PeerContext& ctx = a.ctx;
   const int me = ctx.rank, L = a.num_experts / ctx.num_ranks, C = a.capacity;
   if (blockIdx.x == 0 && kExpertMajor) {
@@ -389,6 +395,7 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
     }
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, me)->epoch = call;
+    profile_mark(ctx, profile_slot, kRetired);
   }
 }
 
@@ -479,7 +486,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
     if (rank_in_list >= 0) a.send_slot[i] = destination_row<kExpertMajor>(a, tb, i, rank_in_list);
   }
   profile_end(ctx, kProfDispatchGather);
-  finish_dispatch<kExpertMajor>(a, tb, call, 1);
+  finish_dispatch<kExpertMajor>(a, tb, call, 1, kProfDispatchGather);
 }
 
 // ------------------------------------------------------------------------------ push mode
@@ -696,7 +703,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
     push_tokens<kExpertMajor>(a, tb);
   }
   profile_end(ctx, kProfDispatchPush);
-  if (last_block(ctx, 6) && threadIdx.x == 0) signal_all(ctx, Flag::kPushed, call);
+  if (last_block(ctx, 6) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kPushed, call);
+    profile_mark(ctx, kProfDispatchPush, kRetired);
+  }
 }
 
 // Output row i of a push-mode dispatch: rows that peers pushed into this PE's region are moved
@@ -754,7 +764,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
   for (int i = warp; i < a.capacity; i += gridDim.x * kWarps)
     receive_row<kExpertMajor>(a, tb, i, lane);
   profile_end(ctx, kProfDispatchReceive);
-  finish_dispatch<kExpertMajor>(a, tb, call, 7);
+  finish_dispatch<kExpertMajor>(a, tb, call, 7, kProfDispatchReceive);
 }
 
 // Fused push mode, one kernel: pushing and moving out interleave at warp granularity. Each
@@ -863,7 +873,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
     __nanosleep(200);
   }
   profile_end(ctx, kProfDispatchFused);
-  finish_dispatch<kExpertMajor>(a, tb, call, 7);
+  finish_dispatch<kExpertMajor>(a, tb, call, 7, kProfDispatchFused);
 }
 
 // ------------------------------------------------------------------------------ cached
@@ -881,7 +891,10 @@ __global__ void __launch_bounds__(kThreads) stage_rows(CachedDispatchArgs a) {
     copy_row(rows + t * row_stride(a.row_bytes), static_cast<const char*>(a.x) + t * a.row_bytes,
              a.row_bytes, lane, 32);
   profile_end(ctx, kProfCachedStage);
-  if (last_block(ctx, 2) && threadIdx.x == 0) signal_all(ctx, Flag::kReady, call);
+  if (last_block(ctx, 2) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfCachedStage, kRetired);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
@@ -907,6 +920,7 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   if (last_block(ctx, 3) && threadIdx.x == 0) {
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;
+    profile_mark(ctx, kProfCachedGather, kRetired);
   }
 }
 

@@ -106,7 +106,7 @@ namespace {
 std::atomic<unsigned long long> g_profile_calls{0};
 }  // namespace
 
-unsigned long long (*next_profile_row())[4] {
+unsigned long long (*next_profile_row())[kProfilePhases] {
   Control* control = static_cast<Control*>(transport()->local);
   return control->profile[g_profile_calls.fetch_add(1) % kProfileCalls];
 }
@@ -136,9 +136,9 @@ void reset_profile() {
   Control* control = local_control();
   check(cudaDeviceSynchronize(), "waiting for the kernels");
   std::vector<unsigned long long> values(sizeof(control->profile) / sizeof(unsigned long long));
-  for (size_t i = 0; i < values.size(); i += 4) {
-    values[i + 0] = values[i + 2] = ~0ull;  // minima
-    values[i + 1] = values[i + 3] = 0;      // maxima
+  for (size_t i = 0; i < values.size(); i += kProfilePhases) {
+    values[i + 0] = values[i + 2] = ~0ull;           // minima
+    values[i + 1] = values[i + 3] = values[i + 4] = 0;  // maxima
   }
   check(cudaMemcpy(control->profile, values.data(), sizeof(control->profile),
                    cudaMemcpyHostToDevice),

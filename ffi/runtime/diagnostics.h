@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/buffer_layout.h"
+
 namespace jax_ep {
 
 // Written by the first device thread that gives up waiting for a peer, read by the watchdog
@@ -33,7 +35,7 @@ std::vector<unsigned long long> read_profile();
 void reset_profile();
 // The profile row of the next handler call (device pointer into this PE's Control). Counted
 // on the host: calls replayed from a CUDA graph keep the row they were recorded with.
-unsigned long long (*next_profile_row())[4];
+unsigned long long (*next_profile_row())[kProfilePhases];
 // Calls started so far by this PE's low-latency dispatch and combine sends (LLControl::calls).
 std::vector<unsigned long long> read_low_latency_calls();
 
