@@ -5,6 +5,11 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
 namespace jax_ep {
 namespace {
 
@@ -815,37 +820,62 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
 
 namespace {
 
+// Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
+// every call: in a decode loop the handler's host time is on the critical path whenever the
+// GPU would otherwise run ahead. Handlers may run on several threads, hence the lock.
+std::mutex g_launch_facts_lock;
+
+// Raises `kernel`'s dynamic shared-memory limit to at least `smem` (once per new maximum).
+cudaError_t allow_shared_memory(const void* kernel, size_t smem) {
+  static std::unordered_map<const void*, size_t> allowed;
+  const size_t want = smem > 48 * 1024 ? smem : 48 * 1024;
+  std::lock_guard<std::mutex> lock(g_launch_facts_lock);
+  size_t& have = allowed[kernel];
+  if (want <= have) return cudaSuccess;
+  const cudaError_t status = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(want));
+  if (status == cudaSuccess) have = want;
+  return status;
+}
+
 // Blocks of a cooperative launch of `kernel`: `wanted`, capped at what the device holds at once
-// (0 when it cannot tell).
+// (0 when it cannot tell). Call allow_shared_memory first.
 int cooperative_grid(const void* kernel, size_t smem, int wanted) {
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLLThreads, smem) !=
-          cudaSuccess)
-    return 0;
-  return wanted < per_sm * sms ? wanted : per_sm * sms;
+  static std::map<std::pair<const void*, size_t>, int> resident;  // blocks the device holds
+  int most = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_launch_facts_lock);
+    auto found = resident.find({kernel, smem});
+    if (found != resident.end()) {
+      most = found->second;
+    } else {
+      int device = 0, sms = 0, per_sm = 0;
+      if (cudaGetDevice(&device) != cudaSuccess ||
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLLThreads, smem) !=
+              cudaSuccess)
+        return 0;
+      most = per_sm * sms;
+      resident[{kernel, smem}] = most;
+    }
+  }
+  return wanted < most ? wanted : most;
 }
 
 }  // namespace
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t status = cudaFuncSetAttribute(ll_dispatch_kernel,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              200 * 1024);
-    if (status != cudaSuccess) return status;
-    configured = true;
-  }
+  cudaError_t status =
+      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_kernel), 200 * 1024);
+  if (status != cudaSuccess) return status;
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);
   const size_t smem = send.smem_bytes > receive_smem ? send.smem_bytes : receive_smem;
   const int wanted = receive.num_blocks > 2 ? receive.num_blocks : 2;  // the send needs 2
   const int grid = cooperative_grid(reinterpret_cast<const void*>(ll_dispatch_kernel), smem,
                                     wanted);
   if (grid < 2) {  // cannot hold both halves at once: two launches
-    cudaError_t status = launch_ll_dispatch_send(send, stream);
+    status = launch_ll_dispatch_send(send, stream);
     return status != cudaSuccess ? status : launch_ll_dispatch_receive(receive, stream);
   }
   LLDispatchSendArgs s = send;
@@ -860,8 +890,7 @@ namespace {
 
 cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void** args,
                                cudaStream_t stream) {
-  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem > 48 * 1024 ? smem : 48 * 1024));
+  const cudaError_t status = allow_shared_memory(kernel, smem);
   if (status != cudaSuccess) return status;
   const int grid = cooperative_grid(kernel, smem, wanted);
   if (grid < 1) return cudaErrorCooperativeLaunchTooLarge;
@@ -887,11 +916,9 @@ cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stre
 
 cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
   const size_t smem = combine_receive_smem(a);
-  if (smem > 48 * 1024) {
-    cudaError_t status = cudaFuncSetAttribute(
-        ll_combine_receive_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (status != cudaSuccess) return status;
-  }
+  const cudaError_t status =
+      allow_shared_memory(reinterpret_cast<const void*>(ll_combine_receive_kernel), smem);
+  if (status != cudaSuccess) return status;
   ll_combine_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
