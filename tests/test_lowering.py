@@ -71,3 +71,40 @@ def test_every_custom_call_is_fenced_by_optimization_barriers():
         users = [line for line in text.splitlines()
                  if re.search(re.escape(result) + r"[#\s,)]", line.split("=", 1)[-1])]
         assert users and all("optimization_barrier" in line for line in users), (target, users)
+
+
+def test_reference_low_latency_combine_keeps_the_partials_rounding():
+    """The reference rounds each rank's partial sum to y's dtype and back to float32; XLA:GPU
+    (default xla_allow_excess_precision) folds that pair of converts away, which made the
+    reference disagree with the CUDA kernels on GPU while agreeing on CPU. An optimization
+    barrier between the two converts keeps the rounding."""
+    from jax_ep import reference
+    from jax_ep._types import LowLatencyHandle
+
+    R, T, K, H, E, M = 2, 4, 2, 128, 8, 4
+    config = LowLatencyConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=H, num_topk=K,
+                              max_tokens_per_rank=M, use_fp8=False, axis_name=AXIS,
+                              backend="reference")
+    L = E // R
+
+    def per_device(terms, idx, slot, src):
+        handle = LowLatencyHandle(idx[0], slot[0], src[0], src[0], src[0],
+                                  jnp.zeros((L,), jnp.int32), config)
+        sent = dict(terms=terms[0], dtype=jnp.zeros((0,), jnp.bfloat16))
+        return reference.low_latency_combine_receive(sent, handle)[None]
+
+    terms = jnp.ones((2, R, T, K, H), jnp.float32)
+    idx = jnp.zeros((2, T, K), jnp.int32)
+    slot = jnp.zeros((2, T, K), jnp.int32)
+    src = jnp.zeros((2, L, R * M), jnp.int32)
+    text = _lowered_for_cuda(per_device, terms, idx, slot, src)
+    fenced = set()
+    for line in text.splitlines():
+        m = re.match(r"\s*(%[\w.]+)(?::\d+)? = stablehlo\.optimization_barrier .*bf16>\s*$",
+                     line)
+        if m:
+            fenced.add(m.group(1))
+    widened = [line for line in text.splitlines() if "stablehlo.convert" in line
+               and any(re.search(re.escape(v) + r"[#\s,)]", line) for v in fenced)
+               and "-> tensor<" in line and "xf32>" in line.split("->")[-1]]
+    assert len(widened) == R, text  # one fenced rounding per rank's partial
