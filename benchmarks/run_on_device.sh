@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,unroll,variants,ll,graphs,storeprobe,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,variants,ll,graphs,storeprobe,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -54,17 +54,6 @@ if [[ $WHAT == *sweep* ]]; then
     JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py \
       --skip-baselines ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/bench_blocks_${blocks}_$N.log" |
       grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|dispatch FP8|combine)|FAILED" | sed 's/^\[rank 0\] //'
-  done
-fi
-if [[ $WHAT == *unroll* ]]; then  # push loads in flight per lane x CTAs
-  for unroll in ${SWEEP_UNROLL:-4 8 16}; do
-    for blocks in ${SWEEP_BLOCKS:-24 64}; do
-      step "push dispatch on $N GPUs, JAX_EP_PUSH_UNROLL=$unroll JAX_EP_NUM_BLOCKS=$blocks"
-      JAX_EP_PUSH_UNROLL=$unroll JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" \
-        benchmarks/bench_intranode.py --skip-baselines --modes push 2>&1 |
-        tee "$OUT/bench_unroll_${unroll}_${blocks}_$N.log" |
-        grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|dispatch FP8|combine)|FAILED" | sed 's/^\[rank 0\] //'
-    done
   done
 fi
 if [[ $WHAT == *variants* ]]; then

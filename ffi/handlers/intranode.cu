@@ -54,16 +54,6 @@ size_t element_bytes(ffi::DataType type) {
   }
 }
 
-// Loads in flight per lane in the push (JAX_EP_PUSH_UNROLL, default 4): a tuning knob.
-int push_unroll() {
-  static const int value = [] {
-    const char* env = std::getenv("JAX_EP_PUSH_UNROLL");
-    const int v = env ? std::atoi(env) : 4;
-    return v >= 16 ? 16 : v >= 8 ? 8 : 4;
-  }();
-  return value;
-}
-
 int blocks_or_default(int64_t num_blocks) {
   return num_blocks > 0 ? static_cast<int>(num_blocks) : kDefaultBlocks;
 }
@@ -153,7 +143,6 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.block = static_cast<int>(block);
   a.expert_major = expert_major != 0;
   a.num_blocks = blocks_or_default(num_blocks);
-  a.push_unroll = push_unroll();
   a.x = x.untyped_data();
   a.x_row_bytes = size_t(H) * elem;
   a.scales = has_scales ? x_scales.typed_data() : nullptr;

@@ -38,7 +38,6 @@ struct DispatchArgs {
   int bulk_pipes;  // set by the launcher: bulk pipelines (warps) per CTA, 0 = plain stores
   size_t bulk_offset;  // set by the launcher: start of the bulk area in dynamic shared memory
   int chunk_rows;  // fused: output rows per arrival counter
-  int push_unroll;  // push: 16-byte loads in flight per lane (4, 8 or 16)
   int num_tokens, num_topk, num_experts, capacity, alignment;
   int block;  // expert_major with fixed blocks of this many rows per expert (low latency); 0: off
   bool expert_major;

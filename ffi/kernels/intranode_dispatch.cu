@@ -2,6 +2,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/intranode.h"
 #include "kernels/bulk_copy.cuh"
@@ -493,12 +494,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
 
 // Copies one row to every non-null destination, reading it once; the lanes of a warp stride
 // through it with the widest access all addresses allow.
-template <int kInFlight = 4>
-__device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const char* src,
+// 4 loads in flight per lane: 8 or 16 (tried in session 4) were no faster, and the wider
+// variants made the push kernels spill registers.
+template <int kSources, int kInFlight = 4>
+__device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const char* src,
                                               size_t bytes, int lane) {
   uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
 #pragma unroll
-  for (int j = 0; j < kMaxSources; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
+  for (int j = 0; j < kSources; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
   if ((bits & 15) == 0) {
     const int4* s = reinterpret_cast<const int4*>(src);
     const size_t n = bytes / 16;
@@ -508,7 +511,7 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const 
       for (int u = 0; u < kInFlight; ++u)
         if (i + u * 32 < n) v[u] = s[i + u * 32];
 #pragma unroll
-      for (int j = 0; j < kMaxSources; ++j) {
+      for (int j = 0; j < kSources; ++j) {
         if (dsts[j] == nullptr) continue;
         int4* d = reinterpret_cast<int4*>(dsts[j]);
 #pragma unroll
@@ -520,7 +523,7 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const 
     for (size_t i = lane; i < bytes; i += 32) {
       const char v = src[i];
 #pragma unroll
-      for (int j = 0; j < kMaxSources; ++j)
+      for (int j = 0; j < kSources; ++j)
         if (dsts[j] != nullptr) dsts[j][i] = v;
     }
   }
@@ -530,18 +533,18 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kMaxSources], const 
 // address in the receiver's push region (or in our own output when we are the receiver), and
 // the chunk of the receiver's output it lands in (-1: not sent). Writes the metadata record of
 // every destination row and the row index into send_slot. All lanes of the warp call it.
-template <bool kExpertMajor>
+template <bool kExpertMajor, int kSources>
 __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const GatherTables& tb,
-                                                   int t, int lane, char* (&rows)[kMaxSources],
-                                                   char* (&scales)[kMaxSources],
-                                                   int (&landed)[kMaxSources]) {
+                                                   int t, int lane, char* (&rows)[kSources],
+                                                   char* (&scales)[kSources],
+                                                   int (&landed)[kSources]) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
   const int E = a.num_experts, L = E / R;
   const int sources = kExpertMajor ? K : R;  // destinations of one token, in order
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
 #pragma unroll
-  for (int j = 0; j < kMaxSources; ++j) {  // compile-time indices: registers
+  for (int j = 0; j < kSources; ++j) {  // compile-time indices: registers
     rows[j] = scales[j] = nullptr;
     landed[j] = -1;
     if (j >= sources) continue;
@@ -590,21 +593,18 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
 // warp reads the row once and stores it to all of its destinations. With `count_arrivals`
 // (fused mode) it then bumps the destination's arrival counter of the chunk each row landed
 // in, after a system-scope fence, so receivers can consume finished chunks.
-template <bool kExpertMajor>
+template <bool kExpertMajor, int kSources>
 __device__ __forceinline__ void push_token(const DispatchArgs& a, const GatherTables& tb, int t,
                                            int lane, bool count_arrivals) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_experts / ctx.num_ranks;
   const int sources = kExpertMajor ? a.num_topk : ctx.num_ranks;
-  char* rows[kMaxSources];
-  char* scales[kMaxSources];
-  int landed[kMaxSources];  // chunk of the destination's output each row landed in, or -1
-  token_destinations<kExpertMajor>(a, tb, t, lane, rows, scales, landed);
+  char* rows[kSources];
+  char* scales[kSources];
+  int landed[kSources];  // chunk of the destination's output each row landed in, or -1
+  token_destinations<kExpertMajor, kSources>(a, tb, t, lane, rows, scales, landed);
   const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
-  // loads in flight per lane (JAX_EP_PUSH_UNROLL): more bytes in flight per warp
-  if (a.push_unroll >= 16) broadcast_row<16>(rows, row, a.x_row_bytes, lane);
-  else if (a.push_unroll >= 8) broadcast_row<8>(rows, row, a.x_row_bytes, lane);
-  else broadcast_row<4>(rows, row, a.x_row_bytes, lane);
+  broadcast_row(rows, row, a.x_row_bytes, lane);
   if (a.scales != nullptr)
     broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
                   a.scale_row_bytes, lane);
@@ -613,7 +613,7 @@ __device__ __forceinline__ void push_token(const DispatchArgs& a, const GatherTa
     if (lane == 0) {
       __threadfence_system();
 #pragma unroll
-      for (int j = 0; j < kMaxSources; ++j) {
+      for (int j = 0; j < kSources; ++j) {
         if (landed[j] < 0) continue;
         const int r = kExpertMajor ? a.topk_idx[t * sources + j] / L : j;
         atomicAdd_system(&control_of(ctx, r)->arrivals[landed[j]], 1u);
@@ -626,19 +626,19 @@ __device__ __forceinline__ void push_token(const DispatchArgs& a, const GatherTa
 // roughly in ascending order (destinations' chunks fill up progressively), and warps whose
 // stores drain faster take more tokens (with a static split the last CTA finished ~80 µs
 // after the first, 2×H200).
-template <bool kExpertMajor>
+template <bool kExpertMajor, int kSources>
 __device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb) {
   const int lane = threadIdx.x % 32;
   uint32_t* cursor = &control_of(a.ctx, a.ctx.rank)->work_cursor[kCursorDispatch];
   for (int t = claim_item(cursor, lane); t < a.num_tokens; t = claim_item(cursor, lane))
-    push_token<kExpertMajor>(a, tb, t, lane, /*count_arrivals=*/false);
+    push_token<kExpertMajor, kSources>(a, tb, t, lane, /*count_arrivals=*/false);
 }
 
 // push_tokens with bulk copies: the first a.bulk_pipes warps of each CTA are pipelines; lane 0
 // of each loads a token's row into one of two shared buffers and stores it from there to every
 // destination, while the previous token's stores still drain from the other buffer. Rows are a
 // multiple of 16 bytes (the host checks). `buffers` is the CTA's bulk area of shared memory.
-template <bool kExpertMajor>
+template <bool kExpertMajor, int kSources>
 __device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, char* buffers) {
 #if JAX_EP_BULK_COPY
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -657,10 +657,10 @@ __device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, 
   const uint32_t bytes = static_cast<uint32_t>(a.x_row_bytes);
   int iter = 0;
   for (int t = pipe; t < a.num_tokens; t += pipes, ++iter) {
-    char* rows[kMaxSources];
-    char* scales[kMaxSources];
-    int landed[kMaxSources];
-    token_destinations<kExpertMajor>(a, tb, t, lane, rows, scales, landed);
+    char* rows[kSources];
+    char* scales[kSources];
+    int landed[kSources];
+    token_destinations<kExpertMajor, kSources>(a, tb, t, lane, rows, scales, landed);
     const int stage = iter & 1;
     if (lane == 0) {
       bulk_wait_read<1>();  // the stores from this buffer two tokens ago have read it
@@ -668,7 +668,7 @@ __device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, 
                 bytes, &bars[stage]);
       barrier_wait(&bars[stage], (iter >> 1) & 1);
 #pragma unroll
-      for (int j = 0; j < kMaxSources; ++j)
+      for (int j = 0; j < kSources; ++j)
         if (rows[j] != nullptr) bulk_store(rows[j], stage_buf[stage], bytes);
       bulk_commit();
     }
@@ -683,11 +683,11 @@ __device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, 
   __syncwarp();
 #else
   (void)buffers;
-  push_tokens<kExpertMajor>(a, tb);
+  push_tokens<kExpertMajor, kSources>(a, tb);
 #endif
 }
 
-template <bool kExpertMajor>
+template <bool kExpertMajor, int kSources>
 __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
@@ -698,9 +698,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
   if (a.bulk_pipes > 0) {
-    push_tokens_bulk<kExpertMajor>(a, tb, reinterpret_cast<char*>(tables) + a.bulk_offset);
+    push_tokens_bulk<kExpertMajor, kSources>(a, tb,
+                                             reinterpret_cast<char*>(tables) + a.bulk_offset);
   } else {
-    push_tokens<kExpertMajor>(a, tb);
+    push_tokens<kExpertMajor, kSources>(a, tb);
   }
   profile_end(ctx, kProfDispatchPush);
   if (last_block(ctx, 6) && threadIdx.x == 0) {
@@ -785,7 +786,7 @@ __device__ __forceinline__ int chunk_range_begin(const DispatchArgs& a, const Ga
   return (first_row + a.chunk_rows - 1) / a.chunk_rows;
 }
 
-template <bool kExpertMajor>
+template <bool kExpertMajor, int kSources>
 __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
@@ -851,7 +852,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
     }
     // 3. Otherwise push the next token of ours.
     if (t < a.num_tokens) {
-      push_token<kExpertMajor>(a, tb, t, lane, /*count_arrivals=*/true);
+      push_token<kExpertMajor, kSources>(a, tb, t, lane, /*count_arrivals=*/true);
       t = claim_item(token_cursor, lane);
       idle_since = 0;
       continue;
@@ -948,7 +949,9 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <bool kExpertMajor>
+// kSources: destinations of one token (ranks, or top-k slots) rounded up, so that the push's
+// per-destination arrays stay in registers (sized kMaxSources, they spilled).
+template <bool kExpertMajor, int kSources>
 cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStream_t stream) {
   cudaError_t status = cudaSuccess;
   auto allow_tables = [&](auto kernel, size_t bytes) {
@@ -959,8 +962,8 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
   };
   if (a.use_push && a.fused) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
-    if (!allow_tables(dispatch_fused<kExpertMajor>, tables)) return status;
-    dispatch_fused<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+    if (!allow_tables(dispatch_fused<kExpertMajor, kSources>, tables)) return status;
+    dispatch_fused<kExpertMajor, kSources><<<a.num_blocks, kThreads, tables, stream>>>(a);
   } else if (a.use_push) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     DispatchArgs push = a;
@@ -975,8 +978,8 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
                           : 0;
     if (push.bulk_pipes > 0)
       push_smem = push.bulk_offset + kBulkBarrierBytes + 2 * stage * push.bulk_pipes;
-    if (!allow_tables(dispatch_push<kExpertMajor>, push_smem)) return status;
-    dispatch_push<kExpertMajor><<<a.num_blocks, kThreads, push_smem, stream>>>(push);
+    if (!allow_tables(dispatch_push<kExpertMajor, kSources>, push_smem)) return status;
+    dispatch_push<kExpertMajor, kSources><<<a.num_blocks, kThreads, push_smem, stream>>>(push);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
     if (!allow_tables(dispatch_receive<kExpertMajor>, tables)) return status;
     dispatch_receive<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
@@ -999,8 +1002,15 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   a.chunk_rows = std::max(kMinChunkRows, (a.capacity + kMaxChunks - 1) / kMaxChunks);
   const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
                                        : sizeof(int32_t) * (2 * R + 1);
-  return a.expert_major ? launch_dispatch_mode<true>(a, tables, stream)
-                        : launch_dispatch_mode<false>(a, tables, stream);
+  const int sources = a.expert_major ? a.num_topk : R;
+  auto launch = [&](auto expert_major) {
+    constexpr bool kEM = decltype(expert_major)::value;
+    if (sources <= 2) return launch_dispatch_mode<kEM, 2>(a, tables, stream);
+    if (sources <= 4) return launch_dispatch_mode<kEM, 4>(a, tables, stream);
+    if (sources <= 8) return launch_dispatch_mode<kEM, 8>(a, tables, stream);
+    return launch_dispatch_mode<kEM, kMaxSources>(a, tables, stream);
+  };
+  return a.expert_major ? launch(std::true_type{}) : launch(std::false_type{});
 }
 
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& a, cudaStream_t stream) {
