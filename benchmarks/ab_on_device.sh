@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the device: the intranode (and optionally low-latency) benchmark of this checkout and of
 # every tree under variants/ (benchmarks/make_variants.sh), each built against the machine's
-# jax/NVSHMEM, one after the other in one call. Logs in $OUT/ab/<name>.
+# jax/NVSHMEM (all builds at once, then the benchmarks one after the other), in one call.
+# Logs in $OUT/ab/<name>.
 #   bash benchmarks/ab_on_device.sh [gpus] [bench_intranode args] [ll]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,18 +12,24 @@ LL=${3:-}
 OUT=${OUT:-$PWD/out}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-20}
 PY=$(command -v python3)
-for tree in . variants/*/; do
-  [[ -f $tree/CMakeLists.txt ]] || continue
-  name=$(basename "$(cd "$tree" && pwd)")
-  [[ $tree == . ]] && name=checkout
-  log=$OUT/ab/$name
-  mkdir -p "$log"
-  echo; echo "=== $name ($(date +%T))"
+trees=(.)
+for tree in variants/*/; do [[ -f $tree/CMakeLists.txt ]] && trees+=("${tree%/}"); done
+name_of() { [[ $1 == . ]] && echo checkout || basename "$1"; }
+jobs=$(( $(nproc) / ${#trees[@]} )); (( jobs < 2 )) && jobs=2
+echo "=== building ${#trees[@]} trees, $jobs jobs each ($(date +%T))"
+for tree in "${trees[@]}"; do
+  log=$OUT/ab/$(name_of "$tree"); mkdir -p "$log"
   (cd "$tree" &&
     cmake -S . -B build/device -G Ninja -DPython_EXECUTABLE="$PY" -DJAX_EP_NATIVE=ON \
       -DCMAKE_BUILD_TYPE=Release >"$log/build.log" 2>&1 &&
-    ninja -C build/device >>"$log/build.log" 2>&1 && cp build/device/_C*.so jax_ep/) ||
-    { echo "build failed"; tail -20 "$log/build.log"; continue; }
+    ninja -j "$jobs" -C build/device >>"$log/build.log" 2>&1 && cp build/device/_C*.so jax_ep/ &&
+    touch "$log/built") &
+done
+wait
+for tree in "${trees[@]}"; do
+  name=$(name_of "$tree"); log=$OUT/ab/$name
+  echo; echo "=== $name ($(date +%T))"
+  [[ -f $log/built ]] || { echo "build failed"; tail -20 "$log/build.log"; continue; }
   (cd "$tree" && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
     benchmarks/bench_intranode.py --profile $ARGS 2>&1 | tee "$log/bench_intranode.log" |
     grep -E "^\[rank 0\] (\| jax|Timeline|.*FAILED)" | sed 's/^\[rank 0\] //')
