@@ -56,14 +56,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
-    TIMELINE_CALLS,
-    after_barrier,
-    call_timeline,
     jax_baselines,
-    kernel_phases,
     looped,
     print_phases,
     print_timeline,
+    profile_body,
     put,
     seconds_per_call,
 )
@@ -123,12 +120,9 @@ def main():
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
             if args.profile and name.startswith("jax_ep") and backend == "cuda":
-                one = jax.jit(smap(looped(after_barrier(body, chained, AXIS), 1, chained),
-                                   in_specs=(P(AXIS),) * len(a)))
-                profiles.append((name, kernel_phases(one, *a)))
-                chain = jax.jit(smap(looped(after_barrier(body, chained, AXIS), TIMELINE_CALLS,
-                                            chained), in_specs=(P(AXIS),) * len(a)))
-                timelines.append((name, call_timeline(chain, *a)))
+                phases, calls = profile_body(body, chained, AXIS, smap, a)
+                profiles.append((name, phases))
+                timelines.append((name, calls))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan"), float("nan")))
             if jax.process_index() == 0:

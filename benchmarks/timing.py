@@ -86,17 +86,22 @@ def profile_rows(values):
     return rows
 
 
-def kernel_phases(f, *a):
-    """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
-    end, retired) µs from the earliest start)] for the kernels it ran, from the phase
-    timestamps the CUDA kernels write (rank-local clock)."""
+def _stamped_rows(f, *a):
+    """profile_rows of one run of f, after a warm-up (the CUDA kernels' phase stamps)."""
     from jax_ep import _native
 
     module = _native.load()[0]
     jax.block_until_ready(f(*a))
     module.profile_reset()
     jax.block_until_ready(f(*a))
-    used = [u for _, row in profile_rows(module.profile_read()) for u in row]
+    return profile_rows(module.profile_read())
+
+
+def kernel_phases(f, *a):
+    """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
+    end, retired) µs from the earliest start)] for the kernels it ran, from the phase
+    timestamps the CUDA kernels write (rank-local clock)."""
+    used = [u for _, row in _stamped_rows(f, *a) for u in row]
     if not used:
         return []
     t0 = min(v[0] for _, v in used)
@@ -108,13 +113,18 @@ def call_timeline(f, *a):
     (start, span, gap) in µs: its first kernel's start from the chain's first, first-start to
     the last kernel's retirement, and the idle time since the previous call's retirement. The
     gaps hold whatever else the program runs between the calls (launches, XLA's kernels)."""
-    from jax_ep import _native
+    return timeline(_stamped_rows(f, *a))
 
-    module = _native.load()[0]
-    jax.block_until_ready(f(*a))
-    module.profile_reset()
-    jax.block_until_ready(f(*a))
-    return timeline(profile_rows(module.profile_read()))
+
+def profile_body(body, chained, axis_name, smap, a):
+    """kernel_phases of one call of body and call_timeline of TIMELINE_CALLS chained calls,
+    each started after a barrier; smap(f, in_specs=...) wraps f in the benchmark's
+    shard_map."""
+    in_specs = (jax.sharding.PartitionSpec(axis_name),) * len(a)
+    first = after_barrier(body, chained, axis_name)
+    one = jax.jit(smap(looped(first, 1, chained), in_specs=in_specs))
+    chain = jax.jit(smap(looped(first, TIMELINE_CALLS, chained), in_specs=in_specs))
+    return kernel_phases(one, *a), call_timeline(chain, *a)
 
 
 def timeline(rows):
