@@ -794,32 +794,6 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
   combine_receive(receive, smem, n);
 }
 
-}  // namespace
-
-cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t stream) {
-  static bool configured = false;  // raise the dynamic shared-memory limit once
-  if (!configured) {
-    cudaError_t status = cudaFuncSetAttribute(ll_dispatch_send_kernel,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              200 * 1024);
-    if (status != cudaSuccess) return status;
-    configured = true;
-  }
-  // block 0: slots and index table; the others: tokens
-  const int token_blocks = a.num_tokens < a.num_blocks - 1 ? a.num_tokens : a.num_blocks - 1;
-  const int grid = 1 + (token_blocks > 0 ? token_blocks : 0);
-  ll_dispatch_send_kernel<<<grid, kLLThreads, a.smem_bytes, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
-  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
-  return cudaGetLastError();
-}
-
-namespace {
-
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
 // every call: in a decode loop the handler's host time is on the critical path whenever the
 // GPU would otherwise run ahead. Handlers may run on several threads, hence the lock.
@@ -863,6 +837,24 @@ int cooperative_grid(const void* kernel, size_t smem, int wanted) {
 }
 
 }  // namespace
+
+cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t stream) {
+  const cudaError_t status =
+      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_send_kernel), 200 * 1024);
+  if (status != cudaSuccess) return status;
+  // block 0: slots and index table; the others: tokens
+  const int token_blocks = a.num_tokens < a.num_blocks - 1 ? a.num_tokens : a.num_blocks - 1;
+  const int grid = 1 + (token_blocks > 0 ? token_blocks : 0);
+  ll_dispatch_send_kernel<<<grid, kLLThreads, a.smem_bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
+  const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
+  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
