@@ -72,6 +72,23 @@ __device__ __forceinline__ void profile_end(const PeerContext& ctx, int slot) {
   profile_mark(ctx, slot, kLastEnd);
 }
 
+// Programmatic dependent launch (Hopper): the communication kernels are launched so that
+// they may start while the kernel before them drains (launch_after_previous); the first
+// thing each does is wait for that kernel to complete, its memory visible.
+__device__ __forceinline__ void wait_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel's blocks be scheduled before this grid has finished (they wait in
+// wait_previous_kernel): called once a block has no more work but its closing fences.
+__device__ __forceinline__ void allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // Next item for the calling warp from a work counter (Control::work_cursor); every lane gets it.
 __device__ __forceinline__ int claim_item(uint32_t* cursor, int lane) {
   uint32_t item = 0;
@@ -167,6 +184,7 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
 // control block), after every block's writes are visible system-wide; the last block resets it.
 __device__ inline bool last_block_on(unsigned* counter) {
   __shared__ bool is_last;
+  allow_next_kernel();  // this block has no more work but the closing fences
   // The barrier orders the block's writes before thread 0's fence, which is cumulative: one
   // system-scope fence per block, not one per thread (each costs microseconds under load).
   __syncthreads();

@@ -28,6 +28,7 @@ template <> struct Element<__half> {
 // Stages the rows that peers will read: rows whose token lives on another PE. Rows of this
 // PE's own tokens stay where they are; the reduce reads them straight from y.
 __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t row_bytes) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfCombineStage, kEnter);
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
 // latency, not bandwidth, bounds a warp). The adds keep the contract's order.
 template <typename T, int kVector, int kSources>
 __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t row_bytes) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   constexpr int kUnroll = kSources >= 16 ? 1 : 16 / kSources;
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
@@ -152,33 +154,27 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
 }
 
 template <typename T, int kVector>
-void launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
+cudaError_t launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
   const int sources = a.expert_major ? a.num_topk : a.ctx.num_ranks;
-  if (sources <= 2) {
-    combine_reduce<T, kVector, 2><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
-  } else if (sources <= 4) {
-    combine_reduce<T, kVector, 4><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
-  } else if (sources <= 8) {
-    combine_reduce<T, kVector, 8><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
-  } else {
-    combine_reduce<T, kVector, kMaxSources><<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
-  }
+  auto launch = [&](auto kernel) {
+    return launch_after_previous(kernel, a.num_blocks, kThreads, 0, stream, a, row_bytes);
+  };
+  if (sources <= 2) return launch(combine_reduce<T, kVector, 2>);
+  if (sources <= 4) return launch(combine_reduce<T, kVector, 4>);
+  if (sources <= 8) return launch(combine_reduce<T, kVector, 8>);
+  return launch(combine_reduce<T, kVector, kMaxSources>);
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
   const size_t row_bytes = sizeof(T) * a.hidden;
-  combine_stage<<<a.num_blocks, kThreads, 0, stream>>>(a, row_bytes);
-  cudaError_t status = cudaGetLastError();
+  const cudaError_t status =
+      launch_after_previous(combine_stage, a.num_blocks, kThreads, 0, stream, a, row_bytes);
   if (status != cudaSuccess) return status;
   constexpr int kWide = 16 / sizeof(T);
   // Staged rows are 16-byte aligned; y's rows and the output's need H % kWide == 0.
-  if (a.hidden % kWide == 0) {
-    launch_reduce<T, kWide>(a, row_bytes, stream);
-  } else {
-    launch_reduce<T, 1>(a, row_bytes, stream);
-  }
-  return cudaGetLastError();
+  return a.hidden % kWide == 0 ? launch_reduce<T, kWide>(a, row_bytes, stream)
+                               : launch_reduce<T, 1>(a, row_bytes, stream);
 }
 
 }  // namespace

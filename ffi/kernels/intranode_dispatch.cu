@@ -2,6 +2,8 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "kernels/intranode.h"
@@ -108,6 +110,7 @@ __device__ void grid_barrier(const PeerContext& ctx) {
 // R <= kMaxStageRanks and a co-resident grid of at most kMaxStageBlocks CTAs.
 template <bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchStage, kEnter);
@@ -183,6 +186,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
 // in every peer's matrix. Then all blocks stage the tokens, ids and weights for the peers.
 template <bool kExpertMajor, bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchStage, kEnter);
@@ -420,6 +424,7 @@ __device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, i
 
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchGather, kEnter);
@@ -689,6 +694,7 @@ __device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, 
 
 template <bool kExpertMajor, int kSources>
 __global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchPush, kEnter);
@@ -753,6 +759,7 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
 // Receivers (after every peer has pushed) write every output row.
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchReceive, kEnter);
@@ -788,6 +795,7 @@ __device__ __forceinline__ int chunk_range_begin(const DispatchArgs& a, const Ga
 
 template <bool kExpertMajor, int kSources>
 __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfDispatchFused, kEnter);
@@ -880,6 +888,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
 // ------------------------------------------------------------------------------ cached
 
 __global__ void __launch_bounds__(kThreads) stage_rows(CachedDispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfCachedStage, kEnter);
@@ -899,6 +908,7 @@ __global__ void __launch_bounds__(kThreads) stage_rows(CachedDispatchArgs a) {
 }
 
 __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfCachedGather, kEnter);
@@ -925,6 +935,18 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   }
 }
 
+}  // namespace
+
+bool programmatic_launch() {
+  static const bool value = [] {
+    const char* env = std::getenv("JAX_EP_PDL");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return value;
+}
+
+namespace {
+
 int multiprocessors() {
   static const int count = [] {
     int device = 0, n = 0;
@@ -935,18 +957,16 @@ int multiprocessors() {
   return count;
 }
 
-
 // The stage kernel: rank_major spreads its scan over a co-resident grid when it can.
 template <bool kExpertMajor, bool kPull>
 cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
   const int W = kExpertMajor ? a.num_experts : a.ctx.num_ranks;
   if (!kExpertMajor && a.ctx.num_ranks <= kMaxStageRanks) {
     const int grid = std::min({a.num_blocks, multiprocessors(), kMaxStageBlocks});
-    dispatch_stage_ranks<kPull><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    dispatch_stage<kExpertMajor, kPull><<<std::max(W, a.num_blocks), kThreads, 0, stream>>>(a);
+    return launch_after_previous(dispatch_stage_ranks<kPull>, grid, kThreads, 0, stream, a);
   }
-  return cudaGetLastError();
+  return launch_after_previous(dispatch_stage<kExpertMajor, kPull>, std::max(W, a.num_blocks),
+                               kThreads, 0, stream, a);
 }
 
 // kSources: destinations of one token (ranks, or top-k slots) rounded up, so that the push's
@@ -963,7 +983,8 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
   if (a.use_push && a.fused) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_fused<kExpertMajor, kSources>, tables)) return status;
-    dispatch_fused<kExpertMajor, kSources><<<a.num_blocks, kThreads, tables, stream>>>(a);
+    return launch_after_previous(dispatch_fused<kExpertMajor, kSources>, a.num_blocks, kThreads,
+                                 tables, stream, a);
   } else if (a.use_push) {
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     DispatchArgs push = a;
@@ -979,14 +1000,17 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
     if (push.bulk_pipes > 0)
       push_smem = push.bulk_offset + kBulkBarrierBytes + 2 * stage * push.bulk_pipes;
     if (!allow_tables(dispatch_push<kExpertMajor, kSources>, push_smem)) return status;
-    dispatch_push<kExpertMajor, kSources><<<a.num_blocks, kThreads, push_smem, stream>>>(push);
-    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    status = launch_after_previous(dispatch_push<kExpertMajor, kSources>, a.num_blocks, kThreads,
+                                   push_smem, stream, push);
+    if (status != cudaSuccess) return status;
     if (!allow_tables(dispatch_receive<kExpertMajor>, tables)) return status;
-    dispatch_receive<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+    return launch_after_previous(dispatch_receive<kExpertMajor>, a.num_blocks, kThreads, tables,
+                                 stream, a);
   } else {
     if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
-    dispatch_gather<kExpertMajor><<<a.num_blocks, kThreads, tables, stream>>>(a);
+    return launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
+                                 stream, a);
   }
   return cudaGetLastError();
 }
@@ -1014,11 +1038,9 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
 }
 
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& a, cudaStream_t stream) {
-  stage_rows<<<a.num_blocks, kThreads, 0, stream>>>(a);
-  cudaError_t status = cudaGetLastError();
+  const cudaError_t status = launch_after_previous(stage_rows, a.num_blocks, kThreads, 0, stream, a);
   if (status != cudaSuccess) return status;
-  gather_rows<<<a.num_blocks, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_after_previous(gather_rows, a.num_blocks, kThreads, 0, stream, a);
 }
 
 }  // namespace jax_ep
