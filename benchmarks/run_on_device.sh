@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,variants,ll,graphs,storeprobe,example]
+#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -97,6 +97,15 @@ if [[ $WHAT == *storeprobe* ]]; then  # NVLink write throughput by instruction k
      done
      wait) 2>&1 | tee "$OUT/store_probe_$N.log"
   }
+fi
+if [[ ,$WHAT, == *,trace,* ]]; then  # the GPU timeline of chained calls (CUPTI, rank 0)
+  step "GPU timeline of chained calls on $N GPUs"
+  timeout 240 $PY -m jax_ep.launch -n "$N" benchmarks/trace_calls.py ${TRACE_ARGS:-} 2>&1 |
+    tee "$OUT/trace_$N.log" | grep -E "^\[rank 0\] ( |=|[a-z_0-9]+: )" | sed 's/^\[rank 0\] //' | cut -c1-160
+  step "GPU timeline, low-latency rows with JAX_EP_COMMAND_BUFFERS=1"
+  JAX_EP_COMMAND_BUFFERS=1 timeout 120 $PY -m jax_ep.launch -n "$N" benchmarks/trace_calls.py \
+    --rows ll_fp8,ll_split 2>&1 | tee "$OUT/trace_graphs_$N.log" |
+    grep -E "^\[rank 0\] ( |=|[a-z_0-9]+: )" | sed 's/^\[rank 0\] //' | cut -c1-160
 fi
 if [[ $WHAT == *example* ]]; then
   step "example on $N GPUs"

@@ -24,16 +24,16 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 
-from timing import looped, put
+from timing import looped, put, seconds_per_call
 
 AXIS = "ep"
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="ll_fp8,ll_dc,push,push_fp8")
-    p.add_argument("--calls", type=int, default=8, help="chained calls in the traced program")
-    p.add_argument("--show", type=int, default=3, help="calls printed (from the middle)")
+    p.add_argument("--rows", default="ll_fp8,ll_dc,ll_split,matmul,push,push_fp8")
+    p.add_argument("--calls", type=int, default=100, help="chained calls in the traced program")
+    p.add_argument("--show", type=int, default=2, help="calls printed (from the middle)")
     return p.parse_args()
 
 
@@ -54,6 +54,32 @@ def gpu_events(trace_dir):
     return sorted(events), sorted(host)
 
 
+def short(name):
+    """A kernel's readable name: jax_ep's kernels by their function name."""
+    for key in ("ll_dispatch", "ll_combine", "dispatch_", "combine_", "layout"):
+        i = name.find(key)
+        if i >= 0:
+            return name[i:].split("E")[0].split("I")[0][:28]
+    return name[:28]
+
+
+def summarize(kernels, starts):
+    """Per call, over the middle calls: GPU cycle, busy and idle time, each kernel's share."""
+    middle = range(len(starts) // 10, len(starts) * 9 // 10 - 1) if len(starts) > 10 \
+        else range(len(starts) - 1)
+    cycles, busy, per_name = [], [], {}
+    for c in middle:
+        events = kernels[starts[c]:starts[c + 1]]
+        cycles.append((kernels[starts[c + 1]][0] - kernels[starts[c]][0]) / 1e3)
+        busy.append(sum(e[1] for e in events) / 1e3)
+        for e in events:
+            per_name.setdefault(short(e[2]), []).append(e[1] / 1e3)
+    n = len(cycles)
+    print(f"    over {n} calls: GPU cycle per call median {np.median(cycles):.1f} µs, busy "
+          f"{np.median(busy):.1f}, idle {np.median(np.subtract(cycles, busy)):.1f}; "
+          "per call: " + ", ".join(f"{k} {sum(v) / n:.1f}" for k, v in per_name.items()))
+
+
 def show(name, events, host, calls, shown):
     """Prints the middle `shown` calls of the GPU timeline: offset, idle before, duration."""
     kernels = events
@@ -67,6 +93,7 @@ def show(name, events, host, calls, shown):
             print(f"    {e[1] / 1e3:8.1f} µs  {e[2][:90]}  [{e[3]}]")
         return
     starts = ours[::len(ours) // calls]  # each call's first jax_ep kernel
+    summarize(kernels, starts)
     c0 = max(0, calls // 2 - shown // 2)
     first = starts[c0]
     last_i = starts[c0 + shown] if c0 + shown < len(starts) else len(kernels)
@@ -119,6 +146,17 @@ def main():
         o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
         return jax_ep.low_latency_combine(o.x, w, o.handle)[0, 0]
 
+    weight = put(rng.standard_normal((R * H, H)).astype(jnp.bfloat16) / np.sqrt(H), shard)
+
+    def matmul(x, idx, weight):  # weight: this rank's [H, H] block
+        return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
+
+    def ll_split(x, idx, weight):  # send, an independent matmul, receive (as in bench_low_latency)
+        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
+        x_after, _ = jax.lax.optimization_barrier((x, pending))
+        s = matmul(x_after, idx, weight)
+        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
+
     big = inputs(T)
     capacity = int(((big[3] // (E // R))[..., None] == np.arange(R)).any(1).sum(0).max())
 
@@ -128,19 +166,21 @@ def main():
         return out.num_received.astype(jnp.float32)
 
     small = inputs(T_ll)
-    bodies = {"ll_fp8": (ll_fp8, small), "ll_dc": (ll_dc, small), "push": (push, big),
-              "push_fp8": (partial(push, fp8=True), big)}
+    with_weight = (small[0], small[1], weight)
+    bodies = {"ll_fp8": (ll_fp8, small[:3]), "ll_dc": (ll_dc, small[:3]),
+              "ll_split": (ll_split, with_weight), "matmul": (matmul, with_weight),
+              "push": (push, big[:3]), "push_fp8": (partial(push, fp8=True), big[:3])}
     for name in args.rows.split(","):
-        body, (x, idx, w, _) = bodies[name]
+        body, (x, idx, w) = bodies[name]
         f = jax.jit(smap(looped(body, args.calls, 0), in_specs=(P(AXIS),) * 3))
-        jax.block_until_ready(f(x, idx, w))
-        jax.block_until_ready(f(x, idx, w))
+        wall = seconds_per_call(f, x, idx, w, calls=args.calls, repeats=5)
         with tempfile.TemporaryDirectory() as d:
             jax.profiler.start_trace(d)
             jax.block_until_ready(f(x, idx, w))
             jax.profiler.stop_trace()
             events, host = gpu_events(d)
         if jax.process_index() == 0:
+            print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace)")
             show(name, events, host, args.calls, args.show)
 
 
