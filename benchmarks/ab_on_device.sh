@@ -32,10 +32,10 @@ for tree in "${trees[@]}"; do
   [[ -f $log/built ]] || { echo "build failed"; tail -20 "$log/build.log"; continue; }
   (cd "$tree" && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
     benchmarks/bench_intranode.py --profile $ARGS 2>&1 | tee "$log/bench_intranode.log" |
-    grep -E "^\[rank 0\] (\| jax|Timeline|.*FAILED)" | sed 's/^\[rank 0\] //')
+    grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|.*FAILED)" | sed 's/^\[rank 0\] //')
   if [[ -n $LL ]]; then
     (cd "$tree" && PYTHONPATH=$PWD timeout 200 $PY -m jax_ep.launch -n "$N" \
       benchmarks/bench_low_latency.py --profile 2>&1 | tee "$log/bench_low_latency.log" |
-      grep -E "^\[rank 0\] (\| jax|Timeline|.*FAILED)" | sed 's/^\[rank 0\] //')
+      grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|.*FAILED)" | sed 's/^\[rank 0\] //')
   fi
 done

@@ -56,10 +56,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
+    call_profile,
+    gpu_events,
     jax_baselines,
     looped,
+    print_call_profiles,
     print_phases,
-    print_timeline,
     profile_body,
     put,
     seconds_per_call,
@@ -112,7 +114,7 @@ def main():
     bytes_bf16 = mean_recv * H * 2
     bytes_fp8 = mean_recv * (H + H // 128 * 4)
     rows = []
-    profiles, timelines = [], []
+    profiles, call_profiles = [], []
 
     def record(name, body, *a, chained=0, nbytes=bytes_bf16):
         try:
@@ -120,9 +122,8 @@ def main():
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
             if args.profile and name.startswith("jax_ep") and backend == "cuda":
-                phases, calls = profile_body(body, chained, AXIS, smap, a)
-                profiles.append((name, phases))
-                timelines.append((name, calls))
+                profiles.append((name, profile_body(body, chained, AXIS, smap, a)))
+                call_profiles.append((name, call_profile(gpu_events(f, *a), args.iters)))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan"), float("nan")))
             if jax.process_index() == 0:
@@ -182,8 +183,8 @@ def main():
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
     if profiles and jax.process_index() == 0:
         print_phases(profiles)
-        for name, timeline in timelines:
-            print_timeline(name, timeline)
+        if jax.process_index() == 0:
+            print_call_profiles(call_profiles)
 
 
 def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):

@@ -54,10 +54,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
+    call_profile,
+    gpu_events,
     jax_baselines,
     looped,
+    print_call_profiles,
     print_phases,
-    print_timeline,
     profile_body,
     put,
     seconds_per_call,
@@ -147,7 +149,7 @@ def main():
     w = put(rng.random((R * T, K)).astype(np.float32), shard)
     idx_d = put(idx, shard)
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
-    rows, profiles, timelines = [], [], []
+    rows, profiles, call_profiles = [], [], []
 
     def record(name, f, *a, chained=1):
         try:
@@ -156,9 +158,8 @@ def main():
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
             rows.append((name, t * 1e6))
             if args.profile and name.startswith("jax_ep") and backend == "cuda":
-                phases, calls = profile_body(f, chained, AXIS, smap, a)
-                profiles.append((name, phases))
-                timelines.append((name, calls))
+                profiles.append((name, profile_body(f, chained, AXIS, smap, a)))
+                call_profiles.append((name, call_profile(gpu_events(looped_f, *a), args.calls)))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan")))
             if jax.process_index() == 0:
@@ -182,8 +183,8 @@ def main():
             print(f"| {name:40s} | {us:11.1f} |")
     if profiles:  # every rank: one rank's receive waits on the others' sends
         print_phases(profiles)
-        for name, timeline in timelines:
-            print_timeline(name, timeline)
+        if jax.process_index() == 0:
+            print_call_profiles(call_profiles)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,6 @@ KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_recei
            "ll_dispatch_slots"]
 PROFILE_KERNELS = 16  # kProfileKernels: slots per row of the profile ring
 PROFILE_PHASES = 5  # kProfilePhases: enter, waited, first end, last end, retired
-TIMELINE_CALLS = 16  # chained calls in a timeline (at most kProfileCalls)
 
 
 def after_barrier(body, chained, axis_name):
@@ -108,49 +107,97 @@ def kernel_phases(f, *a):
     return [(k, tuple((x - t0) / 1e3 for x in v)) for k, v in sorted(used, key=lambda u: u[1][0])]
 
 
-def call_timeline(f, *a):
-    """Runs f (a chain of calls) once after a warm-up and returns, per handler call in order,
-    (start, span, gap) in µs: its first kernel's start from the chain's first, first-start to
-    the last kernel's retirement, and the idle time since the previous call's retirement. The
-    gaps hold whatever else the program runs between the calls (launches, XLA's kernels)."""
-    return timeline(_stamped_rows(f, *a))
-
-
 def profile_body(body, chained, axis_name, smap, a):
-    """kernel_phases of one call of body and call_timeline of TIMELINE_CALLS chained calls,
-    each started after a barrier; smap(f, in_specs=...) wraps f in the benchmark's
-    shard_map."""
+    """kernel_phases of one call of body, started after a barrier; smap(f, in_specs=...) wraps
+    f in the benchmark's shard_map."""
     in_specs = (jax.sharding.PartitionSpec(axis_name),) * len(a)
-    first = after_barrier(body, chained, axis_name)
-    one = jax.jit(smap(looped(first, 1, chained), in_specs=in_specs))
-    chain = jax.jit(smap(looped(first, TIMELINE_CALLS, chained), in_specs=in_specs))
-    return kernel_phases(one, *a), call_timeline(chain, *a)
+    one = jax.jit(smap(looped(after_barrier(body, chained, axis_name), 1, chained),
+                       in_specs=in_specs))
+    return kernel_phases(one, *a)
 
 
-def timeline(rows):
-    """call_timeline's result from profile_rows' result."""
-    calls = sorted((min(v[0] for _, v in row), max(v[4] for _, v in row)) for _, row in rows)
-    if not calls:
-        return []
-    t0, out, prev_end = calls[0][0], [], None
-    for start, end in calls:
-        gap = float("nan") if prev_end is None else (start - prev_end) / 1e3
-        out.append(((start - t0) / 1e3, (end - start) / 1e3, gap))
-        prev_end = end
-    return out
+def gpu_events(f, *a):
+    """Runs f once (after a warm-up) under the JAX profiler and returns this process's GPU
+    activity as sorted (start ns, duration ns, name): every kernel, copy and memset, as CUPTI
+    records it. Nsight Systems cannot write reports on the device machines; this can."""
+    import glob
+    import os
+    import tempfile
+
+    jax.block_until_ready(f(*a))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        jax.block_until_ready(f(*a))
+        jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return []
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    return sorted((e.start_ns, e.duration_ns, e.name) for plane in data.planes
+                  if plane.name.startswith("/device:GPU") for line in plane.lines
+                  for e in line.events)
 
 
-def print_timeline(name, calls):
-    """Prints call_timeline's result with its medians."""
-    if not calls:
+def is_ours(name):
+    """Whether a GPU activity is one of jax_ep's kernels (their mangled names hold jax_ep)."""
+    return "jax_ep" in name
+
+
+def kernel_name(name):
+    """A readable name for a GPU activity: jax_ep's kernels by their function name."""
+    if is_ours(name):
+        for key in ("ll_dispatch", "ll_combine", "dispatch_", "combine_", "layout_", "stage_",
+                    "gather_"):
+            i = name.find(key)
+            if i >= 0:
+                return name[i:].split("E")[0].split("I")[0]
+    return name[:40]
+
+
+def call_profile(events, calls):
+    """Per call of a chain of `calls` calls (the middle 80 %, to skip the program's start and
+    end), medians in µs: the GPU's cycle (one call's first jax_ep kernel to the next's), the
+    time in jax_ep's kernels, in other GPU work (what the program runs between the calls) and
+    idle; plus each activity's mean time per call. None if the trace holds no jax_ep kernels
+    in a multiple of `calls`."""
+    ours = [i for i, e in enumerate(events) if is_ours(e[2])]
+    if not ours or len(ours) % calls:
+        return None
+    starts = ours[::len(ours) // calls] + [len(events)]
+    lo, hi = calls // 10, max(calls // 10 + 1, calls - calls // 10 - 1)
+    cycle, mine, other, names = [], [], [], {}
+    for c in range(lo, hi):
+        window = events[starts[c]:starts[c + 1]]
+        if starts[c + 1] == len(events):
+            break
+        cycle.append(events[starts[c + 1]][0] - events[starts[c]][0])
+        mine.append(sum(d for _, d, n in window if is_ours(n)))
+        other.append(sum(d for _, d, n in window if not is_ours(n)))
+        for _, d, n in window:
+            names[kernel_name(n)] = names.get(kernel_name(n), 0) + d
+    if not cycle:
+        return None
+    k = len(cycle)
+    med = lambda v: float(np.median(v)) / 1e3  # noqa: E731
+    return {"calls": k, "cycle": med(cycle), "jax_ep": med(mine), "other": med(other),
+            "idle": med(np.subtract(cycle, np.add(mine, other))),
+            "per_name": {n: v / k / 1e3 for n, v in names.items()}}
+
+
+def print_call_profiles(profiles):
+    """Prints call_profile results: [(operation, profile)]."""
+    if not profiles:
         return
-    spans = np.array([s for _, s, _ in calls])
-    gaps = np.array([g for _, _, g in calls[1:]])
-    total = calls[-1][0] + calls[-1][1]
-    print(f"\nTimeline of {len(calls)} chained calls, {name} (µs): per call "
-          f"{total / len(calls):.1f}, kernel span median {np.median(spans):.1f}, gap between "
-          f"calls median {np.median(gaps) if len(gaps) else float('nan'):.1f}")
-    print("    " + "  ".join(f"{s:6.1f}+{g:5.1f}" for _, s, g in calls[1:]))
+    print("\nGPU time per call from a profiler (CUPTI) trace of the same chained program, rank "
+          "0, medians over the middle calls (µs): cycle = jax_ep kernels + other GPU work "
+          "(the chain's own ops) + idle (kernels of one call may overlap: programmatic launch)")
+    for name, p in profiles:
+        if p is None:
+            print(f"{name}: no jax_ep kernels in the trace")
+            continue
+        print(f"{name}: cycle {p['cycle']:.1f} = jax_ep {p['jax_ep']:.1f} + other "
+              f"{p['other']:.1f} + idle {p['idle']:.1f}")
+        print("    " + ", ".join(f"{n} {v:.1f}" for n, v in p["per_name"].items()))
 
 
 def print_phases(profiles):

@@ -1,19 +1,17 @@
 """What the GPU runs between chained jax_ep calls: a JAX profiler (CUPTI) trace of a few
-chained calls, printed as rank 0's GPU timeline (every kernel, memset and copy, with the idle
-time before it) next to the host's launch times of the same program.
+chained calls: per call, the time in jax_ep's kernels, in the program's other GPU work and
+idle; then a stretch of rank 0's GPU timeline (every kernel, memset and copy).
 
     python -m jax_ep.launch -n 2 benchmarks/trace_calls.py [--rows ll_fp8,ll_dc,push,push_fp8]
 
 Nsight Systems cannot write reports on the device machines; the profiler built into jaxlib
-can, and `jax.profiler.ProfileData` reads its trace without TensorBoard.
+can (benchmarks/timing.py: gpu_events).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import tempfile
 from functools import partial
 
 import jax
@@ -24,7 +22,16 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 
-from timing import looped, put, seconds_per_call
+from timing import (
+    call_profile,
+    gpu_events,
+    is_ours,
+    kernel_name,
+    looped,
+    print_call_profiles,
+    put,
+    seconds_per_call,
+)
 
 AXIS = "ep"
 
@@ -37,82 +44,25 @@ def parse_args():
     return p.parse_args()
 
 
-def gpu_events(trace_dir):
-    """(start_ns, duration_ns, name, line) of every event on this process's GPU plane."""
-    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
-    data = jax.profiler.ProfileData.from_file(path)
-    events, host = [], []
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                for e in line.events:
-                    events.append((e.start_ns, e.duration_ns, e.name, line.name))
-        elif plane.name.startswith("/host:CPU"):
-            for line in plane.lines:
-                for e in line.events:
-                    host.append((e.start_ns, e.duration_ns, e.name, line.name))
-    return sorted(events), sorted(host)
-
-
-def short(name):
-    """A kernel's readable name: jax_ep's kernels by their function name."""
-    for key in ("ll_dispatch", "ll_combine", "dispatch_", "combine_", "layout"):
-        i = name.find(key)
-        if i >= 0:
-            return name[i:].split("E")[0].split("I")[0][:28]
-    return name[:28]
-
-
-def summarize(kernels, starts):
-    """Per call, over the middle calls: GPU cycle, busy and idle time, each kernel's share."""
-    middle = range(len(starts) // 10, len(starts) * 9 // 10 - 1) if len(starts) > 10 \
-        else range(len(starts) - 1)
-    cycles, busy, per_name = [], [], {}
-    for c in middle:
-        events = kernels[starts[c]:starts[c + 1]]
-        cycles.append((kernels[starts[c + 1]][0] - kernels[starts[c]][0]) / 1e3)
-        busy.append(sum(e[1] for e in events) / 1e3)
-        for e in events:
-            per_name.setdefault(short(e[2]), []).append(e[1] / 1e3)
-    n = len(cycles)
-    print(f"    over {n} calls: GPU cycle per call median {np.median(cycles):.1f} µs, busy "
-          f"{np.median(busy):.1f}, idle {np.median(np.subtract(cycles, busy)):.1f}; "
-          "per call: " + ", ".join(f"{k} {sum(v) / n:.1f}" for k, v in per_name.items()))
-
-
-def show(name, events, host, calls, shown):
-    """Prints the middle `shown` calls of the GPU timeline: offset, idle before, duration."""
-    kernels = events
-    if not kernels:
-        print(f"{name}: no GPU events in the trace (CUPTI unavailable?)")
+def show(name, events, calls, shown):
+    """Prints the per-call profile, then `shown` calls from the middle of the GPU timeline:
+    start, idle before, duration, name of every activity."""
+    ours = [i for i, e in enumerate(events) if is_ours(e[2])]
+    print(f"\n=== {name}: {len(events)} GPU activities, {len(ours)} of them jax_ep kernels")
+    if not ours or len(ours) % calls:
+        for _, d, n in events[:60]:
+            print(f"    {d / 1e3:8.1f} µs  {n[:90]}")
         return
-    ours = [i for i, e in enumerate(kernels) if "jax_ep" in e[2] or "ll_" in e[2]]
-    print(f"\n=== {name}: {len(kernels)} GPU events, {len(ours)} of them jax_ep kernels")
-    if len(ours) < calls:
-        for e in kernels[:60]:
-            print(f"    {e[1] / 1e3:8.1f} µs  {e[2][:90]}  [{e[3]}]")
-        return
-    starts = ours[::len(ours) // calls]  # each call's first jax_ep kernel
-    summarize(kernels, starts)
+    print_call_profiles([(name, call_profile(events, calls))])
+    starts = ours[::len(ours) // calls] + [len(events)]  # each call's first jax_ep kernel
     c0 = max(0, calls // 2 - shown // 2)
-    first = starts[c0]
-    last_i = starts[c0 + shown] if c0 + shown < len(starts) else len(kernels)
-    t0 = kernels[first][0]
-    prev_end = None
-    print("      start    idle    dur   name [stream]")
-    for s, d, n, line in kernels[first:last_i]:
-        idle = (s - prev_end) / 1e3 if prev_end is not None else 0.0
-        print(f"    {(s - t0) / 1e3:7.1f} {idle:7.1f} {d / 1e3:6.1f}   {n[:70]} [{line[:24]}]")
-        prev_end = max(prev_end or 0, s + d)
-    # host side: when the thunks of the same stretch were launched
-    window = [h for h in host if t0 - 50_000 <= h[0] <= prev_end and h[1] < 5_000_000]
-    names = {}
-    for _s, d, n, _line in window:
-        key = n.split(":")[0][:60]
-        names.setdefault(key, []).append(d / 1e3)
-    print("    host events in that window (name: count, median µs):")
-    for key, ds in sorted(names.items(), key=lambda kv: -len(kv[1]))[:14]:
-        print(f"      {key}: {len(ds)}, {float(np.median(ds)):.1f}")
+    window = events[starts[c0]:starts[min(c0 + shown, calls)]]
+    t0, prev_end = window[0][0], window[0][0]
+    print("      start    idle    dur   name")
+    for s, d, n in window:
+        print(f"    {(s - t0) / 1e3:7.1f} {(s - prev_end) / 1e3:7.1f} {d / 1e3:6.1f}   "
+              f"{kernel_name(n)}")
+        prev_end = max(prev_end, s + d)
 
 
 def main():
@@ -174,14 +124,10 @@ def main():
         body, (x, idx, w) = bodies[name]
         f = jax.jit(smap(looped(body, args.calls, 0), in_specs=(P(AXIS),) * 3))
         wall = seconds_per_call(f, x, idx, w, calls=args.calls, repeats=5)
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d)
-            jax.block_until_ready(f(x, idx, w))
-            jax.profiler.stop_trace()
-            events, host = gpu_events(d)
+        events = gpu_events(f, x, idx, w)
         if jax.process_index() == 0:
             print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace)")
-            show(name, events, host, args.calls, args.show)
+            show(name, events, args.calls, args.show)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The benchmarks' reading of the kernels' profile ring (benchmarks/timing.py), on made-up
-stamps: rows per handler call, the retirement fallback, and the gaps between calls."""
+stamps: rows per handler call and the retirement fallback; and its per-call split of a
+profiler trace (made-up GPU activities)."""
 
 from __future__ import annotations
 
@@ -25,23 +26,54 @@ def _ring(calls):
     return values
 
 
-def test_timeline_of_two_calls():
+def test_profile_rows():
     values = _ring({
         0: {"dispatch_stage": (1000, 1100, 1900, 2000, 2500),
-            "dispatch_push": (3000, 3100, 8000, 9000, 9400),
-            "dispatch_receive": (10000, 10100, 11000, 12000, 12300)},
+            "dispatch_push": (3000, 3100, 8000, 9000, 9400)},
         # a low-latency kernel: no retirement stamp, its last end counts
         2: {"ll_dispatch_send": (20000, 20500, 21000, 22000, 0)},
     })
     rows = timing.profile_rows(values)
     assert [r for r, _ in rows] == [0, 2]
+    assert dict(rows[0][1])["dispatch_push"] == (3000, 3100, 8000, 9000, 9400)
     assert dict(rows[1][1])["ll_dispatch_send"][4] == 22000
-    calls = timing.timeline(rows)
-    assert calls[0] == (0.0, pytest.approx(11.3), calls[0][2])
-    assert calls[1][0] == pytest.approx(19.0)
-    assert calls[1][1] == pytest.approx(2.0)
-    assert calls[1][2] == pytest.approx(20.0 - 12.3)
 
 
 def test_empty_ring():
-    assert timing.timeline(timing.profile_rows(_ring({}))) == []
+    assert timing.profile_rows(_ring({})) == []
+
+
+_SEND = "_ZN6jax_ep47_GLOBAL__N_118ll_dispatch_kernelENS_19LLDispatchSendArgsE"
+
+
+def _chain(calls):
+    """GPU activities of a chain: per call, a 20 µs jax_ep kernel, 1 µs idle, a 2 µs XLA
+    fusion, 1 µs idle (24 µs a call), in ns."""
+    events, t = [], 5000
+    for _ in range(calls):
+        events += [(t, 20000, _SEND), (t + 21000, 2000, "loop_add_fusion_1")]
+        t += 24000
+    return events
+
+
+def test_call_profile_splits_each_call():
+    p = timing.call_profile(_chain(20), 20)
+    assert p["calls"] > 10
+    assert p["cycle"] == pytest.approx(24.0)
+    assert p["jax_ep"] == pytest.approx(20.0)
+    assert p["other"] == pytest.approx(2.0)
+    assert p["idle"] == pytest.approx(2.0)
+    assert p["per_name"] == {"ll_dispatch_kernel": pytest.approx(20.0),
+                             "loop_add_fusion_1": pytest.approx(2.0)}
+
+
+def test_call_profile_needs_the_calls():
+    assert timing.call_profile([(0, 1000, "loop_add_fusion_1")], 10) is None
+    assert timing.call_profile(_chain(7), 10) is None  # not a multiple of the calls
+
+
+def test_kernel_names():
+    assert timing.kernel_name(_SEND) == "ll_dispatch_kernel"
+    assert timing.kernel_name("__nv_static_43__x_ZN6jax_ep5_GLOBAL__N_113dispatch_pushILi2EEEvNS_"
+                              "12DispatchArgsE") == "dispatch_push"
+    assert timing.kernel_name("sm90_xmma_gemm") == "sm90_xmma_gemm"
