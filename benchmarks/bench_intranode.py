@@ -58,6 +58,8 @@ import jax_ep  # noqa: E402
 from timing import (  # noqa: E402
     call_profile,
     gpu_events,
+    is_nccl,
+    is_ours,
     jax_baselines,
     looped,
     print_call_profiles,
@@ -120,12 +122,17 @@ def main():
         try:
             f = jax.jit(smap(looped(body, args.iters, chained), in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
-            rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan")))
-            if args.profile and name.startswith("jax_ep") and backend == "cuda":
-                profiles.append((name, profile_body(body, chained, AXIS, smap, a)))
-                call_profiles.append((name, call_profile(gpu_events(f, *a), args.iters)))
+            gpu = None
+            if args.profile and jax.default_backend() == "gpu":
+                ours = name.startswith("jax_ep")
+                if ours and backend == "cuda":
+                    profiles.append((name, profile_body(body, chained, AXIS, smap, a)))
+                gpu = call_profile(gpu_events(f, *a), args.iters, is_ours if ours else is_nccl)
+                call_profiles.append((name, gpu))
+            rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan"),
+                         gpu["cycle"] if gpu else float("nan")))
         except Exception as e:  # a failing row must not hide the others
-            rows.append((name, float("nan"), float("nan")))
+            rows.append((name, float("nan"), float("nan"), float("nan")))
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
@@ -193,10 +200,15 @@ def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
               f"T={T}/rank H={H} top-{K} of {E} ({args.routing} routing); mean received "
               f"tokens/rank {mean_recv:.0f} ({bytes_bf16 / 1e6:.1f} MB BF16); "
               f"{args.iters} chained calls per timing")
-        print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} |")
-        print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|")
-        for name, us, gbs in rows:
-            print(f"| {name:52s} | {us:9.1f} | {gbs:12.1f} |")
+        print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} | "
+              f"{'GPU µs/call':>11s} |")
+        print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|{'-' * 13}|")
+        for name, us, gbs, cycle in rows:
+            print(f"| {name:52s} | {us:9.1f} | {gbs:12.1f} | {cycle:11.1f} |")
+        if any(cycle == cycle for *_, cycle in rows):
+            print("µs: wall clock of the chained program / calls (its launch included); GPU "
+                  "µs/call: the GPU's cycle per call in a profiler trace of that program "
+                  "(--profile; details below)")
 
 
 if __name__ == "__main__":

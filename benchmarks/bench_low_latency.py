@@ -56,6 +56,8 @@ import jax_ep  # noqa: E402
 from timing import (  # noqa: E402
     call_profile,
     gpu_events,
+    is_nccl,
+    is_ours,
     jax_baselines,
     looped,
     print_call_profiles,
@@ -121,7 +123,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
                *arrays[1:], chained=1)  # chained through the gates: y is L*R*M rows
     except Exception as e:
-        rows.append(("jax_ep low_latency_combine BF16 (alone)", float("nan")))
+        rows.append(("jax_ep low_latency_combine BF16 (alone)", float("nan"), float("nan")))
         if jax.process_index() == 0:
             print(f"combine alone FAILED: {type(e).__name__}: {str(e)[:400]}")
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0)
@@ -156,12 +158,18 @@ def main():
             looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
                                     in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
-            rows.append((name, t * 1e6))
-            if args.profile and name.startswith("jax_ep") and backend == "cuda":
-                profiles.append((name, profile_body(f, chained, AXIS, smap, a)))
-                call_profiles.append((name, call_profile(gpu_events(looped_f, *a), args.calls)))
+            gpu = None
+            if args.profile and jax.default_backend() == "gpu":
+                ours = name.startswith("jax_ep") or "->" in name
+                if name.startswith("jax_ep") and backend == "cuda":
+                    profiles.append((name, profile_body(f, chained, AXIS, smap, a)))
+                marker = is_ours if ours else is_nccl
+                if name != "independent matmul alone":
+                    gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
+                    call_profiles.append((name, gpu))
+            rows.append((name, t * 1e6, gpu["cycle"] if gpu else float("nan")))
         except Exception as e:  # a failing row must not hide the others
-            rows.append((name, float("nan")))
+            rows.append((name, float("nan"), float("nan")))
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
@@ -177,10 +185,14 @@ def main():
     if jax.process_index() == 0:
         print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "
               f"top-{K} of {E}; per call, jitted loop of {args.calls}")
-        print(f"| {'operation':40s} | {'µs per call':>11s} |")
-        print(f"|{'-' * 42}|{'-' * 13}|")
-        for name, us in rows:
-            print(f"| {name:40s} | {us:11.1f} |")
+        print(f"| {'operation':40s} | {'µs per call':>11s} | {'GPU µs/call':>11s} |")
+        print(f"|{'-' * 42}|{'-' * 13}|{'-' * 13}|")
+        for name, us, cycle in rows:
+            print(f"| {name:40s} | {us:11.1f} | {cycle:11.1f} |")
+        if any(cycle == cycle for *_, cycle in rows):
+            print("µs per call: wall clock of the chained program / calls (its launch "
+                  "included); GPU µs/call: the GPU's cycle per call in a profiler trace of that "
+                  "program (--profile; details below)")
     if profiles:  # every rank: one rank's receive waits on the others' sends
         print_phases(profiles)
         if jax.process_index() == 0:

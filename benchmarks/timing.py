@@ -117,9 +117,10 @@ def profile_body(body, chained, axis_name, smap, a):
 
 
 def gpu_events(f, *a):
-    """Runs f once (after a warm-up) under the JAX profiler and returns this process's GPU
-    activity as sorted (start ns, duration ns, name): every kernel, copy and memset, as CUPTI
-    records it. Nsight Systems cannot write reports on the device machines; this can."""
+    """Runs f once (after a warm-up) under the JAX profiler and returns the GPU activity of
+    this process's first GPU as sorted (start ns, duration ns, name): every kernel, copy and
+    memset, as CUPTI records it. Nsight Systems cannot write reports on the device machines;
+    this can."""
     import glob
     import os
     import tempfile
@@ -133,14 +134,22 @@ def gpu_events(f, *a):
         if not paths:
             return []
         data = jax.profiler.ProfileData.from_file(paths[0])
-    return sorted((e.start_ns, e.duration_ns, e.name) for plane in data.planes
-                  if plane.name.startswith("/device:GPU") for line in plane.lines
+    planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
+                    key=lambda p: p.name)
+    if not planes:
+        return []
+    return sorted((e.start_ns, e.duration_ns, e.name) for line in planes[0].lines
                   for e in line.events)
 
 
 def is_ours(name):
     """Whether a GPU activity is one of jax_ep's kernels (their mangled names hold jax_ep)."""
     return "jax_ep" in name
+
+
+def is_nccl(name):
+    """Whether a GPU activity is an NCCL kernel (XLA's collectives)."""
+    return "nccl" in name.lower()
 
 
 def kernel_name(name):
@@ -154,13 +163,13 @@ def kernel_name(name):
     return name[:40]
 
 
-def call_profile(events, calls):
+def call_profile(events, calls, marker=is_ours):
     """Per call of a chain of `calls` calls (the middle 80 %, to skip the program's start and
-    end), medians in µs: the GPU's cycle (one call's first jax_ep kernel to the next's), the
-    time in jax_ep's kernels, in other GPU work (what the program runs between the calls) and
-    idle; plus each activity's mean time per call. None if the trace holds no jax_ep kernels
-    in a multiple of `calls`."""
-    ours = [i for i, e in enumerate(events) if is_ours(e[2])]
+    end), medians in µs: the GPU's cycle (one call's first marked kernel to the next's), the
+    time in the marked kernels (the operation's: jax_ep's, or NCCL's for XLA's collectives),
+    in other GPU work (what the program runs between the calls) and idle; plus each activity's
+    mean time per call. None if the trace holds no marked kernels in a multiple of `calls`."""
+    ours = [i for i, e in enumerate(events) if marker(e[2])]
     if not ours or len(ours) % calls:
         return None
     starts = ours[::len(ours) // calls] + [len(events)]
@@ -171,15 +180,15 @@ def call_profile(events, calls):
         if starts[c + 1] == len(events):
             break
         cycle.append(events[starts[c + 1]][0] - events[starts[c]][0])
-        mine.append(sum(d for _, d, n in window if is_ours(n)))
-        other.append(sum(d for _, d, n in window if not is_ours(n)))
+        mine.append(sum(d for _, d, n in window if marker(n)))
+        other.append(sum(d for _, d, n in window if not marker(n)))
         for _, d, n in window:
             names[kernel_name(n)] = names.get(kernel_name(n), 0) + d
     if not cycle:
         return None
     k = len(cycle)
     med = lambda v: float(np.median(v)) / 1e3  # noqa: E731
-    return {"calls": k, "cycle": med(cycle), "jax_ep": med(mine), "other": med(other),
+    return {"calls": k, "cycle": med(cycle), "kernels": med(mine), "other": med(other),
             "idle": med(np.subtract(cycle, np.add(mine, other))),
             "per_name": {n: v / k / 1e3 for n, v in names.items()}}
 
@@ -189,13 +198,14 @@ def print_call_profiles(profiles):
     if not profiles:
         return
     print("\nGPU time per call from a profiler (CUPTI) trace of the same chained program, rank "
-          "0, medians over the middle calls (µs): cycle = jax_ep kernels + other GPU work "
-          "(the chain's own ops) + idle (kernels of one call may overlap: programmatic launch)")
+          "0, medians over the middle calls (µs): cycle = the operation's kernels + other GPU "
+          "work (the chain's own ops) + idle (kernels of one call may overlap: programmatic "
+          "launch)")
     for name, p in profiles:
         if p is None:
-            print(f"{name}: no jax_ep kernels in the trace")
+            print(f"{name}: the operation's kernels not found in the trace")
             continue
-        print(f"{name}: cycle {p['cycle']:.1f} = jax_ep {p['jax_ep']:.1f} + other "
+        print(f"{name}: cycle {p['cycle']:.1f} = kernels {p['kernels']:.1f} + other "
               f"{p['other']:.1f} + idle {p['idle']:.1f}")
         print("    " + ", ".join(f"{n} {v:.1f}" for n, v in p["per_name"].items()))
 

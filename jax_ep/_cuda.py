@@ -46,11 +46,12 @@ _DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3}
 
 
 def _push_dispatch() -> np.int64:
-    """JAX_EP_DISPATCH selects the data path: push (default: senders store rows into the
-    receivers' buffers over NVLink, then the receivers copy them out), pull (receivers load
-    rows from the senders' buffers), or fused (push, with the copy-out in the same kernel,
-    chunk by chunk as rows arrive). Measurements: benchmarks/RESULTS.md."""
-    mode = os.environ.get("JAX_EP_DISPATCH", "push")
+    """JAX_EP_DISPATCH selects the data path: fused (default: senders store rows into the
+    receivers' buffers over NVLink and, in the same kernel, the receivers copy complete chunks
+    out as they arrive), push (the same stores, the copy-out in a kernel after the last push),
+    pull (receivers load rows from the senders' buffers) or bulk (push with TMA copies).
+    Measurements: benchmarks/RESULTS.md."""
+    mode = os.environ.get("JAX_EP_DISPATCH", "fused")
     if mode not in _DISPATCH_MODES:
         raise ValueError(f"JAX_EP_DISPATCH must be one of {sorted(_DISPATCH_MODES)}, got {mode!r}")
     return np.int64(_DISPATCH_MODES[mode])

@@ -74,7 +74,7 @@ def test_dispatch_modes_are_checked(monkeypatch):
     from jax_ep import _cuda
 
     monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
-    assert _cuda._push_dispatch() == 1  # push by default
+    assert _cuda._push_dispatch() == 2  # fused by default
     for mode, value in (("pull", 0), ("push", 1), ("fused", 2)):
         monkeypatch.setenv("JAX_EP_DISPATCH", mode)
         assert _cuda._push_dispatch() == value

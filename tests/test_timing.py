@@ -60,7 +60,7 @@ def test_call_profile_splits_each_call():
     p = timing.call_profile(_chain(20), 20)
     assert p["calls"] > 10
     assert p["cycle"] == pytest.approx(24.0)
-    assert p["jax_ep"] == pytest.approx(20.0)
+    assert p["kernels"] == pytest.approx(20.0)
     assert p["other"] == pytest.approx(2.0)
     assert p["idle"] == pytest.approx(2.0)
     assert p["per_name"] == {"ll_dispatch_kernel": pytest.approx(20.0),
