@@ -59,7 +59,7 @@ fi
 if [[ $WHAT == *variants* ]]; then
   for variant in "--routing zipf" "--routing hot" "--hidden 4096" "--hidden 2048"; do
     step "intranode benchmark on $N GPUs, $variant"
-    timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py $variant 2>&1 |
+    timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py $variant ${VARIANT_ARGS:-} 2>&1 |
       tee -a "$OUT/bench_variants_$N.log" |
       grep -E "^\[rank 0\] (\| jax|\| jax.lax|[0-9]×|.*FAILED)" | grep -v "expert_major\|pull" |
       sed 's/^\[rank 0\] //'
