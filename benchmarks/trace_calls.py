@@ -2,7 +2,7 @@
 chained calls: per call, the time in jax_ep's kernels, in the program's other GPU work and
 idle; then a stretch of rank 0's GPU timeline (every kernel, memset and copy).
 
-    python -m jax_ep.launch -n 2 benchmarks/trace_calls.py [--rows ll_fp8,ll_dc,push,push_fp8]
+    python -m jax_ep.launch -n 2 benchmarks/trace_calls.py [--rows ll_fp8,dispatch]
 
 Nsight Systems cannot write reports on the device machines; the profiler built into jaxlib
 can (benchmarks/timing.py: gpu_events).
@@ -38,7 +38,8 @@ AXIS = "ep"
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="ll_fp8,ll_dc,ll_split,matmul,push,push_fp8")
+    p.add_argument("--rows", default="ll_fp8,ll_dc,ll_split,matmul,dispatch,dispatch_fp8",
+                   help="rows; dispatch* take JAX_EP_DISPATCH's path (fused by default)")
     p.add_argument("--calls", type=int, default=100, help="chained calls in the traced program")
     p.add_argument("--show", type=int, default=2, help="calls printed (from the middle)")
     return p.parse_args()
@@ -110,7 +111,7 @@ def main():
     big = inputs(T)
     capacity = int(((big[3] // (E // R))[..., None] == np.arange(R)).any(1).sum(0).max())
 
-    def push(x, idx, w, fp8=False):
+    def dispatch(x, idx, w, fp8=False):
         xin = jax_ep.quantize_fp8(x) if fp8 else x
         out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity)
         return out.num_received.astype(jnp.float32)
@@ -119,7 +120,8 @@ def main():
     with_weight = (small[0], small[1], weight)
     bodies = {"ll_fp8": (ll_fp8, small[:3]), "ll_dc": (ll_dc, small[:3]),
               "ll_split": (ll_split, with_weight), "matmul": (matmul, with_weight),
-              "push": (push, big[:3]), "push_fp8": (partial(push, fp8=True), big[:3])}
+              "dispatch": (dispatch, big[:3]),
+              "dispatch_fp8": (partial(dispatch, fp8=True), big[:3])}
     for name in args.rows.split(","):
         body, (x, idx, w) = bodies[name]
         f = jax.jit(smap(looped(body, args.calls, 0), in_specs=(P(AXIS),) * 3))
