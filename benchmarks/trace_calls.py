@@ -104,8 +104,9 @@ def main():
 
     def ll_split(x, idx, weight):  # send, an independent matmul, receive (as in bench_low_latency)
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
-        x_after, _ = jax.lax.optimization_barrier((x, pending))
+        x_after, pending = jax.lax.optimization_barrier((x, pending))
         s = matmul(x_after, idx, weight)
+        s, pending = jax.lax.optimization_barrier((s, pending))
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
 
     big = inputs(T)
