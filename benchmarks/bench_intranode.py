@@ -58,7 +58,6 @@ import jax_ep  # noqa: E402
 from timing import (  # noqa: E402
     call_profile,
     gpu_events,
-    is_nccl,
     is_ours,
     jax_baselines,
     looped,
@@ -118,16 +117,17 @@ def main():
     rows = []
     profiles, call_profiles = [], []
 
-    def record(name, body, *a, chained=0, nbytes=bytes_bf16):
+    def record(name, body, *a, chained=0, nbytes=bytes_bf16, marker=is_ours):
+        """Times body; with --profile on a GPU also its kernels' phases (jax_ep's) and the
+        per-call GPU time of the kernels `marker` picks (None: none)."""
         try:
             f = jax.jit(smap(looped(body, args.iters, chained), in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
             gpu = None
-            if args.profile and jax.default_backend() == "gpu":
-                ours = name.startswith("jax_ep")
-                if ours and backend == "cuda":
+            if args.profile and jax.default_backend() == "gpu" and marker is not None:
+                if marker is is_ours and backend == "cuda":
                     profiles.append((name, profile_body(body, chained, AXIS, smap, a)))
-                gpu = call_profile(gpu_events(f, *a), args.iters, is_ours if ours else is_nccl)
+                gpu = call_profile(gpu_events(f, *a), args.iters, marker)
                 call_profiles.append((name, gpu))
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan"),
                          gpu["cycle"] if gpu else float("nan")))
@@ -172,7 +172,8 @@ def main():
 
     record("jax_ep layout", layout, idx_d, nbytes=0)
     pairs_bytes = float(np.mean(np.bincount(dest.reshape(-1), minlength=R))) * H * 2
-    record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0)
+    record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0,
+           marker=None)
     for mode in args.modes.split(","):  # JAX_EP_DISPATCH, read when the call is traced
         os.environ["JAX_EP_DISPATCH"] = mode
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
@@ -190,8 +191,7 @@ def main():
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
     if profiles and jax.process_index() == 0:
         print_phases(profiles)
-        if jax.process_index() == 0:
-            print_call_profiles(call_profiles)
+        print_call_profiles(call_profiles)
 
 
 def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):

@@ -56,7 +56,6 @@ import jax_ep  # noqa: E402
 from timing import (  # noqa: E402
     call_profile,
     gpu_events,
-    is_nccl,
     is_ours,
     jax_baselines,
     looped,
@@ -128,7 +127,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         rows.append(("jax_ep low_latency_combine BF16 (alone)", float("nan"), float("nan")))
         if jax.process_index() == 0:
             print(f"combine alone FAILED: {type(e).__name__}: {str(e)[:400]}")
-    record("independent matmul alone", matmul, x, idx_d, weight, chained=0)
+    record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
 
 
@@ -155,20 +154,19 @@ def main():
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
     rows, profiles, call_profiles = [], [], []
 
-    def record(name, f, *a, chained=1):
+    def record(name, f, *a, chained=1, marker=is_ours):
+        """Times f; with --profile on a GPU also its kernels' phases (jax_ep's) and the per-call
+        GPU time of the kernels `marker` picks (None: none)."""
         try:
             looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
                                     in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
             gpu = None
-            if args.profile and jax.default_backend() == "gpu":
-                ours = name.startswith("jax_ep") or "->" in name
-                if name.startswith("jax_ep") and backend == "cuda":
+            if args.profile and jax.default_backend() == "gpu" and marker is not None:
+                if name.startswith("jax_ep") and backend == "cuda":  # one op: its phases
                     profiles.append((name, profile_body(f, chained, AXIS, smap, a)))
-                marker = is_ours if ours else is_nccl
-                if name != "independent matmul alone":
-                    gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
-                    call_profiles.append((name, gpu))
+                gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
+                call_profiles.append((name, gpu))
             rows.append((name, t * 1e6, gpu["cycle"] if gpu else float("nan")))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name, float("nan"), float("nan")))

@@ -153,14 +153,17 @@ def is_nccl(name):
 
 
 def kernel_name(name):
-    """A readable name for a GPU activity: jax_ep's kernels by their function name."""
-    if is_ours(name):
-        for key in ("ll_dispatch", "ll_combine", "dispatch_", "combine_", "layout_", "stage_",
-                    "gather_"):
-            i = name.find(key)
-            if i >= 0:
-                return name[i:].split("E")[0].split("I")[0]
-    return name[:40]
+    """A readable name for a GPU activity: a C++ kernel by its function's name, the last
+    length-prefixed identifier of its mangled nested name (_ZN<len><id>...<len><id>E or I)."""
+    i = name.find("_ZN")
+    j, last = i + 3, None
+    while i >= 0 and j < len(name) and name[j].isdigit():
+        k = j
+        while k < len(name) and name[k].isdigit():
+            k += 1
+        length = int(name[j:k])
+        last, j = name[k:k + length], k + length
+    return last or name[:40]
 
 
 def call_profile(events, calls, marker=is_ours):
@@ -227,7 +230,8 @@ def jax_baselines(R, H, in_rank, counts, x, shard, record, axis_name):
     ``jax.lax.all_to_all`` padded to the largest (source, destination) count.
 
     in_rank: [R(src), T, R(dst)] whether a token goes to a rank; counts: [R(src), R(dst)];
-    x: [R*T, H] sharded; record(name, body, *arrays, chained=0) times body.
+    x: [R*T, H] sharded; record(name, body, *arrays, chained=0, marker=is_nccl) times body
+    (marker: which GPU kernels are the operation's, for the profile).
     """
     S = int(counts.sum(1).max())
     Rv = int(counts.sum(0).max())
@@ -261,5 +265,6 @@ def jax_baselines(R, H, in_rank, counts, x, shard, record, axis_name):
 
     if jax.process_count() == 1:
         record("jax.lax.ragged_all_to_all", ragged, x, flat(idx), flat(in_off), flat(counts),
-               flat(out_off), flat(np.ascontiguousarray(counts.T)), chained=0)
-    record("jax.lax.all_to_all (capacity-padded)", padded, x, flat(didx), chained=0)
+               flat(out_off), flat(np.ascontiguousarray(counts.T)), chained=0, marker=is_nccl)
+    record("jax.lax.all_to_all (capacity-padded)", padded, x, flat(didx), chained=0,
+           marker=is_nccl)

@@ -43,7 +43,10 @@ def test_empty_ring():
     assert timing.profile_rows(_ring({})) == []
 
 
-_SEND = "_ZN6jax_ep47_GLOBAL__N_118ll_dispatch_kernelENS_19LLDispatchSendArgsE"
+# as CUPTI names them (session 5's traces)
+_SEND = ("__nv_static_36__7fb8699b_14_low_latency_cu_5365d4e9__ZN6jax_ep47_GLOBAL__N__7fb8699b_"
+         "14_low_latency_cu_5365d4e918ll_dispatch_kernelENS_18LLDispatchSendArgsENS_21LLDispatch"
+         "ReceiveArgsE")
 
 
 def _chain(calls):
@@ -74,6 +77,11 @@ def test_call_profile_needs_the_calls():
 
 def test_kernel_names():
     assert timing.kernel_name(_SEND) == "ll_dispatch_kernel"
-    assert timing.kernel_name("__nv_static_43__x_ZN6jax_ep5_GLOBAL__N_113dispatch_pushILi2EEEvNS_"
-                              "12DispatchArgsE") == "dispatch_push"
+    stage = ("_ZN6jax_ep54_GLOBAL__N__f8511027_21_intranode_dispatch_cu_186ab7df20dispatch_stage_"
+             "ranksILb0EEEvNS_12DispatchArgsE")
+    assert timing.kernel_name(stage) == "dispatch_stage_ranks"
+    push = ("_ZN6jax_ep54_GLOBAL__N__f8511027_21_intranode_dispatch_cu_186ab7df13dispatch_push"
+            "ILb0ELi2EEEvNS_12DispatchArgsE")
+    assert timing.kernel_name(push) == "dispatch_push"
     assert timing.kernel_name("sm90_xmma_gemm") == "sm90_xmma_gemm"
+    assert timing.kernel_name("loop_add_fusion_1") == "loop_add_fusion_1"
