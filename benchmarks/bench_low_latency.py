@@ -29,6 +29,9 @@ def parse_args():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=10,
+                   help="also time the chain run this many times in one program (fori_loop): "
+                        "the steady state of a long run of calls; 1: off")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--cpu-devices", type=int, default=4)
@@ -124,7 +127,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
                *arrays[1:], chained=1)  # chained through the gates: y is L*R*M rows
     except Exception as e:
-        rows.append(("jax_ep low_latency_combine BF16 (alone)", float("nan"), float("nan")))
+        rows.append(("jax_ep low_latency_combine BF16 (alone)",) + (float("nan"),) * 3)
         if jax.process_index() == 0:
             print(f"combine alone FAILED: {type(e).__name__}: {str(e)[:400]}")
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None)
@@ -161,15 +164,22 @@ def main():
             looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
                                     in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
+            steady = float("nan")
+            if args.rounds > 1:  # the same chain, args.rounds times in one program
+                rounds_f = jax.jit(smap(looped(f, args.calls, chained=chained,
+                                               rounds=args.rounds),
+                                        in_specs=(P(AXIS),) * len(a)))
+                steady = seconds_per_call(rounds_f, *a, calls=args.calls * args.rounds,
+                                          repeats=args.repeats) * 1e6
             gpu = None
             if args.profile and jax.default_backend() == "gpu" and marker is not None:
                 if name.startswith("jax_ep") and backend == "cuda":  # one op: its phases
                     profiles.append((name, profile_body(f, chained, AXIS, smap, a)))
                 gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
                 call_profiles.append((name, gpu))
-            rows.append((name, t * 1e6, gpu["cycle"] if gpu else float("nan")))
+            rows.append((name, t * 1e6, steady, gpu["cycle"] if gpu else float("nan")))
         except Exception as e:  # a failing row must not hide the others
-            rows.append((name, float("nan"), float("nan")))
+            rows.append((name, float("nan"), float("nan"), float("nan")))
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
@@ -185,14 +195,16 @@ def main():
     if jax.process_index() == 0:
         print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "
               f"top-{K} of {E}; per call, jitted loop of {args.calls}")
-        print(f"| {'operation':40s} | {'µs per call':>11s} | {'GPU µs/call':>11s} |")
-        print(f"|{'-' * 42}|{'-' * 13}|{'-' * 13}|")
-        for name, us, cycle in rows:
-            print(f"| {name:40s} | {us:11.1f} | {cycle:11.1f} |")
-        if any(cycle == cycle for *_, cycle in rows):
-            print("µs per call: wall clock of the chained program / calls (its launch "
-                  "included); GPU µs/call: the GPU's cycle per call in a profiler trace of that "
-                  "program (--profile; details below)")
+        steady_head = f"{args.rounds}×{args.calls} calls"
+        print(f"| {'operation':40s} | {'µs per call':>11s} | {steady_head:>15s} | "
+              f"{'GPU µs/call':>11s} |")
+        print(f"|{'-' * 42}|{'-' * 13}|{'-' * 17}|{'-' * 13}|")
+        for name, us, steady, cycle in rows:
+            print(f"| {name:40s} | {us:11.1f} | {steady:15.1f} | {cycle:11.1f} |")
+        print("µs per call: wall clock of the chained program / calls (its launch included); "
+              f"{steady_head}: the same chain {args.rounds} times in a fori_loop, wall clock / "
+              "all calls (--rounds; the launch spread over them); GPU µs/call: the GPU's cycle "
+              "per call in a profiler trace of the first program (--profile; details below)")
     if profiles:  # every rank: one rank's receive waits on the others' sends
         print_phases(profiles)
         if jax.process_index() == 0:

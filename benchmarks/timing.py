@@ -16,21 +16,32 @@ def put(array, sharding):
     return jax.make_array_from_callback(array.shape, sharding, lambda i: array[i])
 
 
-def looped(body, calls, chained=0):
+def looped(body, calls, chained=0, rounds=1):
     """A function running `calls` calls of body(*a) -> scalar, unrolled in one program.
 
     Argument `chained` carries a zero-weighted dependency from each call to the next, so XLA
     can neither hoist the calls nor overlap them. The loop is unrolled in Python rather than
     a `fori_loop`: XLA:GPU reads a while loop's predicate back to the host every iteration,
-    which would add tens of microseconds of loop overhead to every call.
+    which would add tens of microseconds of loop overhead to every call. `rounds` > 1 runs
+    that unrolled chain `rounds` times in a `fori_loop` (calls * rounds calls in all): the
+    program's launch (~1 ms on two processes) and the predicate's read-back are then spread
+    over that many calls, which measures the steady state of a long run of calls.
     """
 
-    def run(*a):
-        operands = list(a)
+    def chain(operands):
+        operands = list(operands)
         for _ in range(calls):
             s = body(*operands)
             carried = operands[chained]
             operands[chained] = carried + (s * 0).astype(carried.dtype)
+        return tuple(operands)
+
+    def run(*a):
+        operands = tuple(a)
+        if rounds > 1:
+            operands = jax.lax.fori_loop(0, rounds, lambda _, ops: chain(ops), operands)
+        else:
+            operands = chain(operands)
         return operands[chained][:1]
 
     return run

@@ -85,3 +85,23 @@ def test_kernel_names():
     assert timing.kernel_name(push) == "dispatch_push"
     assert timing.kernel_name("sm90_xmma_gemm") == "sm90_xmma_gemm"
     assert timing.kernel_name("loop_add_fusion_1") == "loop_add_fusion_1"
+
+
+def test_looped_rounds_loop_the_unrolled_chain():
+    """looped(body, calls, rounds=r): the chain of `calls` calls is traced (unrolled) once and
+    run r times in a while loop; without rounds there is no loop."""
+    import jax
+    import jax.numpy as jnp
+
+    traced = []
+
+    def body(x, n):
+        traced.append(1)  # once per unrolled call
+        return jnp.sum(x) + n[0]
+
+    args = (jnp.ones(4), jnp.zeros(2))
+    looped = jax.jit(timing.looped(body, 5, chained=1, rounds=4))
+    assert looped(*args).shape == (1,)
+    assert len(traced) == 5
+    assert "while" in looped.lower(*args).as_text()
+    assert "while" not in jax.jit(timing.looped(body, 5, chained=1)).lower(*args).as_text()
