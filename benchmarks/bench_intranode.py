@@ -28,6 +28,9 @@ def parse_args():
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--routing", default="random", choices=["random", "zipf", "hot"])
     p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="also time the chain run this many times in one program (fori_loop): "
+                        "the steady state of a long run of calls; 1: off")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")
@@ -123,6 +126,12 @@ def main():
         try:
             f = jax.jit(smap(looped(body, args.iters, chained), in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
+            steady = float("nan")
+            if args.rounds > 1:  # the same chain, args.rounds times in one program
+                g = jax.jit(smap(looped(body, args.iters, chained, rounds=args.rounds),
+                                 in_specs=(P(AXIS),) * len(a)))
+                steady = seconds_per_call(g, *a, calls=args.iters * args.rounds,
+                                          repeats=args.repeats)
             gpu = None
             if args.profile and jax.default_backend() == "gpu" and marker is not None:
                 if marker is is_ours and backend == "cuda":
@@ -130,9 +139,10 @@ def main():
                 gpu = call_profile(gpu_events(f, *a), args.iters, marker)
                 call_profiles.append((name, gpu))
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan"),
+                         steady * 1e6, nbytes / steady / 1e9 if nbytes else float("nan"),
                          gpu["cycle"] if gpu else float("nan")))
         except Exception as e:  # a failing row must not hide the others
-            rows.append((name, float("nan"), float("nan"), float("nan")))
+            rows.append((name,) + (float("nan"),) * 5)
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
@@ -200,15 +210,17 @@ def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
               f"T={T}/rank H={H} top-{K} of {E} ({args.routing} routing); mean received "
               f"tokens/rank {mean_recv:.0f} ({bytes_bf16 / 1e6:.1f} MB BF16); "
               f"{args.iters} chained calls per timing")
+        steady = f"{args.rounds}×{args.iters}"
         print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} | "
-              f"{'GPU µs/call':>11s} |")
-        print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|{'-' * 13}|")
-        for name, us, gbs, cycle in rows:
-            print(f"| {name:52s} | {us:9.1f} | {gbs:12.1f} | {cycle:11.1f} |")
-        if any(cycle == cycle for *_, cycle in rows):
-            print("µs: wall clock of the chained program / calls (its launch included); GPU "
-                  "µs/call: the GPU's cycle per call in a profiler trace of that program "
-                  "(--profile; details below)")
+              f"{steady + ' µs':>11s} | {steady + ' GB/s':>12s} | {'GPU µs/call':>11s} |")
+        print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|{'-' * 13}|{'-' * 14}|{'-' * 13}|")
+        for name, us, gbs, s_us, s_gbs, cycle in rows:
+            print(f"| {name:52s} | {us:9.1f} | {gbs:12.1f} | {s_us:11.1f} | {s_gbs:12.1f} | "
+                  f"{cycle:11.1f} |")
+        print(f"µs: wall clock of the chained program / calls (its launch included); {steady}: "
+              f"the same chain {args.rounds} times in a fori_loop, wall clock / all calls "
+              "(--rounds; the launch spread over them); GPU µs/call: the GPU's cycle per call "
+              "in a profiler trace of the first program (--profile; details below)")
 
 
 if __name__ == "__main__":
