@@ -69,6 +69,7 @@ from timing import (  # noqa: E402
     profile_body,
     put,
     seconds_per_call,
+    steady_seconds_per_call,
 )
 
 AXIS = "ep"
@@ -126,12 +127,9 @@ def main():
         try:
             f = jax.jit(smap(looped(body, args.iters, chained), in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
-            steady = float("nan")
-            if args.rounds > 1:  # the same chain, args.rounds times in one program
-                g = jax.jit(smap(looped(body, args.iters, chained, rounds=args.rounds),
-                                 in_specs=(P(AXIS),) * len(a)))
-                steady = seconds_per_call(g, *a, calls=args.iters * args.rounds,
-                                          repeats=args.repeats)
+            steady = steady_seconds_per_call(
+                lambda g: jax.jit(smap(g, in_specs=(P(AXIS),) * len(a))), body, *a,
+                calls=args.iters, chained=chained, rounds=args.rounds, repeats=args.repeats)
             gpu = None
             if args.profile and jax.default_backend() == "gpu" and marker is not None:
                 if marker is is_ours and backend == "cuda":

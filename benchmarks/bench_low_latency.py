@@ -67,6 +67,7 @@ from timing import (  # noqa: E402
     profile_body,
     put,
     seconds_per_call,
+    steady_seconds_per_call,
 )
 
 AXIS = "ep"
@@ -164,13 +165,10 @@ def main():
             looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
                                     in_specs=(P(AXIS),) * len(a)))
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
-            steady = float("nan")
-            if args.rounds > 1:  # the same chain, args.rounds times in one program
-                rounds_f = jax.jit(smap(looped(f, args.calls, chained=chained,
-                                               rounds=args.rounds),
-                                        in_specs=(P(AXIS),) * len(a)))
-                steady = seconds_per_call(rounds_f, *a, calls=args.calls * args.rounds,
-                                          repeats=args.repeats) * 1e6
+            steady = steady_seconds_per_call(
+                lambda g: jax.jit(smap(g, in_specs=(P(AXIS),) * len(a))), f, *a,
+                calls=args.calls, chained=chained, rounds=args.rounds,
+                repeats=args.repeats) * 1e6
             gpu = None
             if args.profile and jax.default_backend() == "gpu" and marker is not None:
                 if name.startswith("jax_ep") and backend == "cuda":  # one op: its phases

@@ -47,6 +47,15 @@ def looped(body, calls, chained=0, rounds=1):
     return run
 
 
+def steady_seconds_per_call(wrap, body, *a, calls, chained, rounds, repeats):
+    """seconds_per_call of the chain of `calls` run `rounds` times in one program (looped's
+    rounds), NaN when rounds <= 1; wrap(f) jits f as the benchmark runs it (its shard_map)."""
+    if rounds <= 1:
+        return float("nan")
+    f = wrap(looped(body, calls, chained=chained, rounds=rounds))
+    return seconds_per_call(f, *a, calls=calls * rounds, repeats=repeats)
+
+
 def seconds_per_call(f, *a, calls, repeats):
     """Median over `repeats` of (time of f(*a)) / calls, after one warm-up (compilation)."""
     jax.block_until_ready(f(*a))
