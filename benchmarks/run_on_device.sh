@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   bash benchmarks/run_on_device.sh [gpus] [what: build,test,lltest,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,lltest,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -11,6 +11,8 @@ mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-20} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=$(command -v python3)
+# GPUS=G below N: the N ranks share G GPUs (correctness only, see jax_ep/launch.py)
+SHARE=${GPUS:+--gpus $GPUS}
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 if [[ $WHAT == *build* ]]; then
@@ -28,20 +30,20 @@ if [[ $WHAT == *build* ]]; then
 fi
 if [[ ,$WHAT, == *,test,* ]]; then
   step "GPU suite on $N GPUs"
-  timeout 420 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  timeout 420 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *lltest* ]]; then  # the low-latency part of the suite only
   step "low-latency GPU tests on $N GPUs"
-  timeout 200 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     -k "low_latency or runs_once" 2>&1 | tee "$OUT/gpu_suite_ll_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -12
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *bench* ]]; then
   step "intranode benchmark on $N GPUs"
-  timeout 300 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py --profile ${BENCH_ARGS:-} 2>&1 |
+  timeout 300 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_intranode.py --profile ${BENCH_ARGS:-} 2>&1 |
     tee "$OUT/bench_intranode_$N.log" | grep -E "^\[rank 0\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" |
     sed 's/^\[rank 0\] //'
   # ragged_all_to_all runs only within one process: the same routing, one process, all GPUs
@@ -51,7 +53,7 @@ fi
 if [[ $WHAT == *sweep* ]]; then
   for blocks in ${SWEEP_BLOCKS:-24 32 128}; do
     step "intranode benchmark on $N GPUs, JAX_EP_NUM_BLOCKS=$blocks"
-    JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py \
+    JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_intranode.py \
       --skip-baselines ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/bench_blocks_${blocks}_$N.log" |
       grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|dispatch FP8|combine)|FAILED" | sed 's/^\[rank 0\] //'
   done
@@ -59,7 +61,7 @@ fi
 if [[ $WHAT == *variants* ]]; then
   for variant in "--routing zipf" "--routing hot" "--hidden 4096" "--hidden 2048"; do
     step "intranode benchmark on $N GPUs, $variant"
-    timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_intranode.py $variant ${VARIANT_ARGS:-} 2>&1 |
+    timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_intranode.py $variant ${VARIANT_ARGS:-} 2>&1 |
       tee -a "$OUT/bench_variants_$N.log" |
       grep -E "^\[rank 0\] (\| jax|\| jax.lax|[0-9]×|.*FAILED)" | grep -v "expert_major\|pull" |
       sed 's/^\[rank 0\] //'
@@ -67,7 +69,7 @@ if [[ $WHAT == *variants* ]]; then
 fi
 if [[ ,$WHAT, == *,ll,* ]]; then
   step "low-latency benchmark on $N GPUs"
-  timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py --profile 2>&1 |
+  timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_low_latency.py --profile 2>&1 |
     tee "$OUT/bench_low_latency_$N.log" | grep -E "^\[rank [0-9]+\] (\||[0-9]|.*FAILED|Kernel|jax_ep|    )" |
     grep -v "^\[rank [1-9][0-9]*\] |"
   # ragged_all_to_all runs only within one process: the same routing, one process, all GPUs
@@ -76,11 +78,11 @@ if [[ ,$WHAT, == *,ll,* ]]; then
 fi
 if [[ $WHAT == *graphs* ]]; then
   step "low-latency GPU tests with JAX_EP_COMMAND_BUFFERS=1 on $N GPUs"
-  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" -- -m pytest -q -p no:cacheprovider \
+  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py -k "low_latency or runs_once" 2>&1 | tee "$OUT/gpu_suite_graphs_$N.log" |
     grep -E "passed|failed|FAILED|timed out" | tail -8
   step "low-latency benchmark on $N GPUs, JAX_EP_COMMAND_BUFFERS=1 (calls recorded into CUDA graphs)"
-  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" benchmarks/bench_low_latency.py \
+  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_low_latency.py \
     2>&1 | tee "$OUT/bench_low_latency_graphs_$N.log" | grep -E "^\[rank 0\] (\||.*FAILED)" |
     sed 's/^\[rank 0\] //'
 fi
@@ -100,16 +102,16 @@ if [[ $WHAT == *storeprobe* ]]; then  # NVLink write throughput by instruction k
 fi
 if [[ ,$WHAT, == *,trace,* ]]; then  # the GPU timeline of chained calls (CUPTI, rank 0)
   step "GPU timeline of chained calls on $N GPUs"
-  timeout 240 $PY -m jax_ep.launch -n "$N" benchmarks/trace_calls.py ${TRACE_ARGS:-} 2>&1 |
+  timeout 240 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/trace_calls.py ${TRACE_ARGS:-} 2>&1 |
     tee "$OUT/trace_$N.log" | grep -E "^\[rank 0\] ( |=|[a-z_0-9]+: )" | sed 's/^\[rank 0\] //' | cut -c1-160
   step "GPU timeline, low-latency rows with JAX_EP_COMMAND_BUFFERS=1"
-  JAX_EP_COMMAND_BUFFERS=1 timeout 120 $PY -m jax_ep.launch -n "$N" benchmarks/trace_calls.py \
+  JAX_EP_COMMAND_BUFFERS=1 timeout 120 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/trace_calls.py \
     --rows ll_fp8,ll_split 2>&1 | tee "$OUT/trace_graphs_$N.log" |
     grep -E "^\[rank 0\] ( |=|[a-z_0-9]+: )" | sed 's/^\[rank 0\] //' | cut -c1-160
 fi
 if [[ $WHAT == *example* ]]; then
   step "example on $N GPUs"
-  timeout 200 $PY -m jax_ep.launch -n "$N" examples/moe_layer.py --backend cuda --steps 5 \
+  timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE examples/moe_layer.py --backend cuda --steps 5 \
     --experts 16 2>&1 | tee "$OUT/example_$N.log" | grep "\[rank 0\]" | tail -8
 fi
 exit $status

@@ -24,6 +24,12 @@ with one task per node and 8 GPUs per node::
 
 (jax_ep's kernels reach peers over NVLink/PCIe only so far, so its runtime still needs every
 process on one host; the launcher itself does not.)
+
+``--gpus G`` with G below ``-n`` puts several processes on one GPU (process k on GPU k mod G),
+to test multi-rank logic on a smaller machine: NVSHMEM then runs several PEs per GPU, and their
+kernels take turns (time slices), so it is slow and says nothing about speed. NCCL refuses two
+ranks on one GPU, so XLA's collectives fail there; the launcher sets ``JAX_EP_SHARED_GPUS=1``
+so that a script can avoid them, and turns XLA's memory preallocation off.
 """
 
 from __future__ import annotations
@@ -95,6 +101,9 @@ def _parse(argv):
         epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--nproc", type=int, default=None,
                         help="processes on this host (default: its visible GPUs)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs to spread this host's processes over (default: one per "
+                             "process); fewer than -n shares GPUs, for tests only")
     parser.add_argument("--coordinator", default=None,
                         help="host:port of jax.distributed's coordinator (default: 127.0.0.1 "
                              "and a free port)")
@@ -115,6 +124,8 @@ def _parse(argv):
     if args.process_id_offset < 0 or args.process_id_offset + nproc > world:
         parser.error(f"ranks {args.process_id_offset}..{args.process_id_offset + nproc - 1} do "
                      f"not fit in --num-processes {world}")
+    if args.gpus is not None and not 1 <= args.gpus <= nproc:
+        parser.error(f"--gpus {args.gpus}: give 1..{nproc} (the processes on this host)")
     if world > nproc and args.coordinator is None:
         parser.error("several hosts need --coordinator host:port")
     return args, command, nproc, world
@@ -125,13 +136,17 @@ def main(argv=None) -> int:
     coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
     lock = threading.Lock()
     procs, pumps, ranks = [], [], []
+    gpus = args.gpus or nproc
     for local_rank in range(nproc):
         rank = args.process_id_offset + local_rank
         env = dict(os.environ, JAX_EP_RANK=str(rank), JAX_EP_WORLD_SIZE=str(world),
-                   JAX_EP_LOCAL_RANK=str(local_rank), JAX_EP_LOCAL_DEVICE=str(local_rank),
+                   JAX_EP_LOCAL_RANK=str(local_rank), JAX_EP_LOCAL_DEVICE=str(local_rank % gpus),
                    JAX_EP_COORDINATOR=coordinator, PYTHONUNBUFFERED="1",
                    NVSHMEM_DISABLE_NVLS="1")  # multicast stays off, whatever the caller set
         env.setdefault("NCCL_NVLS_ENABLE", "0")
+        if gpus < nproc:
+            env["JAX_EP_SHARED_GPUS"] = "1"
+            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         # Own process group each: a signal for one rank reaches its children too.
         proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

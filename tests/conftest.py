@@ -1,6 +1,8 @@
 """CPU tests run on 8 fake host devices; the flags must be set before jax is imported.
 
-Under ``python -m jax_ep.launch`` (the GPU suite) each process keeps its own GPU instead.
+Under ``python -m jax_ep.launch`` (the GPU suite) each process keeps its own GPU instead. When
+processes share GPUs (``--gpus``), each also gets as many host devices as there are ranks: the
+reference backend runs there, since its collectives cannot run over NCCL on a shared GPU.
 """
 
 import os
@@ -10,3 +12,7 @@ if "JAX_EP_RANK" not in os.environ:
     if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+elif os.environ.get("JAX_EP_SHARED_GPUS") == "1":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count="
+                               f"{os.environ['JAX_EP_WORLD_SIZE']}")

@@ -7,6 +7,10 @@ the same global NumPy outputs.
 
 from __future__ import annotations
 
+import itertools
+import os
+import pickle
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -14,10 +18,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "ep"
+# Set by ``jax_ep.launch --gpus G`` with fewer GPUs than processes: NCCL refuses two ranks on one
+# GPU, so outputs are gathered through jax.distributed's key-value store instead.
+SHARED_GPUS = os.environ.get("JAX_EP_SHARED_GPUS") == "1"
+_KV_TIMEOUT_MS = 120_000
+_fetch_ids = itertools.count()
 
 
-def mesh(num_ranks):
-    devices = jax.devices()
+def mesh(num_ranks, devices=None):
+    devices = jax.devices() if devices is None else devices
     if len(devices) < num_ranks:
         raise RuntimeError(f"need {num_ranks} devices, have {len(devices)}")
     return jax.make_mesh((num_ranks,), (AXIS,), devices=devices[:num_ranks],
@@ -36,15 +45,37 @@ def fetch(array):
     """Global value of a (possibly multi-process) array, as NumPy, on every process."""
     if getattr(array, "is_fully_addressable", True):
         return np.asarray(array)
+    if SHARED_GPUS:
+        return _gather_over_kv_store(array)
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def run(fn, num_ranks, *args, jit=True):
+def _gather_over_kv_store(array):
+    """Every process posts its shards; every process assembles the whole array (no NCCL)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    key = f"jax_ep_tests/fetch/{next(_fetch_ids)}"
+    me = jax.process_index()
+    shards = [(s.index, np.asarray(s.data)) for s in array.addressable_shards]
+    client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(shards))
+    out = np.empty(array.shape, array.dtype)
+    for p in range(jax.process_count()):
+        for index, data in pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{p}",
+                                                                            _KV_TIMEOUT_MS)):
+            out[index] = data
+    client.wait_at_barrier(key, _KV_TIMEOUT_MS)  # every process has read every post
+    client.key_value_delete(f"{key}/{me}")
+    return out
+
+
+def run(fn, num_ranks, *args, jit=True, devices=None):
     """args: arrays shaped [R, ...] (slice r goes to rank r).
 
     fn gets the per-rank slices and returns a pytree; every leaf comes back stacked as [R, ...].
+    devices: the mesh's devices (default: all of the default backend's).
     """
-    m = mesh(num_ranks)
+    m = mesh(num_ranks, devices)
 
     def per_device(*local):
         out = fn(*[a[0] for a in local])

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(_skip is not None, reason=_skip or "")
 import jax_ep  # noqa: E402
 from jax_ep import moe  # noqa: E402
 
-from ep import AXIS, run  # noqa: E402
+from ep import AXIS, SHARED_GPUS, run  # noqa: E402
 from test_reference import make_inputs  # noqa: E402
 
 
@@ -78,7 +78,10 @@ def both(fn, *args):
     """Run fn(backend, *per_rank_args) with the CUDA and the reference backend."""
     R = num_ranks()
     cuda = run(lambda *a: fn("cuda", *a), R, *args)
-    ref = run(lambda *a: fn("reference", *a), R, *args)
+    # On shared GPUs the reference's collectives cannot use NCCL: it runs on this process's
+    # host devices instead (conftest gives it R of them).
+    ref_devices = jax.local_devices(backend="cpu")[:R] if SHARED_GPUS else None
+    ref = run(lambda *a: fn("reference", *a), R, *args, devices=ref_devices)
     return cuda, ref
 
 
@@ -283,7 +286,10 @@ def test_moe_gradients_match_reference(layout):
 
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
 
-    got, want = both(fn, x, router_r, w_in_r, w_out_r)
+    # Full float32 matmuls: the reference may run on the host (shared GPUs), where XLA never
+    # uses TF32 as it may on the GPU.
+    with jax.default_matmul_precision("float32"):
+        got, want = both(fn, x, router_r, w_in_r, w_out_r)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 

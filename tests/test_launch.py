@@ -13,11 +13,13 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch(tmp_path, body, n=2, timeout=120):
+def launch(tmp_path, body, n=2, timeout=120, extra=()):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS="")
-    return subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), str(script)],
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep +
+               os.path.join(REPO, "tests"), XLA_FLAGS="")
+    return subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), *extra,
+                           str(script)],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
@@ -72,3 +74,31 @@ def test_several_hosts_need_a_coordinator(tmp_path):
                          env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
     assert out.returncode == 2
     assert "--coordinator" in out.stderr
+
+
+def test_shared_gpus_put_ranks_on_one_device_and_tests_gather_without_nccl(tmp_path):
+    out = launch(tmp_path, """
+        import os
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax_ep import launch
+        assert launch.init_distributed()
+        import ep
+        assert ep.SHARED_GPUS and os.environ["JAX_EP_LOCAL_DEVICE"] == "0"
+        assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        m = ep.mesh(2)
+        want = np.arange(24, dtype=np.float32).reshape(4, 6)
+        got = ep.fetch(ep.put(want, NamedSharding(m, P(ep.AXIS))))
+        np.testing.assert_array_equal(got, want)
+        again = ep.fetch(ep.put(want + 1, NamedSharding(m, P(None, ep.AXIS))))
+        np.testing.assert_array_equal(again, want + 1)
+        print("gathered", jax.process_index())
+    """, extra=("--gpus", "1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[rank 0] gathered 0" in out.stdout and "[rank 1] gathered 1" in out.stdout
+
+
+def test_gpus_must_fit_the_processes(tmp_path):
+    out = launch(tmp_path, "print('never')", extra=("--gpus", "3"))
+    assert out.returncode != 0 and "--gpus 3" in out.stderr
