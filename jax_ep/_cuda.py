@@ -42,14 +42,16 @@ def _num_blocks() -> np.int64:
     return np.int64(int(os.environ.get("JAX_EP_NUM_BLOCKS", "0")))
 
 
-_DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3}
+_DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3, "copy": 4}
 
 
 def _push_dispatch() -> np.int64:
     """JAX_EP_DISPATCH selects the data path: fused (default: senders store rows into the
     receivers' buffers over NVLink and, in the same kernel, the receivers copy complete chunks
     out as they arrive), push (the same stores, the copy-out in a kernel after the last push),
-    pull (receivers load rows from the senders' buffers) or bulk (push with TMA copies).
+    pull (receivers load rows from the senders' buffers), bulk (push with TMA copies) or copy
+    (every sender's copy engines send all of its rows to every peer, the receivers' CTAs only
+    copy locally: for few ranks, where a peer needs nearly every token; at most 32 ranks).
     Measurements: benchmarks/RESULTS.md."""
     mode = os.environ.get("JAX_EP_DISPATCH", "fused")
     if mode not in _DISPATCH_MODES:

@@ -111,23 +111,31 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       out_x->element_count() != size_t(capacity) * H)
     return invalid("dispatch: result shapes do not match the capacity and EP size");
   // 0: pull, 1: push, 2: push with the receive fused into the push kernel, 3: push with bulk
-  // (TMA) copies of the rows
-  if (push_mode < 0 || push_mode > 3) return invalid("dispatch: push must be 0, 1, 2 or 3");
-  const bool push = push_mode != 0;
+  // (TMA) copies of the rows, 4: pull with the rows moved by the copy engines
+  if (push_mode < 0 || push_mode > 4) return invalid("dispatch: push must be 0, 1, 2, 3 or 4");
+  const bool copy_engine = push_mode == 4;
+  const bool push = push_mode != 0 && !copy_engine;
   if (block > 0 && (!expert_major || alignment != 1 || capacity != num_experts / R * block))
     return invalid("dispatch: fixed blocks need expert_major, alignment 1 and capacity = "
                    "local experts x block");
   if (push && (expert_major ? K : R) > kMaxSources)
     return invalid("dispatch: push mode supports at most " + std::to_string(kMaxSources) +
                    (expert_major ? " top-k slots" : " ranks"));
-  RegionPlan plan = plan_dispatch(R, T, K, static_cast<int>(num_experts), expert_major != 0,
-                                  size_t(H) * elem, scale_row);
+  if (copy_engine && R > kMaxCopyRanks)
+    return invalid("dispatch: the copy-engine path supports at most " +
+                   std::to_string(kMaxCopyRanks) + " ranks; use JAX_EP_DISPATCH=fused");
+  RegionPlan plan = copy_engine ? plan_dispatch_copy(R, T, K, static_cast<int>(num_experts),
+                                                     expert_major != 0, size_t(H) * elem,
+                                                     scale_row)
+                                : plan_dispatch(R, T, K, static_cast<int>(num_experts),
+                                                expert_major != 0, size_t(H) * elem, scale_row);
   PushPlan push_plan = plan_dispatch_push(R, K, static_cast<int>(num_experts), expert_major != 0,
                                           static_cast<int>(capacity), size_t(H) * elem, scale_row);
   DispatchArgs a{};
-  const size_t needed = dispatch_bytes(R, T, K, static_cast<int>(num_experts), expert_major != 0,
-                                       static_cast<int>(capacity), size_t(H) * elem, scale_row,
-                                       push);
+  const size_t needed = copy_engine ? plan.end
+                                    : dispatch_bytes(R, T, K, static_cast<int>(num_experts),
+                                                     expert_major != 0, static_cast<int>(capacity),
+                                                     size_t(H) * elem, scale_row, push);
   if (auto err = peer_context("dispatch", rank, needed, &a.ctx); err.failure())
     return err;
   a.plan = plan;
@@ -135,6 +143,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.use_push = push;
   a.fused = push_mode == 2;
   a.bulk = push_mode == 3;
+  a.copy_engine = copy_engine;
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);

@@ -35,6 +35,9 @@ constexpr int kMaxChunks = 16384;
 // The parallel rank_major stage: per-CTA counts of at most this many CTAs and ranks.
 constexpr int kMaxStageBlocks = 256;
 constexpr int kMaxStageRanks = 32;
+// Copy-engine dispatch: at most this many ranks, and chunks per source (Control::landed).
+constexpr int kMaxCopyRanks = kMaxStageRanks;
+constexpr int kMaxCopyChunks = 64;
 
 // Kernels that stamp their phases into Control::profile (the index is the kernel's slot).
 enum ProfileSlot {
@@ -78,6 +81,10 @@ struct Control {
   uint32_t work_cursor[2];
   // Fused dispatch: chunks of each chunk range (a source's rows) already moved out.
   uint32_t chunk_cursor[kMaxStageRanks];
+  // Copy-engine dispatch: landed[s][c] = 1 once PE s's copy engine has written chunk c of its
+  // tokens into our landing area; this PE's last gather block sets them back to 0 (after all
+  // landed) before it raises done, so PE s writes them again only in the next call.
+  uint64_t landed[kMaxCopyRanks][kMaxCopyChunks];
 };
 enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 
@@ -118,6 +125,21 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch(int num_ranks, int num_tokens
   p.scales = offset;
   offset = align_up(offset + row_stride(scale_row_bytes) * num_tokens, kRegionAlign);
   p.end = offset;
+  return p;
+}
+
+// Copy-engine dispatch: the pull plan's control regions (matrix, lists, ids, weights), and a
+// landing area where every source's copy engine writes all of its tokens' rows as x holds
+// them (unpadded: one transfer per chunk): rows [R][T], then scales [R][T] (FP8).
+JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch_copy(int num_ranks, int num_tokens,
+                                                        int num_topk, int num_experts,
+                                                        bool expert_major, size_t x_row_bytes,
+                                                        size_t scale_row_bytes) {
+  RegionPlan p = plan_dispatch(num_ranks, num_tokens, num_topk, num_experts, expert_major, 0, 0);
+  const size_t rows = size_t(num_ranks) * num_tokens;
+  p.rows = p.end;
+  p.scales = align_up(p.rows + x_row_bytes * rows, kRegionAlign);
+  p.end = align_up(p.scales + scale_row_bytes * rows, kRegionAlign);
   return p;
 }
 
@@ -182,7 +204,7 @@ JAX_EP_HOST_DEVICE inline size_t cached_dispatch_bytes(int num_tokens, size_t ro
 
 // Bytes that every call of a dispatch / combine pair of these shapes needs, backward passes
 // included (combine's backward is a cached dispatch of T rows, dispatch's a combine of C rows,
-// both in elem_bytes per element), in either dispatch mode. What buffer_size_hint reports.
+// both in elem_bytes per element), in any dispatch mode. What buffer_size_hint reports.
 inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, int elem_bytes,
                                     int num_topk, int num_experts, int capacity, bool expert_major,
                                     bool fp8) {
@@ -194,6 +216,8 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
                      scale_row, /*push=*/false),
       dispatch_bytes(num_ranks, num_tokens, num_topk, num_experts, expert_major, capacity, x_row,
                      scale_row, /*push=*/true),
+      plan_dispatch_copy(num_ranks, num_tokens, num_topk, num_experts, expert_major, x_row,
+                         scale_row).end,
       combine_bytes(capacity, y_row),
       cached_dispatch_bytes(num_tokens, y_row),
   };

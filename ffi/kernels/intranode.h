@@ -35,6 +35,10 @@ struct DispatchArgs {
   bool use_push;
   bool fused;      // push mode with the copy-out in the same kernel (use_push is set too)
   bool bulk;       // push mode with bulk (TMA) copies of the rows where they fit
+  // Pull mode whose rows the sources' copy engines deliver into this PE's landing area
+  // (plan_dispatch_copy) in chunks of copy_chunk_rows tokens, copy_chunks per source.
+  bool copy_engine;
+  int copy_chunk_rows, copy_chunks;
   int bulk_pipes;  // set by the launcher: bulk pipelines (warps) per CTA, 0 = plain stores
   size_t bulk_offset;  // set by the launcher: start of the bulk area in dynamic shared memory
   int chunk_rows;  // fused: output rows per arrival counter
@@ -112,6 +116,12 @@ cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 blo
 }
 
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+// Copy-engine dispatch (copy_engine.cu). Before the stage: a guard kernel on `stream` (every
+// peer finished the previous call), then this PE's x (and scales) goes to every peer's landing
+// area on the runtime's copy streams, a flag per chunk. After the gather: `stream` waits for
+// the copy streams, so x outlives the transfers.
+cudaError_t enqueue_dispatch_copies(const DispatchArgs& args, cudaStream_t stream);
+cudaError_t join_copy_streams(const DispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 

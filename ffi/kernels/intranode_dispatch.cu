@@ -40,7 +40,7 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   char* rows = region<char>(ctx, ctx.rank, a.plan.rows);
   char* scales = region<char>(ctx, ctx.rank, a.plan.scales);
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  for (int t = warp; t < T; t += warps) {
+  for (int t = warp; t < T && !a.copy_engine; t += warps) {  // the copy engines move the rows
     copy_row(rows + t * stride, static_cast<const char*>(a.x) + t * a.x_row_bytes, a.x_row_bytes,
              lane, 32);
     if (a.scales != nullptr)
@@ -364,6 +364,27 @@ __device__ __forceinline__ int destination_row(const DispatchArgs& a, const Gath
   return row < a.capacity ? row : -1;
 }
 
+// Copy-engine dispatch: lane 0 waits until chunk c of source s has landed here.
+__device__ __forceinline__ void wait_landed(const DispatchArgs& a, int s, int c, int lane) {
+  if (lane == 0)
+    wait_flag(a.ctx, &control_of(a.ctx, a.ctx.rank)->landed[s][c], 1, "dispatch",
+              "rows landed (copy engine)", s);
+  __syncwarp();
+}
+
+// One thread, before done is raised: every chunk of every source has landed (a chunk holding
+// none of our rows must not land during the next call), and the flags are cleared for it.
+__device__ void close_copy_engine_call(const DispatchArgs& a) {
+  Control* mine = control_of(a.ctx, a.ctx.rank);
+  for (int s = 0; s < a.ctx.num_ranks; ++s) {
+    if (s == a.ctx.rank) continue;
+    for (int c = 0; c < a.copy_chunks; ++c) {
+      wait_flag(a.ctx, &mine->landed[s][c], 1, "dispatch", "rows landed (copy engine)", s);
+      mine->landed[s][c] = 0;
+    }
+  }
+}
+
 // Counts of the output; the last block then releases the peers and closes the call.
 template <bool kExpertMajor>
 __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
@@ -398,6 +419,7 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
       *a.num_dropped = max(total - C, 0);
       for (int l = 0; l < L; ++l) a.group_sizes[l] = a.tokens_per_expert[l];
     }
+    if (a.copy_engine) close_copy_engine_call(a);
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, me)->epoch = call;
     profile_mark(ctx, profile_slot, kRetired);
@@ -441,7 +463,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   const int warps = gridDim.x * kWarps;
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
   const int out_k = kExpertMajor ? 1 : K;
-  for (int i = warp; i < C; i += warps) {
+  // Copy-engine dispatch, rank_major: our own rows (in x already) first, while the peers'
+  // chunks land; the rotation keeps every output row visited once.
+  const int rotate = a.copy_engine && !kExpertMajor ? tb.src_offset[me] : 0;
+  for (int j = warp; j < C; j += warps) {
+    const int i = j + rotate < C ? j + rotate : j + rotate - C;
     int position = 0, local = -1, t = -1, k = -1;
     const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
     if (s < 0) {
@@ -458,10 +484,25 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
     }
     char* out_row = static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes;
     char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes;
-    copy_row(out_row, region<char>(ctx, s, a.plan.rows) + t * stride, a.x_row_bytes, lane, 32);
-    if (a.scales != nullptr)
-      copy_row(out_scales, region<char>(ctx, s, a.plan.scales) + t * scale_stride,
-               a.scale_row_bytes, lane, 32);
+    if (a.copy_engine) {
+      const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
+      const char* row_scales = reinterpret_cast<const char*>(a.scales) +
+                               size_t(t) * a.scale_row_bytes;
+      if (s != me) {  // in our landing area once its chunk is flagged
+        wait_landed(a, s, t / a.copy_chunk_rows, lane);
+        const size_t landed = size_t(s) * T + t;
+        row = region<char>(ctx, me, a.plan.rows) + landed * a.x_row_bytes;
+        row_scales = region<char>(ctx, me, a.plan.scales) + landed * a.scale_row_bytes;
+      }
+      // L1 may hold the area's previous call: the copy engine wrote around it
+      copy_row<true>(out_row, row, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr) copy_row<true>(out_scales, row_scales, a.scale_row_bytes, lane, 32);
+    } else {
+      copy_row(out_row, region<char>(ctx, s, a.plan.rows) + t * stride, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr)
+        copy_row(out_scales, region<char>(ctx, s, a.plan.scales) + t * scale_stride,
+                 a.scale_row_bytes, lane, 32);
+    }
     const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
     const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
     if (kExpertMajor) {
@@ -1007,10 +1048,14 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
     return launch_after_previous(dispatch_receive<kExpertMajor>, a.num_blocks, kThreads, tables,
                                  stream, a);
   } else {
+    if (a.copy_engine && (status = enqueue_dispatch_copies(a, stream)) != cudaSuccess)
+      return status;
     if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
-    return launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
-                                 stream, a);
+    status = launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
+                                   stream, a);
+    if (status == cudaSuccess && a.copy_engine) status = join_copy_streams(a, stream);
+    return status;
   }
   return cudaGetLastError();
 }
@@ -1024,6 +1069,19 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   // last rows to arrive (one warp per chunk) is short, at most kMaxChunks counters.
   constexpr int kMinChunkRows = 4;
   a.chunk_rows = std::max(kMinChunkRows, (a.capacity + kMaxChunks - 1) / kMaxChunks);
+  if (a.copy_engine) {
+    // Tokens per copy-engine transfer: ~JAX_EP_COPY_CHUNK_MB (4) of rows, in at least 4 chunks
+    // (so that the gather starts early, and small calls exercise the protocol) and at most
+    // kMaxCopyChunks (flags in Control).
+    const char* env = std::getenv("JAX_EP_COPY_CHUNK_MB");
+    const double chunk_mb = env && std::atof(env) > 0 ? std::atof(env) : 4.0;
+    const int T = std::max(a.num_tokens, 1);
+    int rows = static_cast<int>(chunk_mb * (1 << 20) / std::max<size_t>(a.x_row_bytes, 1));
+    rows = std::min(std::max(rows, 1), (T + 3) / 4);
+    rows = std::max(rows, (T + kMaxCopyChunks - 1) / kMaxCopyChunks);
+    a.copy_chunk_rows = rows;
+    a.copy_chunks = (a.num_tokens + rows - 1) / rows;
+  }
   const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
                                        : sizeof(int32_t) * (2 * R + 1);
   const int sources = a.expert_major ? a.num_topk : R;

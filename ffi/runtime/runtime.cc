@@ -26,6 +26,10 @@ int g_device = -1;
 bool g_owns_nvshmem = false;
 void** g_peers_device = nullptr;
 void** g_ll_peers_device = nullptr;
+std::vector<void*> g_host_peers;
+std::vector<cudaStream_t> g_copy_streams;
+std::vector<cudaEvent_t> g_copy_joins;
+cudaEvent_t g_copy_fork = nullptr;
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::runtime_error("jax_ep runtime: " + message);
@@ -121,8 +125,9 @@ void* allocate_symmetric(size_t bytes, const char* what, int me, int n) {
   return local;
 }
 
-// Device array [n] of every PE's copy of `local` as mapped into this process.
-void** map_peers(void* local, int me, int n) {
+// Device array [n] of every PE's copy of `local` as mapped into this process (and, when
+// host_copy is given, the same table on the host).
+void** map_peers(void* local, int me, int n, std::vector<void*>* host_copy = nullptr) {
   std::vector<void*> peers(n);
   for (int pe = 0; pe < n; ++pe) {
     peers[pe] = nvshmem_ptr(local, pe);
@@ -141,7 +146,31 @@ void** map_peers(void* local, int me, int n) {
     cudaFree(peers_device);
     check_cuda(status, "copying the peer table to the GPU");
   }
+  if (host_copy != nullptr) *host_copy = peers;
   return peers_device;
+}
+
+// Streams and events of the copy-engine dispatch (non-blocking: they order only by events).
+void create_copy_engine_streams(int n) {
+  g_copy_streams.assign(size_t(n) * kCopyStreamsPerPeer, nullptr);
+  g_copy_joins.assign(g_copy_streams.size(), nullptr);
+  for (size_t i = 0; i < g_copy_streams.size(); ++i) {
+    check_cuda(cudaStreamCreateWithFlags(&g_copy_streams[i], cudaStreamNonBlocking),
+               "creating a copy-engine stream");
+    check_cuda(cudaEventCreateWithFlags(&g_copy_joins[i], cudaEventDisableTiming),
+               "creating a copy-engine event");
+  }
+  check_cuda(cudaEventCreateWithFlags(&g_copy_fork, cudaEventDisableTiming),
+             "creating a copy-engine event");
+}
+
+void destroy_copy_engine_streams() {
+  for (cudaStream_t s : g_copy_streams) cudaStreamDestroy(s);
+  for (cudaEvent_t e : g_copy_joins) cudaEventDestroy(e);
+  if (g_copy_fork != nullptr) cudaEventDestroy(g_copy_fork);
+  g_copy_streams.clear();
+  g_copy_joins.clear();
+  g_copy_fork = nullptr;
 }
 
 }  // namespace
@@ -205,8 +234,10 @@ void initialize(const InitOptions& options) {
   void* local = allocate_symmetric(options.buffer_bytes, "symmetric buffer", me, n);
   void** peers_device = nullptr;
   try {
-    peers_device = map_peers(local, me, n);
+    peers_device = map_peers(local, me, n, &g_host_peers);
+    create_copy_engine_streams(n);
   } catch (...) {
+    destroy_copy_engine_streams();
     nvshmem_free(local);  // collective: reachability is symmetric, so every PE gets here
     throw;
   }
@@ -218,6 +249,7 @@ void initialize(const InitOptions& options) {
       ll_peers_device = map_peers(ll_local, me, n);
     } catch (...) {
       if (ll_local != nullptr) nvshmem_free(ll_local);
+      destroy_copy_engine_streams();
       cudaFree(peers_device);
       nvshmem_free(local);
       throw;
@@ -236,6 +268,10 @@ void initialize(const InitOptions& options) {
   g_transport.local = local;
   g_transport.bytes = options.buffer_bytes;
   g_transport.peers = peers_device;
+  g_transport.host_peers = g_host_peers.data();
+  g_transport.copy_streams = g_copy_streams.data();
+  g_transport.copy_fork = g_copy_fork;
+  g_transport.copy_joins = g_copy_joins.data();
   g_initialized = true;
   start_fault_watchdog();
 }
@@ -252,6 +288,8 @@ void finalize() {
   if (g_transport.ll_local != nullptr) nvshmem_free(g_transport.ll_local);
   cudaFree(g_peers_device);
   cudaFree(g_ll_peers_device);
+  destroy_copy_engine_streams();
+  g_host_peers.clear();
   g_peers_device = nullptr;
   g_ll_peers_device = nullptr;
   g_transport = Transport{};

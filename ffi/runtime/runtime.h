@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <string>
 
+struct CUstream_st;  // cudaStream_t and cudaEvent_t, without the CUDA headers
+struct CUevent_st;
+
 namespace jax_ep {
 
 // What a kernel needs to reach its peers. All pointers are device pointers.
@@ -24,7 +27,19 @@ struct Transport {
   void* ll_local = nullptr;
   size_t ll_bytes = 0;
   void* const* ll_peers = nullptr;  // device array [num_ranks], like peers
+  // The same bases as `peers`, on the host: copy-engine transfers are enqueued there.
+  void* const* host_peers = nullptr;
+  // Copy-engine dispatch: kCopyStreamsPerPeer streams per peer (index pe * kCopyStreamsPerPeer
+  // + j; those of pe == rank stay unused), the event that lets them start after the caller's
+  // stream, and one event per stream that the caller's stream waits on at the end.
+  CUstream_st* const* copy_streams = nullptr;
+  CUevent_st* copy_fork = nullptr;
+  CUevent_st* const* copy_joins = nullptr;
 };
+
+// Streams per peer for copy-engine transfers: chunks alternate between them, so that one
+// stream's flag write never holds up the next chunk's transfer.
+constexpr int kCopyStreamsPerPeer = 2;
 
 // Returns nullptr when initialize() has not run (the FFI handlers turn that into an error).
 const Transport* transport();
