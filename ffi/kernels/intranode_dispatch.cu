@@ -464,8 +464,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
   const int out_k = kExpertMajor ? 1 : K;
   // Copy-engine dispatch, rank_major: our own rows (in x already) first, while the peers'
-  // chunks land; the rotation keeps every output row visited once.
-  const int rotate = a.copy_engine && !kExpertMajor ? tb.src_offset[me] : 0;
+  // chunks land; the rotation keeps every output row visited once (our rows may all lie past
+  // the capacity).
+  const int rotate = a.copy_engine && !kExpertMajor && C > 0 ? tb.src_offset[me] % C : 0;
   for (int j = warp; j < C; j += warps) {
     const int i = j + rotate < C ? j + rotate : j + rotate - C;
     int position = 0, local = -1, t = -1, k = -1;
