@@ -59,6 +59,26 @@ def _push_dispatch() -> np.int64:
     return np.int64(_DISPATCH_MODES[mode])
 
 
+_COMBINE_MODES = ("pull", "copy")
+
+
+def _copy_combine(layout) -> np.int64:
+    """JAX_EP_COMBINE selects the combine's data path: pull (default: the token owners load
+    the expert ranks' staged rows over NVLink) or copy (rank_major only, expert_major keeps
+    pull: the expert ranks' copy engines send each owner its rows, staged per owner, and the
+    owners' CTAs sum locally)."""
+    mode = os.environ.get("JAX_EP_COMBINE", "pull")
+    if mode not in _COMBINE_MODES:
+        raise ValueError(f"JAX_EP_COMBINE must be one of {list(_COMBINE_MODES)}, got {mode!r}")
+    return np.int64(mode == "copy" and layout != EXPERT_MAJOR)
+
+
+def _copy_engine_selected() -> bool:
+    """Whether either copy-engine path is selected (their buffer areas count in the hint)."""
+    return (os.environ.get("JAX_EP_DISPATCH") == "copy"
+            or os.environ.get("JAX_EP_COMBINE") == "copy")
+
+
 def _rank(axis_name):
     return jax.lax.axis_index(axis_name).astype(jnp.int32)
 
@@ -170,7 +190,8 @@ def combine(y, weights, handle: DispatchHandle):
                  handle.num_received, handle.src_rank, _rank(config.axis_name),
                  axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
-                 expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks())
+                 expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks(),
+                 copy_engine=_copy_combine(config.layout))
 
 
 # ----------------------------------------------------------------------------- low latency
@@ -308,7 +329,8 @@ def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_t
 def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,
                      dtype=jnp.bfloat16, layout="rank_major", fp8=False, alignment=1) -> int:
     """Symmetric-buffer bytes that every call of a dispatch / combine of these per-GPU shapes
-    needs (forward and backward, pull or push dispatch); the kernels' own formula."""
+    needs (forward and backward, in every path; the copy-engine paths' larger areas only when
+    JAX_EP_DISPATCH or JAX_EP_COMBINE selects them); the kernels' own formula."""
     module, why = _native.load()
     if module is None:
         raise RuntimeError(why)
@@ -319,4 +341,4 @@ def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capac
                                     layout, alignment)
     return int(module.required_buffer_bytes(
         num_ranks, num_tokens, hidden, jnp.dtype(dtype).itemsize, num_topk, num_experts,
-        capacity, layout == EXPERT_MAJOR, fp8))
+        capacity, layout == EXPERT_MAJOR, fp8, _copy_engine_selected()))

@@ -58,3 +58,19 @@ def test_rank_major_deepseek_shapes_fit_the_default_buffer():
     for R in (2, 4, 8):
         need = hint(num_tokens=4096, hidden=7168, num_topk=8, num_experts=256, num_ranks=R)
         assert R * 4096 * 7168 * 2 <= need <= DEFAULT_BUFFER_BYTES, R
+
+
+@pytest.mark.parametrize("variable", ["JAX_EP_DISPATCH", "JAX_EP_COMBINE"])
+def test_copy_engine_areas_count_only_when_selected(variable, monkeypatch):
+    # The copy-engine dispatch lands every source's T rows (and FP8 scales); the combine
+    # stages and lands T records (row + weight) per rank. Both are [R][T] areas.
+    R, T, H, K, E = 4, 512, 256, 8, 32
+    kw = dict(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R)
+    monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
+    monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
+    plain = hint(**kw)
+    monkeypatch.setenv(variable, "copy")
+    need = R * T * H * 2 if variable == "JAX_EP_DISPATCH" else 2 * R * T * (H * 2 + 4)
+    assert need <= hint(**kw) and plain <= hint(**kw)
+    if variable == "JAX_EP_COMBINE":  # larger than every other path's area here
+        assert plain < need

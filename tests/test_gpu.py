@@ -127,7 +127,10 @@ CASES = [
 
 @pytest.fixture(params=["pull", "push", "fused", "bulk", "copy"])
 def dispatch_mode(request, monkeypatch):
+    """JAX_EP_DISPATCH; "copy" also selects the copy-engine combine (rank_major)."""
     monkeypatch.setenv("JAX_EP_DISPATCH", request.param)
+    if request.param == "copy":
+        monkeypatch.setenv("JAX_EP_COMBINE", "copy")
     return request.param
 
 
@@ -233,8 +236,9 @@ def test_fp8_dispatch_matches_reference(layout, dispatch_mode):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_copy_dispatch_in_many_chunks_matches_reference(fp8, monkeypatch):
-    """The copy-engine path with ~40 transfers per peer, the last one partial."""
+    """The copy-engine paths with ~40 transfers per peer, the last one partial."""
     monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
+    monkeypatch.setenv("JAX_EP_COMBINE", "copy")
     monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "0.05")
     R = num_ranks()
     T, H, K, E = 1000, 1024, 6, 8 * R
@@ -284,8 +288,12 @@ def test_repeated_calls_are_bit_identical(dispatch_mode):
     _assert_repeats_identical(fn, R, (x, idx, w), 100)
 
 
-@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
-def test_moe_gradients_match_reference(layout):
+@pytest.mark.parametrize("layout,copy", [("expert_major", False), ("rank_major", False),
+                                         ("rank_major", True)])
+def test_moe_gradients_match_reference(layout, copy, monkeypatch):
+    if copy:  # both backward passes run through the copy-engine paths too
+        monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
+        monkeypatch.setenv("JAX_EP_COMBINE", "copy")
     R = num_ranks()
     T, H, F, E, top_k = 32, 64, 48, 4 * R, 2
     key = jax.random.key(5)

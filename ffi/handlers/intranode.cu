@@ -205,7 +205,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
                         ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> src_rank,
                         ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                        int64_t expert_major, int64_t num_blocks) {
+                        int64_t expert_major, int64_t num_blocks, int64_t copy_engine) {
   auto y_dims = y.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (y_dims.size() != 2 || idx_dims.size() != 2)
@@ -222,12 +222,17 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (weights.element_count() != size_t(C) || src_rank.element_count() != size_t(C))
     return invalid("combine: weights and src_rank must be [C]");
   if (out->element_count() != size_t(T) * H) return invalid("combine: result must be [T, H]");
+  const size_t row_bytes = size_t(H) * element_bytes(y.element_type());
+  const Transport* t = transport();
+  if (copy_engine && (expert_major || (t != nullptr && t->num_ranks > kMaxCopyRanks)))
+    return invalid("combine: the copy-engine path needs rank_major and at most " +
+                   std::to_string(kMaxCopyRanks) + " ranks");
   CombineArgs a{};
-  if (auto err = peer_context("combine", rank,
-                              combine_bytes(C, size_t(H) * element_bytes(y.element_type())),
-                              &a.ctx);
-      err.failure())
-    return err;
+  const size_t needed = copy_engine && t != nullptr
+                            ? plan_combine_copy(t->num_ranks, T, row_bytes).end
+                            : combine_bytes(C, row_bytes);
+  if (auto err = peer_context("combine", rank, needed, &a.ctx); err.failure()) return err;
+  a.copy_engine = copy_engine != 0;
   if (num_experts < a.ctx.num_ranks || num_experts % a.ctx.num_ranks != 0)
     return invalid("combine: num_experts must be a positive multiple of the " +
                    std::to_string(a.ctx.num_ranks) + " NVSHMEM PEs");
@@ -311,4 +316,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("expert_major")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<int64_t>("num_blocks")
+                                  .Attr<int64_t>("copy_engine"));

@@ -83,8 +83,12 @@ struct Control {
   uint32_t chunk_cursor[kMaxStageRanks];
   // Copy-engine dispatch: landed[s][c] = 1 once PE s's copy engine has written chunk c of its
   // tokens into our landing area; this PE's last gather block sets them back to 0 (after all
-  // landed) before it raises done, so PE s writes them again only in the next call.
+  // landed) before it raises done, so PE s writes them again only in the next call (dispatch
+  // and combine both use them: calls are ordered by done[]).
   uint64_t landed[kMaxCopyRanks][kMaxCopyChunks];
+  // Copy-engine combine: this PE's copy streams that have finished reading its staging area
+  // in the current call (the last reduce block waits for all, then resets it).
+  uint32_t copies_read;
 };
 enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 
@@ -140,6 +144,30 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch_copy(int num_ranks, int num_t
   p.rows = p.end;
   p.scales = align_up(p.rows + x_row_bytes * rows, kRegionAlign);
   p.end = align_up(p.scales + scale_row_bytes * rows, kRegionAlign);
+  return p;
+}
+
+// Copy-engine combine (rank_major): an expert rank stages, for every owner s, the rows of s's
+// tokens from y (contiguous there, but from a start only the device knows) at a fixed place:
+// staged [s][T] (rows unpadded, then their weights); its copy engines send the whole slot to
+// s's landing area at [r][T]. Record q of a slot is the owner's q-th token in its list for r.
+struct CombineCopyPlan {
+  size_t staged_rows = 0, staged_weights = 0, landed_rows = 0, landed_weights = 0, end = 0;
+};
+
+JAX_EP_HOST_DEVICE inline CombineCopyPlan plan_combine_copy(int num_ranks, int num_tokens,
+                                                            size_t row_bytes) {
+  CombineCopyPlan p;
+  const size_t records = size_t(num_ranks) * num_tokens;
+  size_t offset = align_up(sizeof(Control), kRegionAlign);
+  p.staged_rows = offset;
+  offset = align_up(offset + row_bytes * records, kRegionAlign);
+  p.staged_weights = offset;
+  offset = align_up(offset + sizeof(float) * records, kRegionAlign);
+  p.landed_rows = offset;
+  offset = align_up(offset + row_bytes * records, kRegionAlign);
+  p.landed_weights = offset;
+  p.end = align_up(offset + sizeof(float) * records, kRegionAlign);
   return p;
 }
 
@@ -204,10 +232,11 @@ JAX_EP_HOST_DEVICE inline size_t cached_dispatch_bytes(int num_tokens, size_t ro
 
 // Bytes that every call of a dispatch / combine pair of these shapes needs, backward passes
 // included (combine's backward is a cached dispatch of T rows, dispatch's a combine of C rows,
-// both in elem_bytes per element), in any dispatch mode. What buffer_size_hint reports.
+// both in elem_bytes per element), in any dispatch mode; the copy-engine paths' larger areas
+// only with copy_engine. What buffer_size_hint reports.
 inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, int elem_bytes,
                                     int num_topk, int num_experts, int capacity, bool expert_major,
-                                    bool fp8) {
+                                    bool fp8, bool copy_engine = false) {
   const size_t x_row = fp8 ? size_t(hidden) : size_t(hidden) * elem_bytes;
   const size_t scale_row = fp8 ? sizeof(float) * (hidden / 128) : 0;
   const size_t y_row = size_t(hidden) * elem_bytes;
@@ -216,8 +245,10 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
                      scale_row, /*push=*/false),
       dispatch_bytes(num_ranks, num_tokens, num_topk, num_experts, expert_major, capacity, x_row,
                      scale_row, /*push=*/true),
-      plan_dispatch_copy(num_ranks, num_tokens, num_topk, num_experts, expert_major, x_row,
-                         scale_row).end,
+      copy_engine ? plan_dispatch_copy(num_ranks, num_tokens, num_topk, num_experts,
+                                       expert_major, x_row, scale_row).end
+                  : 0,
+      copy_engine && !expert_major ? plan_combine_copy(num_ranks, num_tokens, y_row).end : 0,
       combine_bytes(capacity, y_row),
       cached_dispatch_bytes(num_tokens, y_row),
   };

@@ -1,13 +1,15 @@
-// Copy-engine dispatch: the rows cross NVLink by cudaMemcpyAsync on the runtime's copy streams
-// instead of SM loads or stores, so the CTAs of the gather only copy locally (NOTES item 26).
+// Copy-engine transfers: rows cross NVLink by cudaMemcpyAsync on the runtime's copy streams
+// instead of SM loads or stores, so the CTAs only copy locally (NOTES items 26 and 30). The
+// dispatch and the combine enqueue these pieces around their kernels.
 //
 // The copy engine cannot pick rows (its transfers are set on the host, while which rows go
-// where is only known on the device), so every source sends all of its T rows to every peer.
-// With few ranks a peer needs nearly all of them anyway (top-8 of 256 experts: 99.6 % on 2
-// ranks, 90 % on 4); the Python side selects this path only there.
+// where is only known on the device), so whole per-source slots of T rows are sent. With few
+// ranks a peer needs nearly all of them anyway (top-8 of 256 experts: 99.6 % on 2 ranks, 90 %
+// on 4); the Python side selects these paths only there.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/intranode.h"
 #include "runtime/runtime.h"
@@ -15,73 +17,99 @@
 namespace jax_ep {
 namespace {
 
-// Every peer has finished the previous call (it no longer reads its landing area, and it has
-// cleared its landed flags), so this call's transfers may start.
-__global__ void copy_engine_guard(PeerContext ctx) {
-  enter_call(ctx, current_call(ctx), "dispatch");
+// Every peer has finished the previous call (it no longer reads what lands in its buffer, and
+// it has cleared its landed flags), so this call's transfers may start.
+__global__ void wait_peers_finished(PeerContext ctx, bool combine) {
+  enter_call(ctx, current_call(ctx), combine ? "combine" : "dispatch");
 }
 
-// Runs on a copy stream after a chunk's transfer: the chunk is in the peer's memory.
+// Runs on a copy stream after a chunk's transfers: the chunk is in the peer's memory.
 __global__ void raise_landed_flag(uint64_t* flag) {
   __threadfence_system();
   store_release(flag, 1);
 }
 
+// Runs on a copy stream after its last transfer of the call: it no longer reads our buffer.
+__global__ void count_copies_read(uint32_t* counter) { atomicAdd(counter, 1u); }
+
 cudaStream_t copy_stream(const Transport& t, int pe, int j) {
   return t.copy_streams[pe * kCopyStreamsPerPeer + j];
 }
 
-}  // namespace
-
-cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) {
+template <typename Fn>
+cudaError_t for_each_copy_stream(const PeerContext& ctx, Fn fn) {
   const Transport* t = transport();
   if (t == nullptr) return cudaErrorNotReady;
-  const int R = a.ctx.num_ranks, me = a.ctx.rank, T = a.num_tokens;
-  copy_engine_guard<<<1, 32, 0, stream>>>(a.ctx);
-  cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess || R == 1) return status;
-  if ((status = cudaEventRecord(t->copy_fork, stream)) != cudaSuccess) return status;
-  for (int p = 0; p < R; ++p)
-    for (int j = 0; p != me && j < kCopyStreamsPerPeer; ++j)
-      if ((status = cudaStreamWaitEvent(copy_stream(*t, p, j), t->copy_fork)) != cudaSuccess)
-        return status;
-  const char* x = static_cast<const char*>(a.x);
-  const char* scales = reinterpret_cast<const char*>(a.scales);
-  // Chunk-major, so that every peer's first chunk is under way before anyone's second.
-  for (int c = 0; c < a.copy_chunks; ++c) {
-    const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
-    for (int step = 1; step < R; ++step) {
-      const int p = (me + step) % R;
-      cudaStream_t s = copy_stream(*t, p, c % kCopyStreamsPerPeer);
-      char* peer = static_cast<char*>(t->host_peers[p]);
-      const size_t landing = size_t(me) * T + first;
-      status = cudaMemcpyAsync(peer + a.plan.rows + landing * a.x_row_bytes,
-                               x + size_t(first) * a.x_row_bytes, rows * a.x_row_bytes,
-                               cudaMemcpyDeviceToDevice, s);
-      if (status == cudaSuccess && scales != nullptr)
-        status = cudaMemcpyAsync(peer + a.plan.scales + landing * a.scale_row_bytes,
-                                 scales + size_t(first) * a.scale_row_bytes,
-                                 rows * a.scale_row_bytes, cudaMemcpyDeviceToDevice, s);
+  for (int p = 0; p < ctx.num_ranks; ++p) {
+    for (int j = 0; p != ctx.rank && j < kCopyStreamsPerPeer; ++j) {
+      const cudaError_t status = fn(*t, p * kCopyStreamsPerPeer + j, copy_stream(*t, p, j));
       if (status != cudaSuccess) return status;
-      raise_landed_flag<<<1, 1, 0, s>>>(&reinterpret_cast<Control*>(peer)->landed[me][c]);
-      if ((status = cudaGetLastError()) != cudaSuccess) return status;
     }
   }
   return cudaSuccess;
 }
 
-cudaError_t join_copy_streams(const DispatchArgs& a, cudaStream_t stream) {
+}  // namespace
+
+void copy_chunking(int num_tokens, size_t row_bytes, int* chunk_rows, int* chunks) {
+  // ~JAX_EP_COPY_CHUNK_MB (4) of rows per transfer, in at least 4 chunks (the receiving CTAs
+  // start early, and small calls exercise the protocol), at most kMaxCopyChunks (Control).
+  const char* env = std::getenv("JAX_EP_COPY_CHUNK_MB");
+  const double mb = env && std::atof(env) > 0 ? std::atof(env) : 4.0;
+  const int T = std::max(num_tokens, 1);
+  int rows = static_cast<int>(mb * (1 << 20) / std::max<size_t>(row_bytes, 1));
+  rows = std::min(std::max(rows, 1), (T + 3) / 4);
+  rows = std::max(rows, (T + kMaxCopyChunks - 1) / kMaxCopyChunks);
+  *chunk_rows = rows;
+  *chunks = (num_tokens + rows - 1) / rows;
+}
+
+cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
+  wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine);
+  return cudaGetLastError();
+}
+
+cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream) {
   const Transport* t = transport();
   if (t == nullptr) return cudaErrorNotReady;
-  for (int p = 0; p < a.ctx.num_ranks; ++p) {
-    for (int j = 0; p != a.ctx.rank && j < kCopyStreamsPerPeer; ++j) {
-      cudaEvent_t joined = t->copy_joins[p * kCopyStreamsPerPeer + j];
-      cudaError_t status = cudaEventRecord(joined, copy_stream(*t, p, j));
-      if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, joined);
-      if (status != cudaSuccess) return status;
-    }
+  if (ctx.num_ranks == 1) return cudaSuccess;
+  // Re-recording is safe: each wait below takes the record made just before it.
+  const cudaError_t status = cudaEventRecord(t->copy_fork, stream);
+  if (status != cudaSuccess) return status;
+  return for_each_copy_stream(ctx, [&](const Transport& t, int, cudaStream_t s) {
+    return cudaStreamWaitEvent(s, t.copy_fork);
+  });
+}
+
+cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
+                                   const CopyPiece* pieces, int num_pieces) {
+  const Transport* t = transport();
+  if (t == nullptr) return cudaErrorNotReady;
+  cudaStream_t s = copy_stream(*t, peer, chunk % kCopyStreamsPerPeer);
+  char* base = static_cast<char*>(t->host_peers[peer]);
+  for (int i = 0; i < num_pieces; ++i) {
+    if (pieces[i].bytes == 0) continue;
+    const cudaError_t status = cudaMemcpyAsync(base + pieces[i].dst_offset, pieces[i].src,
+                                               pieces[i].bytes, cudaMemcpyDeviceToDevice, s);
+    if (status != cudaSuccess) return status;
   }
-  return cudaSuccess;
+  raise_landed_flag<<<1, 1, 0, s>>>(&reinterpret_cast<Control*>(base)->landed[ctx.rank][chunk]);
+  return cudaGetLastError();
+}
+
+cudaError_t copy_engine_mark_read(const PeerContext& ctx) {
+  return for_each_copy_stream(ctx, [&](const Transport& t, int, cudaStream_t s) {
+    count_copies_read<<<1, 1, 0, s>>>(&static_cast<Control*>(t.local)->copies_read);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {
+  return for_each_copy_stream(ctx, [&](const Transport& t, int index, cudaStream_t s) {
+    cudaError_t status = cudaEventRecord(t.copy_joins[index], s);
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, t.copy_joins[index]);
+    return status;
+  });
 }
 
 }  // namespace jax_ep

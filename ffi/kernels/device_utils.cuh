@@ -232,6 +232,42 @@ __device__ __forceinline__ uint64_t current_call(const PeerContext& ctx) {
   return *reinterpret_cast<volatile uint64_t*>(&control_of(ctx, ctx.rank)->epoch) + 1;
 }
 
+// Copy-engine paths: lane 0 waits until chunk c of source s has landed here.
+__device__ __forceinline__ void wait_landed(const PeerContext& ctx, int s, int c, int lane,
+                                            const char* op) {
+  if (lane == 0)
+    wait_flag(ctx, &control_of(ctx, ctx.rank)->landed[s][c], 1, op, "rows landed (copy engine)",
+              s);
+  __syncwarp();
+}
+
+// Copy-engine paths, one thread, before done is raised: every chunk of every source has landed
+// (a chunk holding none of our rows must not land during the next call), and the flags are
+// cleared for it; with `streams_reading`, also our own copy streams have finished reading our
+// buffer (a peer's next call may write there once we raise done).
+__device__ inline void close_copy_engine_call(const PeerContext& ctx, int chunks, const char* op,
+                                              unsigned streams_reading = 0) {
+  Control* mine = control_of(ctx, ctx.rank);
+  for (int s = 0; s < ctx.num_ranks; ++s) {
+    if (s == ctx.rank) continue;
+    for (int c = 0; c < chunks; ++c) {
+      wait_flag(ctx, &mine->landed[s][c], 1, op, "rows landed (copy engine)", s);
+      mine->landed[s][c] = 0;
+    }
+  }
+  if (streams_reading > 0) {
+    const uint64_t start = global_timer_ns();
+    volatile uint32_t* read = &mine->copies_read;
+    while (*read < streams_reading) {
+      if (global_timer_ns() - start > ctx.timeout_ns) {
+        report_timeout(ctx, op, "own copy streams done reading", ctx.rank, streams_reading, *read);
+        trap_after_report();
+      }
+    }
+    mine->copies_read = 0;
+  }
+}
+
 // A load for copy_row: cached, or (kFromPeer) bypassing L1, for data another PE wrote.
 template <bool kFromPeer, typename T>
 __device__ __forceinline__ T load_for_copy(const T* p) {

@@ -82,6 +82,10 @@ enum class ElementType { kBF16, kF16, kF32 };
 
 struct CombineArgs {
   PeerContext ctx;
+  // rank_major with the rows moved by the copy engines (plan_combine_copy), in chunks of
+  // copy_chunk_rows records per owner slot, copy_chunks per slot.
+  bool copy_engine;
+  int copy_chunk_rows, copy_chunks;
   int num_tokens, num_topk, num_experts, capacity, hidden;
   bool expert_major;
   int num_blocks;
@@ -116,12 +120,24 @@ cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 blo
 }
 
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
-// Copy-engine dispatch (copy_engine.cu). Before the stage: a guard kernel on `stream` (every
-// peer finished the previous call), then this PE's x (and scales) goes to every peer's landing
-// area on the runtime's copy streams, a flag per chunk. After the gather: `stream` waits for
-// the copy streams, so x outlives the transfers.
-cudaError_t enqueue_dispatch_copies(const DispatchArgs& args, cudaStream_t stream);
-cudaError_t join_copy_streams(const DispatchArgs& args, cudaStream_t stream);
+// Copy-engine transfers (copy_engine.cu), which the copy-engine dispatch and combine enqueue
+// around their kernels: a guard kernel (every peer finished the previous call), a fork (the
+// copy streams wait for the caller's stream), chunks sent to a peer (each followed by its
+// landed flag there), optionally a count of streams done reading our buffer, and a join (the
+// caller's stream waits for the copy streams, so the sources outlive the transfers).
+struct CopyPiece {
+  size_t dst_offset;  // in the peer's symmetric buffer
+  const void* src;
+  size_t bytes;
+};
+void copy_chunking(int num_tokens, size_t row_bytes, int* chunk_rows, int* chunks);
+cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream);
+cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream);
+cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
+                                   const CopyPiece* pieces, int num_pieces);
+// Each copy stream adds 1 to our Control::copies_read: (R - 1) * kCopyStreamsPerPeer in all.
+cudaError_t copy_engine_mark_read(const PeerContext& ctx);
+cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 

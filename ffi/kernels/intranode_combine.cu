@@ -3,10 +3,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 #include "kernels/intranode.h"
+#include "runtime/runtime.h"
 
 namespace jax_ep {
 namespace {
+
+size_t element_size(ElementType type) { return type == ElementType::kF32 ? 4 : 2; }
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -55,21 +60,75 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
   }
 }
 
+// Copy-engine combine, stage of chunk `chunk`: for every owner s but us, records [first,
+// first + copy_chunk_rows) of s's block of y (and their weights) go to staged slot s, from
+// where the copy engines send the whole chunk to s. Rows of a block are contiguous in y and
+// ascending in the owner's token list; a block's start is the first row with src_rank >= s.
+__global__ void __launch_bounds__(kThreads) combine_copy_stage(CombineArgs a, size_t row_bytes,
+                                                               int chunk) {
+  wait_previous_kernel();
+  const PeerContext& ctx = a.ctx;
+  if (chunk == 0) profile_mark(ctx, kProfCombineStage, kEnter);
+  const int R = ctx.num_ranks, T = a.num_tokens;
+  const CombineCopyPlan plan = plan_combine_copy(R, T, row_bytes);
+  const int used = min(*a.num_received, a.capacity);
+  __shared__ int block_start[kMaxCopyRanks + 1];
+  for (int s = threadIdx.x; s <= R; s += kThreads) {  // first row with src_rank >= s
+    int lo = 0, hi = used;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (a.src_rank[mid] < s) lo = mid + 1; else hi = mid;
+    }
+    block_start[s] = lo;
+  }
+  __syncthreads();
+  const int first = chunk * a.copy_chunk_rows;
+  const int rows = min(a.copy_chunk_rows, T - first);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  char* staged = region<char>(ctx, ctx.rank, plan.staged_rows);
+  float* staged_weights = region<float>(ctx, ctx.rank, plan.staged_weights);
+  for (int w = warp; w < R * rows; w += gridDim.x * kWarps) {
+    const int s = w / rows, q = first + w % rows;
+    if (s == ctx.rank || block_start[s] + q >= block_start[s + 1]) continue;
+    const int row = block_start[s] + q;
+    const size_t record = size_t(s) * T + q;
+    copy_row(staged + record * row_bytes, static_cast<const char*>(a.y) + row * row_bytes,
+             row_bytes, lane, 32);
+    if (lane == 0) staged_weights[record] = a.weights[row];
+  }
+  if (chunk + 1 == a.copy_chunks) profile_end(ctx, kProfCombineStage);
+}
+
 // One warp per token, `kVector` elements per lane access (16 bytes when rows allow it). The
 // token's source rows (at most kSources) are found once; then each lane loads kUnroll chunks
 // of every source before adding, so about 16 loads per lane are in flight (over NVLink that
 // latency, not bandwidth, bounds a warp). The adds keep the contract's order.
-template <typename T, int kVector, int kSources>
+// kCopy (copy-engine combine, rank_major): the peers' rows are in our landing area, record
+// send_slot - base[r] of slot r (base[r]: our first row at r, the smallest slot we have
+// there), readable once its chunk's flag is up; loads from there bypass L1 (a record may
+// share a cache line with one that lands later).
+template <typename T, int kVector, int kSources, bool kCopy>
 __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t row_bytes) {
   wait_previous_kernel();  // launched to overlap the previous kernel's drain
   constexpr int kUnroll = kSources >= 16 ? 1 : 16 / kSources;
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfCombineReduce, kEnter);
-  wait_all_ready(ctx, call, "combine");
+  if (!kCopy) wait_all_ready(ctx, call, "combine");
   profile_mark(ctx, kProfCombineReduce, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
   const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
+  const CombineCopyPlan copy_plan = plan_combine_copy(R, a.num_tokens, row_bytes);
+  __shared__ int base[kCopy ? kMaxCopyRanks : 1];
+  if (kCopy) {
+    for (int r = threadIdx.x; r < R; r += kThreads) base[r] = a.capacity;
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.num_tokens * R; i += kThreads) {
+      const int slot = a.send_slot[i];
+      if (slot >= 0 && slot < a.capacity) atomicMin(&base[i % R], slot);
+    }
+    __syncthreads();
+  }
   const int H = a.hidden;
   const int sources = a.expert_major ? K : R;
   const size_t stride = row_stride(row_bytes);
@@ -97,6 +156,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
       if (r == me) {  // our own expert outputs: straight from y
         weights[j] = a.weights[slot];
         rows[j] = reinterpret_cast<const T*>(static_cast<const char*>(a.y) + slot * row_bytes);
+      } else if (kCopy) {
+        const int q = slot - base[r];
+        wait_landed(ctx, r, q / a.copy_chunk_rows, lane, "combine");
+        const size_t record = size_t(r) * a.num_tokens + q;
+        weights[j] = __ldcg(region<float>(ctx, me, copy_plan.landed_weights) + record);
+        rows[j] = reinterpret_cast<const T*>(region<char>(ctx, me, copy_plan.landed_rows) +
+                                             record * row_bytes);
       } else {
         weights[j] = region<float>(ctx, r, plan.meta_weights)[slot];
         rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
@@ -112,10 +178,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
         for (int j = 0; j < kSources; ++j) {
           if (rows[j] == nullptr || c >= chunks) continue;
           if constexpr (kVector * sizeof(T) == 16) {
-            *reinterpret_cast<int4*>(values[u][j]) = reinterpret_cast<const int4*>(rows[j])[c];
+            const int4* src = reinterpret_cast<const int4*>(rows[j]) + c;
+            *reinterpret_cast<int4*>(values[u][j]) = kCopy ? __ldcg(src) : *src;
           } else {
 #pragma unroll
-            for (int v = 0; v < kVector; ++v) values[u][j][v] = rows[j][c * kVector + v];
+            for (int v = 0; v < kVector; ++v)
+              values[u][j][v] = kCopy ? __ldcg(rows[j] + c * kVector + v)
+                                      : rows[j][c * kVector + v];
           }
         }
       }
@@ -147,39 +216,83 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   }
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
+    if (kCopy) close_copy_engine_call(ctx, a.copy_chunks, "combine",
+                                      (R - 1) * kCopyStreamsPerPeer);
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;
     profile_mark(ctx, kProfCombineReduce, kRetired);
   }
 }
 
-template <typename T, int kVector>
+template <typename T, int kVector, bool kCopy>
 cudaError_t launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
   const int sources = a.expert_major ? a.num_topk : a.ctx.num_ranks;
   auto launch = [&](auto kernel) {
     return launch_after_previous(kernel, a.num_blocks, kThreads, 0, stream, a, row_bytes);
   };
-  if (sources <= 2) return launch(combine_reduce<T, kVector, 2>);
-  if (sources <= 4) return launch(combine_reduce<T, kVector, 4>);
-  if (sources <= 8) return launch(combine_reduce<T, kVector, 8>);
-  return launch(combine_reduce<T, kVector, kMaxSources>);
+  if (sources <= 2) return launch(combine_reduce<T, kVector, 2, kCopy>);
+  if (sources <= 4) return launch(combine_reduce<T, kVector, 4, kCopy>);
+  if (sources <= 8) return launch(combine_reduce<T, kVector, 8, kCopy>);
+  return launch(combine_reduce<T, kVector, kMaxSources, kCopy>);
+}
+
+// Copy-engine combine: guard, then per chunk a stage kernel and, once it has run, the chunk's
+// transfers to every owner; the copy streams then count themselves done reading the staging
+// area (the reduce's last block waits for that before raising done).
+cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, T = a.num_tokens;
+  const CombineCopyPlan plan = plan_combine_copy(R, T, row_bytes);
+  const char* local = static_cast<const char*>(transport()->local);
+  cudaError_t status = copy_engine_guard(ctx, /*combine=*/true, stream);
+  for (int c = 0; c < a.copy_chunks && status == cudaSuccess; ++c) {
+    status = launch_after_previous(combine_copy_stage, a.num_blocks, kThreads, 0, stream, a,
+                                   row_bytes, c);
+    if (status == cudaSuccess) status = copy_engine_fork(ctx, stream);
+    const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
+    for (int step = 1; step < R && status == cudaSuccess; ++step) {
+      const int owner = (ctx.rank + step) % R;
+      const size_t staged = size_t(owner) * T + first, landed = size_t(ctx.rank) * T + first;
+      const CopyPiece pieces[2] = {
+          {plan.landed_rows + landed * row_bytes, local + plan.staged_rows + staged * row_bytes,
+           rows * row_bytes},
+          {plan.landed_weights + landed * sizeof(float),
+           local + plan.staged_weights + staged * sizeof(float), rows * sizeof(float)},
+      };
+      status = copy_engine_send_chunk(ctx, owner, c, pieces, 2);
+    }
+  }
+  if (status == cudaSuccess) status = copy_engine_mark_read(ctx);
+  return status;
 }
 
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
   const size_t row_bytes = sizeof(T) * a.hidden;
+  constexpr int kWide = 16 / sizeof(T);
+  if (a.copy_engine) {
+    cudaError_t status = enqueue_combine_copies(a, row_bytes, stream);
+    if (status == cudaSuccess)
+      status = a.hidden % kWide == 0 ? launch_reduce<T, kWide, true>(a, row_bytes, stream)
+                                     : launch_reduce<T, 1, true>(a, row_bytes, stream);
+    if (status == cudaSuccess) status = copy_engine_join(a.ctx, stream);
+    return status;
+  }
   const cudaError_t status =
       launch_after_previous(combine_stage, a.num_blocks, kThreads, 0, stream, a, row_bytes);
   if (status != cudaSuccess) return status;
-  constexpr int kWide = 16 / sizeof(T);
   // Staged rows are 16-byte aligned; y's rows and the output's need H % kWide == 0.
-  return a.hidden % kWide == 0 ? launch_reduce<T, kWide>(a, row_bytes, stream)
-                               : launch_reduce<T, 1>(a, row_bytes, stream);
+  return a.hidden % kWide == 0 ? launch_reduce<T, kWide, false>(a, row_bytes, stream)
+                               : launch_reduce<T, 1, false>(a, row_bytes, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
+cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
+  CombineArgs a = args;
+  if (a.copy_engine)
+    copy_chunking(a.num_tokens, element_size(a.dtype) * size_t(a.hidden), &a.copy_chunk_rows,
+                  &a.copy_chunks);
   switch (a.dtype) {
     case ElementType::kBF16: return launch_typed<__nv_bfloat16>(a, stream);
     case ElementType::kF16: return launch_typed<__half>(a, stream);

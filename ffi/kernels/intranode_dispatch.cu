@@ -364,27 +364,6 @@ __device__ __forceinline__ int destination_row(const DispatchArgs& a, const Gath
   return row < a.capacity ? row : -1;
 }
 
-// Copy-engine dispatch: lane 0 waits until chunk c of source s has landed here.
-__device__ __forceinline__ void wait_landed(const DispatchArgs& a, int s, int c, int lane) {
-  if (lane == 0)
-    wait_flag(a.ctx, &control_of(a.ctx, a.ctx.rank)->landed[s][c], 1, "dispatch",
-              "rows landed (copy engine)", s);
-  __syncwarp();
-}
-
-// One thread, before done is raised: every chunk of every source has landed (a chunk holding
-// none of our rows must not land during the next call), and the flags are cleared for it.
-__device__ void close_copy_engine_call(const DispatchArgs& a) {
-  Control* mine = control_of(a.ctx, a.ctx.rank);
-  for (int s = 0; s < a.ctx.num_ranks; ++s) {
-    if (s == a.ctx.rank) continue;
-    for (int c = 0; c < a.copy_chunks; ++c) {
-      wait_flag(a.ctx, &mine->landed[s][c], 1, "dispatch", "rows landed (copy engine)", s);
-      mine->landed[s][c] = 0;
-    }
-  }
-}
-
 // Counts of the output; the last block then releases the peers and closes the call.
 template <bool kExpertMajor>
 __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
@@ -419,7 +398,7 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
       *a.num_dropped = max(total - C, 0);
       for (int l = 0; l < L; ++l) a.group_sizes[l] = a.tokens_per_expert[l];
     }
-    if (a.copy_engine) close_copy_engine_call(a);
+    if (a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, me)->epoch = call;
     profile_mark(ctx, profile_slot, kRetired);
@@ -490,7 +469,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
       const char* row_scales = reinterpret_cast<const char*>(a.scales) +
                                size_t(t) * a.scale_row_bytes;
       if (s != me) {  // in our landing area once its chunk is flagged
-        wait_landed(a, s, t / a.copy_chunk_rows, lane);
+        wait_landed(ctx, s, t / a.copy_chunk_rows, lane, "dispatch");
         const size_t landed = size_t(s) * T + t;
         row = region<char>(ctx, me, a.plan.rows) + landed * a.x_row_bytes;
         row_scales = region<char>(ctx, me, a.plan.scales) + landed * a.scale_row_bytes;
@@ -999,6 +978,30 @@ int multiprocessors() {
   return count;
 }
 
+// Copy-engine dispatch, before the stage: after the guard, this PE's x (and scales) goes to
+// every peer's landing slot for us, chunk-major, so that every peer's first chunk is under
+// way before anyone's second.
+cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) {
+  const PeerContext& ctx = a.ctx;
+  cudaError_t status = copy_engine_guard(ctx, /*combine=*/false, stream);
+  if (status == cudaSuccess) status = copy_engine_fork(ctx, stream);
+  const int R = ctx.num_ranks, T = a.num_tokens;
+  for (int c = 0; c < a.copy_chunks && status == cudaSuccess; ++c) {
+    const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
+    const size_t landing = size_t(ctx.rank) * T + first;
+    const CopyPiece pieces[2] = {
+        {a.plan.rows + landing * a.x_row_bytes,
+         static_cast<const char*>(a.x) + size_t(first) * a.x_row_bytes, rows * a.x_row_bytes},
+        {a.plan.scales + landing * a.scale_row_bytes,
+         reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes,
+         a.scales != nullptr ? rows * a.scale_row_bytes : 0},
+    };
+    for (int step = 1; step < R && status == cudaSuccess; ++step)
+      status = copy_engine_send_chunk(ctx, (ctx.rank + step) % R, c, pieces, 2);
+  }
+  return status;
+}
+
 // The stage kernel: rank_major spreads its scan over a co-resident grid when it can.
 template <bool kExpertMajor, bool kPull>
 cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
@@ -1055,7 +1058,7 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
     if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
     status = launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
                                    stream, a);
-    if (status == cudaSuccess && a.copy_engine) status = join_copy_streams(a, stream);
+    if (status == cudaSuccess && a.copy_engine) status = copy_engine_join(a.ctx, stream);
     return status;
   }
   return cudaGetLastError();
@@ -1070,19 +1073,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   // last rows to arrive (one warp per chunk) is short, at most kMaxChunks counters.
   constexpr int kMinChunkRows = 4;
   a.chunk_rows = std::max(kMinChunkRows, (a.capacity + kMaxChunks - 1) / kMaxChunks);
-  if (a.copy_engine) {
-    // Tokens per copy-engine transfer: ~JAX_EP_COPY_CHUNK_MB (4) of rows, in at least 4 chunks
-    // (so that the gather starts early, and small calls exercise the protocol) and at most
-    // kMaxCopyChunks (flags in Control).
-    const char* env = std::getenv("JAX_EP_COPY_CHUNK_MB");
-    const double chunk_mb = env && std::atof(env) > 0 ? std::atof(env) : 4.0;
-    const int T = std::max(a.num_tokens, 1);
-    int rows = static_cast<int>(chunk_mb * (1 << 20) / std::max<size_t>(a.x_row_bytes, 1));
-    rows = std::min(std::max(rows, 1), (T + 3) / 4);
-    rows = std::max(rows, (T + kMaxCopyChunks - 1) / kMaxCopyChunks);
-    a.copy_chunk_rows = rows;
-    a.copy_chunks = (a.num_tokens + rows - 1) / rows;
-  }
+  if (a.copy_engine) copy_chunking(a.num_tokens, a.x_row_bytes, &a.copy_chunk_rows, &a.copy_chunks);
   const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
                                        : sizeof(int32_t) * (2 * R + 1);
   const int sources = a.expert_major ? a.num_topk : R;
