@@ -35,10 +35,6 @@ struct DispatchArgs {
   bool use_push;
   bool fused;      // push mode with the copy-out in the same kernel (use_push is set too)
   bool bulk;       // push mode with bulk (TMA) copies of the rows where they fit
-  // Pull mode whose rows the sources' copy engines deliver into this PE's landing area
-  // (plan_dispatch_copy) in chunks of copy_chunk_rows tokens, copy_chunks per source.
-  bool copy_engine;
-  int copy_chunk_rows, copy_chunks;
   int bulk_pipes;  // set by the launcher: bulk pipelines (warps) per CTA, 0 = plain stores
   size_t bulk_offset;  // set by the launcher: start of the bulk area in dynamic shared memory
   int chunk_rows;  // fused: output rows per arrival counter
@@ -66,6 +62,10 @@ struct DispatchArgs {
   int32_t* src_rank;
   int32_t* src_token;
   int32_t* src_k;
+  // Pull mode whose rows the sources' copy engines deliver into this PE's landing area
+  // (plan_dispatch_copy) in chunks of copy_chunk_rows tokens, copy_chunks per source.
+  bool copy_engine;
+  int copy_chunk_rows, copy_chunks;
 };
 
 struct CachedDispatchArgs {

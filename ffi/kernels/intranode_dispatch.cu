@@ -365,7 +365,8 @@ __device__ __forceinline__ int destination_row(const DispatchArgs& a, const Gath
 }
 
 // Counts of the output; the last block then releases the peers and closes the call.
-template <bool kExpertMajor>
+// kPull: the pull gather, which may be the copy-engine path's (the push kernels never are).
+template <bool kExpertMajor, bool kPull = false>
 __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
                                 int counter, int profile_slot) {
   const PeerContext& ctx = a.ctx;
@@ -398,7 +399,7 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
       *a.num_dropped = max(total - C, 0);
       for (int l = 0; l < L; ++l) a.group_sizes[l] = a.tokens_per_expert[l];
     }
-    if (a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
+    if (kPull && a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, me)->epoch = call;
     profile_mark(ctx, profile_slot, kRetired);
@@ -513,7 +514,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
     if (rank_in_list >= 0) a.send_slot[i] = destination_row<kExpertMajor>(a, tb, i, rank_in_list);
   }
   profile_end(ctx, kProfDispatchGather);
-  finish_dispatch<kExpertMajor>(a, tb, call, 1, kProfDispatchGather);
+  finish_dispatch<kExpertMajor, true>(a, tb, call, 1, kProfDispatchGather);
 }
 
 // ------------------------------------------------------------------------------ push mode
