@@ -68,7 +68,10 @@ __global__ void __launch_bounds__(kThreads) combine_copy_stage(CombineArgs a, si
                                                                int chunk) {
   wait_previous_kernel();
   const PeerContext& ctx = a.ctx;
-  if (chunk == 0) profile_mark(ctx, kProfCombineStage, kEnter);
+  if (chunk == 0) {
+    profile_mark(ctx, kProfCombineStage, kEnter);
+    reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
+  }
   const int R = ctx.num_ranks, T = a.num_tokens;
   const CombineCopyPlan plan = plan_combine_copy(R, T, row_bytes);
   const int used = min(*a.num_received, a.capacity);
