@@ -34,8 +34,10 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")
-    p.add_argument("--modes", default="pull,push,fused,bulk",
+    p.add_argument("--modes", default="pull,push,fused,bulk,copy",
                    help="dispatch modes to time (JAX_EP_DISPATCH values), comma-separated")
+    p.add_argument("--combine-modes", default="pull,copy",
+                   help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
                    help="only the JAX baselines, in one process over all local GPUs")
     p.add_argument("--cpu-devices", type=int, default=4, help="fake devices for CPU runs")
@@ -191,7 +193,11 @@ def main():
                partial(dispatch, layout="expert_major", cap=em_capacity), x, idx_d, w,
                chained=2, nbytes=pairs_bytes)
     os.environ.pop("JAX_EP_DISPATCH")
-    record("jax_ep combine BF16", combine, *dispatch_for_combine(x, idx_d, w), chained=1)
+    combine_inputs = dispatch_for_combine(x, idx_d, w)
+    for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
+        os.environ["JAX_EP_COMBINE"] = mode
+        record(f"jax_ep combine BF16 [{mode}]", combine, *combine_inputs, chained=1)
+    os.environ.pop("JAX_EP_COMBINE", None)
 
     # ------------------------------------------------------------------ baselines
     if not args.skip_baselines:
