@@ -43,40 +43,66 @@ def _num_blocks() -> np.int64:
 
 
 _DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3, "copy": 4}
+# `auto` picks the copy-engine paths where a peer is expected to need at least this share of
+# a rank's tokens: they send every token to every peer (2 and 4 ranks at DeepSeek-V3 shapes).
+_COPY_MIN_TOKEN_SHARE = 0.85
+_MAX_COPY_RANKS = 32
 
 
-def _push_dispatch() -> np.int64:
+def expected_token_share(num_ranks, num_topk, num_experts) -> float:
+    """Share of a rank's tokens that one given peer needs when each token picks num_topk
+    distinct experts uniformly at random: 1 - C(E - L, K) / C(E, K), L = E / R."""
+    E, K = int(num_experts), int(num_topk)
+    L = E // max(int(num_ranks), 1)
+    miss = 1.0
+    for i in range(min(K, E)):  # C(E - L, K) / C(E, K) as a product
+        miss *= max(E - L - i, 0) / (E - i)
+    return 1.0 - miss
+
+
+def _copy_pays(num_ranks, num_topk, num_experts, layout) -> bool:
+    return (layout != EXPERT_MAJOR and 1 < num_ranks <= _MAX_COPY_RANKS
+            and expected_token_share(num_ranks, num_topk, num_experts) >= _COPY_MIN_TOKEN_SHARE)
+
+
+def _push_dispatch(num_ranks=1, num_topk=1, num_experts=1, layout=None) -> np.int64:
     """JAX_EP_DISPATCH selects the data path: fused (default: senders store rows into the
     receivers' buffers over NVLink and, in the same kernel, the receivers copy complete chunks
     out as they arrive), push (the same stores, the copy-out in a kernel after the last push),
     pull (receivers load rows from the senders' buffers), bulk (push with TMA copies) or copy
     (every sender's copy engines send all of its rows to every peer, the receivers' CTAs only
     copy locally: for few ranks, where a peer needs nearly every token; at most 32 ranks).
-    Measurements: benchmarks/RESULTS.md."""
+    auto: copy for rank_major where a peer is expected to need >= 85 % of the tokens, else
+    fused. Measurements: benchmarks/RESULTS.md."""
     mode = os.environ.get("JAX_EP_DISPATCH", "fused")
+    if mode == "auto":
+        mode = "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "fused"
     if mode not in _DISPATCH_MODES:
-        raise ValueError(f"JAX_EP_DISPATCH must be one of {sorted(_DISPATCH_MODES)}, got {mode!r}")
+        raise ValueError(f"JAX_EP_DISPATCH must be one of {sorted(_DISPATCH_MODES) + ['auto']}, "
+                         f"got {mode!r}")
     return np.int64(_DISPATCH_MODES[mode])
 
 
-_COMBINE_MODES = ("pull", "copy")
+_COMBINE_MODES = ("pull", "copy", "auto")
 
 
-def _copy_combine(layout) -> np.int64:
+def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
     """JAX_EP_COMBINE selects the combine's data path: pull (default: the token owners load
-    the expert ranks' staged rows over NVLink) or copy (rank_major only, expert_major keeps
+    the expert ranks' staged rows over NVLink), copy (rank_major only, expert_major keeps
     pull: the expert ranks' copy engines send each owner its rows, staged per owner, and the
-    owners' CTAs sum locally)."""
+    owners' CTAs sum locally) or auto (copy where JAX_EP_DISPATCH=auto would pick it)."""
     mode = os.environ.get("JAX_EP_COMBINE", "pull")
     if mode not in _COMBINE_MODES:
         raise ValueError(f"JAX_EP_COMBINE must be one of {list(_COMBINE_MODES)}, got {mode!r}")
-    return np.int64(mode == "copy" and layout != EXPERT_MAJOR)
+    if mode == "auto":
+        return np.int64(_copy_pays(num_ranks, num_topk, num_experts, layout))
+    return np.int64(mode == "copy" and layout != EXPERT_MAJOR and num_ranks <= _MAX_COPY_RANKS)
 
 
-def _copy_engine_selected() -> bool:
+def _copy_engine_selected(num_ranks, num_topk, num_experts, layout) -> bool:
     """Whether either copy-engine path is selected (their buffer areas count in the hint)."""
-    return (os.environ.get("JAX_EP_DISPATCH") == "copy"
-            or os.environ.get("JAX_EP_COMBINE") == "copy")
+    return (_push_dispatch(num_ranks, num_topk, num_experts, layout) == _DISPATCH_MODES["copy"]
+            or bool(_copy_combine(num_ranks, num_topk, num_experts, layout)))
 
 
 def _rank(axis_name):
@@ -154,7 +180,8 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         topk_weights, _rank(axis_name), axis_name=axis_name,
         num_experts=np.int64(num_experts), capacity=np.int64(C),
         expert_major=np.int64(expert_major), alignment=np.int64(alignment),
-        has_scales=np.int64(has_scales), num_blocks=_num_blocks(), push=_push_dispatch(),
+        has_scales=np.int64(has_scales), num_blocks=_num_blocks(),
+        push=_push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None),
         block=np.int64(block))
 
 
@@ -191,7 +218,8 @@ def combine(y, weights, handle: DispatchHandle):
                  axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
                  expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks(),
-                 copy_engine=_copy_combine(config.layout))
+                 copy_engine=_copy_combine(config.num_ranks, config.num_topk,
+                                           config.num_experts, config.layout))
 
 
 # ----------------------------------------------------------------------------- low latency
@@ -341,4 +369,5 @@ def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capac
                                     layout, alignment)
     return int(module.required_buffer_bytes(
         num_ranks, num_tokens, hidden, jnp.dtype(dtype).itemsize, num_topk, num_experts,
-        capacity, layout == EXPERT_MAJOR, fp8, _copy_engine_selected()))
+        capacity, layout == EXPERT_MAJOR, fp8,
+        _copy_engine_selected(num_ranks, num_topk, num_experts, layout)))

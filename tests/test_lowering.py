@@ -108,3 +108,45 @@ def test_reference_low_latency_combine_keeps_the_partials_rounding():
                and any(re.search(re.escape(v) + r"[#\s,)]", line) for v in fenced)
                and "-> tensor<" in line and "xf32>" in line.split("->")[-1]]
     assert len(widened) == R, text  # one fenced rounding per rank's partial
+
+
+def test_expected_token_share_matches_sampling():
+    rng = np.random.default_rng(0)
+    for R, K, E in [(2, 8, 256), (4, 8, 256), (8, 8, 256), (4, 2, 8)]:
+        picks = np.argsort(rng.random((20000, E)), axis=1)[:, :K]  # K distinct experts
+        sampled = np.mean((picks // (E // R) == 1).any(axis=1))    # the peer: rank 1
+        assert abs(_cuda.expected_token_share(R, K, E) - sampled) < 0.01, (R, K, E)
+
+
+def test_auto_picks_the_copy_engine_paths_for_few_ranks(monkeypatch):
+    """JAX_EP_DISPATCH / JAX_EP_COMBINE=auto: copy for rank_major where a peer needs >= 85 %
+    of the tokens (2 and 4 ranks, top-8 of 256), fused / pull otherwise."""
+    monkeypatch.setenv("JAX_EP_DISPATCH", "auto")
+    monkeypatch.setenv("JAX_EP_COMBINE", "auto")
+    copy = _cuda._DISPATCH_MODES["copy"]
+    for R, want in [(2, True), (4, True), (8, False)]:
+        assert bool(_cuda._push_dispatch(R, 8, 256, "rank_major") == copy) is want
+        assert bool(_cuda._copy_combine(R, 8, 256, "rank_major")) is want
+        assert _cuda._push_dispatch(R, 8, 256, "expert_major") == _cuda._DISPATCH_MODES["fused"]
+        assert not _cuda._copy_combine(R, 8, 256, "expert_major")
+
+
+def test_combine_lowering_carries_the_copy_engine_attribute(monkeypatch):
+    from jax_ep._types import DispatchConfig
+
+    config = DispatchConfig(num_experts=4, num_ranks=2, num_tokens=8, hidden=128, num_topk=2,
+                            capacity=16, axis_name=AXIS, backend="cuda")
+
+    def per_device(x, idx, w):
+        out = _cuda.dispatch(x, None, idx, w, config)
+        return _cuda.combine(out.x, None, out.handle)
+
+    x = jnp.ones((2 * 8, 128), jnp.bfloat16)
+    idx = jnp.zeros((2 * 8, 2), jnp.int32).at[:, 1].set(3)
+    w = jnp.ones((2 * 8, 2), jnp.float32)
+    for mode, dispatch_push, copy_engine in [("pull", 2, 0), ("copy", 4, 1)]:
+        monkeypatch.setenv("JAX_EP_COMBINE", mode)
+        monkeypatch.setenv("JAX_EP_DISPATCH", "fused" if mode == "pull" else "copy")
+        text = _lowered_for_cuda(per_device, x, idx, w)
+        assert re.search(rf"copy_engine = {copy_engine} : i64", text), mode
+        assert re.search(rf"push = {dispatch_push} : i64", text), mode

@@ -2,6 +2,7 @@
 // jax_ep_combine. They validate shapes, check the symmetric buffer is large enough, fill the
 // kernels' argument structs and launch; nothing here waits for the device.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -56,6 +57,19 @@ size_t element_bytes(ffi::DataType type) {
 
 int blocks_or_default(int64_t num_blocks) {
   return num_blocks > 0 ? static_cast<int>(num_blocks) : kDefaultBlocks;
+}
+
+// CTAs of the copy-engine paths when JAX_EP_NUM_BLOCKS is unset. Their CTAs only copy locally
+// and need only keep pace with the copy engines: a rank's peers' rows arrive at ~382 GB/s
+// (copy engines, both directions busy, 2×H200) and its own rows, R/(R-1) as many in all, need
+// copying in the same time; one CTA is taken to copy ~32 GB/s locally (to calibrate on a
+// 2-GPU machine: NOTES items 26 and 31). 24 CTAs on 2 ranks, 16 on 4, 14 on 8.
+int copy_engine_blocks_or_default(int64_t num_blocks, int num_ranks) {
+  constexpr double kCopyEngineGBs = 382, kLocalCopyGBsPerCta = 32;
+  if (num_blocks > 0) return static_cast<int>(num_blocks);
+  const int peers = std::max(num_ranks - 1, 1);
+  const double need = kCopyEngineGBs * (peers + 1) / peers / kLocalCopyGBsPerCta;
+  return std::clamp(static_cast<int>(std::ceil(need - 1e-9)), 8, kDefaultBlocks);
 }
 
 ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
@@ -151,7 +165,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.alignment = static_cast<int>(alignment);
   a.block = static_cast<int>(block);
   a.expert_major = expert_major != 0;
-  a.num_blocks = blocks_or_default(num_blocks);
+  a.num_blocks = copy_engine ? copy_engine_blocks_or_default(num_blocks, R)
+                             : blocks_or_default(num_blocks);
   a.x = x.untyped_data();
   a.x_row_bytes = size_t(H) * elem;
   a.scales = has_scales ? x_scales.typed_data() : nullptr;
@@ -247,7 +262,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.capacity = C;
   a.hidden = H;
   a.expert_major = expert_major != 0;
-  a.num_blocks = blocks_or_default(num_blocks);
+  a.num_blocks = a.copy_engine ? copy_engine_blocks_or_default(num_blocks, a.ctx.num_ranks)
+                               : blocks_or_default(num_blocks);
   a.dtype = dtype;
   a.y = y.untyped_data();
   a.weights = weights.typed_data();
