@@ -219,3 +219,38 @@ def test_out_of_range_ids_under_tracing_are_ignored():
     got = dispatch_all(x, bad, w, E)
     want, slot = oracle.dispatch(x, masked, w, E, got.x.shape[1])
     assert_matches_oracle(got, want, slot)
+
+
+@pytest.mark.parametrize("R,cap", [(2, None), (4, None), (4, 0.6), (8, 0.4)])
+def test_rank_major_blocks_are_what_the_copy_engine_combine_indexes(R, cap):
+    """The copy-engine combine (ffi/kernels/intranode_combine.cu) relies on the rank_major
+    contract: at every rank, the rows of one source form a contiguous block in source order,
+    starting at the first row whose src_rank >= s, in the source's token order; so the
+    source finds its token's record at slot - (its smallest slot at that rank)."""
+    T, H, K, E = 40, 4, 3, 3 * R
+    rng = np.random.default_rng(R)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
+    capacity = None if cap is None else int(cap * T * R)
+
+    def fn(x, idx, w):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
+                              backend="reference")
+        h = out.handle
+        return h.src_rank, h.src_token, h.send_slot, h.num_received
+
+    src_rank, src_token, send_slot, used = run(fn, R, x, idx, w)
+    for r in range(R):
+        n = int(used[r])
+        ranks = src_rank[r][:n]
+        assert (np.diff(ranks) >= 0).all() and (src_rank[r][n:] == -1).all()
+        for s in range(R):
+            start = int(np.searchsorted(ranks, s, side="left"))
+            block = src_token[r][start:start + int((ranks == s).sum())]
+            assert (np.diff(block) > 0).all()  # the source's tokens, ascending
+            slots = send_slot[s][:, r]
+            kept = slots[slots >= 0]
+            if kept.size:
+                assert kept.min() == start
+                q = slots - kept.min()
+                for t in np.nonzero(slots >= 0)[0]:
+                    assert block[q[t]] == t
