@@ -101,8 +101,8 @@ def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
 
 def _copy_engine_selected(num_ranks, num_topk, num_experts, layout) -> bool:
     """Whether either copy-engine path is selected (their buffer areas count in the hint)."""
-    return (_push_dispatch(num_ranks, num_topk, num_experts, layout) == _DISPATCH_MODES["copy"]
-            or bool(_copy_combine(num_ranks, num_topk, num_experts, layout)))
+    return bool(_push_dispatch(num_ranks, num_topk, num_experts, layout) == _DISPATCH_MODES["copy"]
+                or _copy_combine(num_ranks, num_topk, num_experts, layout))
 
 
 def _rank(axis_name):
