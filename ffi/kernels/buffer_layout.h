@@ -149,25 +149,22 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch_copy(int num_ranks, int num_t
 
 // Copy-engine combine (rank_major): an expert rank stages, for every owner s, the rows of s's
 // tokens from y (contiguous there, but from a start only the device knows) at a fixed place:
-// staged [s][T] (rows unpadded, then their weights); its copy engines send the whole slot to
-// s's landing area at [r][T]. Record q of a slot is the owner's q-th token in its list for r.
+// staged [s][T] records; its copy engines send the whole slot to s's landing area at [r][T].
+// Record q of a slot is the owner's q-th token in its list for r: its row, then its weight
+// (one transfer per chunk), padded so that every row starts 16-byte aligned.
 struct CombineCopyPlan {
-  size_t staged_rows = 0, staged_weights = 0, landed_rows = 0, landed_weights = 0, end = 0;
+  size_t staged = 0, landed = 0, record_stride = 0, weight_offset = 0, end = 0;
 };
 
 JAX_EP_HOST_DEVICE inline CombineCopyPlan plan_combine_copy(int num_ranks, int num_tokens,
                                                             size_t row_bytes) {
   CombineCopyPlan p;
   const size_t records = size_t(num_ranks) * num_tokens;
-  size_t offset = align_up(sizeof(Control), kRegionAlign);
-  p.staged_rows = offset;
-  offset = align_up(offset + row_bytes * records, kRegionAlign);
-  p.staged_weights = offset;
-  offset = align_up(offset + sizeof(float) * records, kRegionAlign);
-  p.landed_rows = offset;
-  offset = align_up(offset + row_bytes * records, kRegionAlign);
-  p.landed_weights = offset;
-  p.end = align_up(offset + sizeof(float) * records, kRegionAlign);
+  p.weight_offset = row_stride(row_bytes);
+  p.record_stride = p.weight_offset + 16;
+  p.staged = align_up(sizeof(Control), kRegionAlign);
+  p.landed = align_up(p.staged + p.record_stride * records, kRegionAlign);
+  p.end = align_up(p.landed + p.record_stride * records, kRegionAlign);
   return p;
 }
 

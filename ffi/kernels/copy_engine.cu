@@ -51,11 +51,13 @@ cudaError_t for_each_copy_stream(const PeerContext& ctx, Fn fn) {
 
 }  // namespace
 
-void copy_chunking(int num_tokens, size_t row_bytes, int* chunk_rows, int* chunks) {
-  // ~JAX_EP_COPY_CHUNK_MB (4) of rows per transfer, in at least 4 chunks (the receiving CTAs
-  // start early, and small calls exercise the protocol), at most kMaxCopyChunks (Control).
+void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chunk_rows,
+                   int* chunks) {
+  // ~JAX_EP_COPY_CHUNK_MB (else default_mb) of rows per transfer, in at least 4 chunks (the
+  // receiving CTAs start early, and small calls exercise the protocol), at most
+  // kMaxCopyChunks (flags in Control).
   const char* env = std::getenv("JAX_EP_COPY_CHUNK_MB");
-  const double mb = env && std::atof(env) > 0 ? std::atof(env) : 4.0;
+  const double mb = env && std::atof(env) > 0 ? std::atof(env) : default_mb;
   const int T = std::max(num_tokens, 1);
   int rows = static_cast<int>(mb * (1 << 20) / std::max<size_t>(row_bytes, 1));
   rows = std::min(std::max(rows, 1), (T + 3) / 4);

@@ -130,7 +130,11 @@ struct CopyPiece {
   const void* src;
   size_t bytes;
 };
-void copy_chunking(int num_tokens, size_t row_bytes, int* chunk_rows, int* chunks);
+// Transfer sizes: the dispatch's default is 4 MB; the combine's 8 MB, since each of its chunks
+// costs ~5 host calls (stage kernel, event, waits, transfer, flag) against the dispatch's ~2.
+constexpr double kDispatchCopyChunkMB = 4, kCombineCopyChunkMB = 8;
+void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chunk_rows,
+                   int* chunks);
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream);
 cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream);
 cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,

@@ -88,16 +88,14 @@ __global__ void __launch_bounds__(kThreads) combine_copy_stage(CombineArgs a, si
   const int first = chunk * a.copy_chunk_rows;
   const int rows = min(a.copy_chunk_rows, T - first);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  char* staged = region<char>(ctx, ctx.rank, plan.staged_rows);
-  float* staged_weights = region<float>(ctx, ctx.rank, plan.staged_weights);
+  char* staged = region<char>(ctx, ctx.rank, plan.staged);
   for (int w = warp; w < R * rows; w += gridDim.x * kWarps) {
     const int s = w / rows, q = first + w % rows;
     if (s == ctx.rank || block_start[s] + q >= block_start[s + 1]) continue;
     const int row = block_start[s] + q;
-    const size_t record = size_t(s) * T + q;
-    copy_row(staged + record * row_bytes, static_cast<const char*>(a.y) + row * row_bytes,
-             row_bytes, lane, 32);
-    if (lane == 0) staged_weights[record] = a.weights[row];
+    char* record = staged + (size_t(s) * T + q) * plan.record_stride;
+    copy_row(record, static_cast<const char*>(a.y) + row * row_bytes, row_bytes, lane, 32);
+    if (lane == 0) *reinterpret_cast<float*>(record + plan.weight_offset) = a.weights[row];
   }
   if (chunk + 1 == a.copy_chunks) profile_end(ctx, kProfCombineStage);
 }
@@ -162,10 +160,10 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
       } else if (kCopy) {
         const int q = slot - base[r];
         wait_landed(ctx, r, q / a.copy_chunk_rows, lane, "combine");
-        const size_t record = size_t(r) * a.num_tokens + q;
-        weights[j] = __ldcg(region<float>(ctx, me, copy_plan.landed_weights) + record);
-        rows[j] = reinterpret_cast<const T*>(region<char>(ctx, me, copy_plan.landed_rows) +
-                                             record * row_bytes);
+        const char* record = region<char>(ctx, me, copy_plan.landed) +
+                             (size_t(r) * a.num_tokens + q) * copy_plan.record_stride;
+        weights[j] = __ldcg(reinterpret_cast<const float*>(record + copy_plan.weight_offset));
+        rows[j] = reinterpret_cast<const T*>(record);
       } else {
         weights[j] = region<float>(ctx, r, plan.meta_weights)[slot];
         rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
@@ -256,13 +254,10 @@ cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaS
     for (int step = 1; step < R && status == cudaSuccess; ++step) {
       const int owner = (ctx.rank + step) % R;
       const size_t staged = size_t(owner) * T + first, landed = size_t(ctx.rank) * T + first;
-      const CopyPiece pieces[2] = {
-          {plan.landed_rows + landed * row_bytes, local + plan.staged_rows + staged * row_bytes,
-           rows * row_bytes},
-          {plan.landed_weights + landed * sizeof(float),
-           local + plan.staged_weights + staged * sizeof(float), rows * sizeof(float)},
-      };
-      status = copy_engine_send_chunk(ctx, owner, c, pieces, 2);
+      const CopyPiece piece = {plan.landed + landed * plan.record_stride,
+                               local + plan.staged + staged * plan.record_stride,
+                               rows * plan.record_stride};
+      status = copy_engine_send_chunk(ctx, owner, c, &piece, 1);
     }
   }
   if (status == cudaSuccess) status = copy_engine_mark_read(ctx);
@@ -293,9 +288,11 @@ cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
   CombineArgs a = args;
-  if (a.copy_engine)
-    copy_chunking(a.num_tokens, element_size(a.dtype) * size_t(a.hidden), &a.copy_chunk_rows,
-                  &a.copy_chunks);
+  if (a.copy_engine) {
+    const size_t row_bytes = element_size(a.dtype) * size_t(a.hidden);
+    copy_chunking(a.num_tokens, plan_combine_copy(1, 1, row_bytes).record_stride,
+                  kCombineCopyChunkMB, &a.copy_chunk_rows, &a.copy_chunks);
+  }
   switch (a.dtype) {
     case ElementType::kBF16: return launch_typed<__nv_bfloat16>(a, stream);
     case ElementType::kF16: return launch_typed<__half>(a, stream);

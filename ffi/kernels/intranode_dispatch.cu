@@ -1074,7 +1074,9 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   // last rows to arrive (one warp per chunk) is short, at most kMaxChunks counters.
   constexpr int kMinChunkRows = 4;
   a.chunk_rows = std::max(kMinChunkRows, (a.capacity + kMaxChunks - 1) / kMaxChunks);
-  if (a.copy_engine) copy_chunking(a.num_tokens, a.x_row_bytes, &a.copy_chunk_rows, &a.copy_chunks);
+  if (a.copy_engine)
+    copy_chunking(a.num_tokens, a.x_row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
+                  &a.copy_chunks);
   const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
                                        : sizeof(int32_t) * (2 * R + 1);
   const int sources = a.expert_major ? a.num_topk : R;
