@@ -64,12 +64,23 @@ int blocks_or_default(int64_t num_blocks) {
 // (copy engines, both directions busy, 2×H200) and its own rows, R/(R-1) as many in all, need
 // copying in the same time; one CTA is taken to copy ~32 GB/s locally (to calibrate on a
 // 2-GPU machine: NOTES items 26 and 31). 24 CTAs on 2 ranks, 16 on 4, 14 on 8.
+// At most all SMs but kFreeSms: the chunks' flags are raised by one-thread kernels on the copy
+// streams, which need room on some SM while the waiting CTAs (up to a whole register file
+// each) are resident.
 int copy_engine_blocks_or_default(int64_t num_blocks, int num_ranks) {
   constexpr double kCopyEngineGBs = 382, kLocalCopyGBsPerCta = 32;
-  if (num_blocks > 0) return static_cast<int>(num_blocks);
+  constexpr int kFreeSms = 2;
+  static const int sms = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    return n > 0 ? n : 1;
+  }();
+  const int most = std::max(sms - kFreeSms, 1);
+  if (num_blocks > 0) return std::min(static_cast<int>(num_blocks), most);
   const int peers = std::max(num_ranks - 1, 1);
   const double need = kCopyEngineGBs * (peers + 1) / peers / kLocalCopyGBsPerCta;
-  return std::clamp(static_cast<int>(std::ceil(need - 1e-9)), 8, kDefaultBlocks);
+  return std::min(std::clamp(static_cast<int>(std::ceil(need - 1e-9)), 8, kDefaultBlocks), most);
 }
 
 ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
