@@ -86,9 +86,6 @@ struct Control {
   // landed) before it raises done, so PE s writes them again only in the next call (dispatch
   // and combine both use them: calls are ordered by done[]).
   uint64_t landed[kMaxCopyRanks][kMaxCopyChunks];
-  // Copy-engine combine: this PE's copy streams that have finished reading its staging area
-  // in the current call (the last reduce block waits for all, then resets it).
-  uint32_t copies_read;
 };
 enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 

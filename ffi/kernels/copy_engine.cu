@@ -29,9 +29,6 @@ __global__ void raise_landed_flag(uint64_t* flag) {
   store_release(flag, 1);
 }
 
-// Runs on a copy stream after its last transfer of the call: it no longer reads our buffer.
-__global__ void count_copies_read(uint32_t* counter) { atomicAdd(counter, 1u); }
-
 cudaStream_t copy_stream(const Transport& t, int pe, int j) {
   return t.copy_streams[pe * kCopyStreamsPerPeer + j];
 }
@@ -97,13 +94,6 @@ cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
   }
   raise_landed_flag<<<1, 1, 0, s>>>(&reinterpret_cast<Control*>(base)->landed[ctx.rank][chunk]);
   return cudaGetLastError();
-}
-
-cudaError_t copy_engine_mark_read(const PeerContext& ctx) {
-  return for_each_copy_stream(ctx, [&](const Transport& t, int, cudaStream_t s) {
-    count_copies_read<<<1, 1, 0, s>>>(&static_cast<Control*>(t.local)->copies_read);
-    return cudaGetLastError();
-  });
 }
 
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {

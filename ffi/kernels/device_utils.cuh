@@ -243,10 +243,8 @@ __device__ __forceinline__ void wait_landed(const PeerContext& ctx, int s, int c
 
 // Copy-engine paths, one thread, before done is raised: every chunk of every source has landed
 // (a chunk holding none of our rows must not land during the next call), and the flags are
-// cleared for it; with `streams_reading`, also our own copy streams have finished reading our
-// buffer (a peer's next call may write there once we raise done).
-__device__ inline void close_copy_engine_call(const PeerContext& ctx, int chunks, const char* op,
-                                              unsigned streams_reading = 0) {
+// cleared for it.
+__device__ inline void close_copy_engine_call(const PeerContext& ctx, int chunks, const char* op) {
   Control* mine = control_of(ctx, ctx.rank);
   for (int s = 0; s < ctx.num_ranks; ++s) {
     if (s == ctx.rank) continue;
@@ -254,17 +252,6 @@ __device__ inline void close_copy_engine_call(const PeerContext& ctx, int chunks
       wait_flag(ctx, &mine->landed[s][c], 1, op, "rows landed (copy engine)", s);
       mine->landed[s][c] = 0;
     }
-  }
-  if (streams_reading > 0) {
-    const uint64_t start = global_timer_ns();
-    volatile uint32_t* read = &mine->copies_read;
-    while (*read < streams_reading) {
-      if (global_timer_ns() - start > ctx.timeout_ns) {
-        report_timeout(ctx, op, "own copy streams done reading", ctx.rank, streams_reading, *read);
-        trap_after_report();
-      }
-    }
-    mine->copies_read = 0;
   }
 }
 

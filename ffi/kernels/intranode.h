@@ -123,8 +123,8 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // Copy-engine transfers (copy_engine.cu), which the copy-engine dispatch and combine enqueue
 // around their kernels: a guard kernel (every peer finished the previous call), a fork (the
 // copy streams wait for the caller's stream), chunks sent to a peer (each followed by its
-// landed flag there), optionally a count of streams done reading our buffer, and a join (the
-// caller's stream waits for the copy streams, so the sources outlive the transfers).
+// landed flag there), and a join (the caller's stream waits for the copy streams, so the
+// sources outlive the transfers).
 struct CopyPiece {
   size_t dst_offset;  // in the peer's symmetric buffer
   const void* src;
@@ -139,8 +139,6 @@ cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t
 cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream);
 cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
                                    const CopyPiece* pieces, int num_pieces);
-// Each copy stream adds 1 to our Control::copies_read: (R - 1) * kCopyStreamsPerPeer in all.
-cudaError_t copy_engine_mark_read(const PeerContext& ctx);
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);

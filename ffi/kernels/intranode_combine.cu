@@ -217,8 +217,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   }
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
-    if (kCopy) close_copy_engine_call(ctx, a.copy_chunks, "combine",
-                                      (R - 1) * kCopyStreamsPerPeer);
+    if (kCopy) close_copy_engine_call(ctx, a.copy_chunks, "combine");
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, ctx.rank)->epoch = call;
     profile_mark(ctx, kProfCombineReduce, kRetired);
@@ -238,8 +237,9 @@ cudaError_t launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t s
 }
 
 // Copy-engine combine: guard, then per chunk a stage kernel and, once it has run, the chunk's
-// transfers to every owner; the copy streams then count themselves done reading the staging
-// area (the reduce's last block waits for that before raising done).
+// transfers to every owner. The staging area needs no release of its own: a peer's next call
+// touches our buffer only after every rank's done, and each rank raises done only once all
+// the chunks sent to it, read from the senders' staging areas, have landed.
 cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, T = a.num_tokens;
@@ -260,7 +260,6 @@ cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaS
       status = copy_engine_send_chunk(ctx, owner, c, &piece, 1);
     }
   }
-  if (status == cudaSuccess) status = copy_engine_mark_read(ctx);
   return status;
 }
 
