@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,lltest,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,lltest,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -9,7 +9,9 @@ WHAT=${2:-build,test,bench,ll,example}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-20} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# ranks sharing a GPU take turns on it: their waits for each other last longer
+export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-${GPUS:+60}} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-20}
 PY=$(command -v python3)
 # GPUS=G below N: the N ranks share G GPUs (correctness only, see jax_ep/launch.py)
 SHARE=${GPUS:+--gpus $GPUS}
@@ -32,6 +34,13 @@ if [[ ,$WHAT, == *,test,* ]]; then
   step "GPU suite on $N GPUs"
   timeout 420 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [[ $WHAT == *copytest* ]]; then  # the copy-engine paths' part of the suite only
+  step "copy-engine GPU tests on $N ranks"
+  timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
+    tests/test_gpu.py -k "copy" 2>&1 | tee "$OUT/gpu_suite_copy_$N.log" |
+    grep -E "passed|failed|FAILED|Error|timed out" | tail -20
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *lltest* ]]; then  # the low-latency part of the suite only
