@@ -68,15 +68,16 @@ cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t
   return cudaGetLastError();
 }
 
-cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream) {
+cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream, int chunk) {
   const Transport* t = transport();
   if (t == nullptr) return cudaErrorNotReady;
   if (ctx.num_ranks == 1) return cudaSuccess;
   // Re-recording is safe: each wait below takes the record made just before it.
   const cudaError_t status = cudaEventRecord(t->copy_fork, stream);
   if (status != cudaSuccess) return status;
-  return for_each_copy_stream(ctx, [&](const Transport& t, int, cudaStream_t s) {
-    return cudaStreamWaitEvent(s, t.copy_fork);
+  return for_each_copy_stream(ctx, [&](const Transport& t, int index, cudaStream_t s) {
+    const bool carries = chunk < 0 || index % kCopyStreamsPerPeer == chunk % kCopyStreamsPerPeer;
+    return carries ? cudaStreamWaitEvent(s, t.copy_fork) : cudaSuccess;
   });
 }
 

@@ -136,7 +136,8 @@ constexpr double kDispatchCopyChunkMB = 4, kCombineCopyChunkMB = 8;
 void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chunk_rows,
                    int* chunks);
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream);
-cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream);
+// chunk >= 0: only the streams that carry that chunk wait (the others' next chunk comes later).
+cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream, int chunk = -1);
 cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
                                    const CopyPiece* pieces, int num_pieces);
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);

@@ -249,7 +249,7 @@ cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaS
   for (int c = 0; c < a.copy_chunks && status == cudaSuccess; ++c) {
     status = launch_after_previous(combine_copy_stage, a.num_blocks, kThreads, 0, stream, a,
                                    row_bytes, c);
-    if (status == cudaSuccess) status = copy_engine_fork(ctx, stream);
+    if (status == cudaSuccess) status = copy_engine_fork(ctx, stream, c);
     const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
     for (int step = 1; step < R && status == cudaSuccess; ++step) {
       const int owner = (ctx.rank + step) % R;
