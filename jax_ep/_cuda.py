@@ -46,7 +46,7 @@ _DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3, "copy": 4}
 # `auto` picks the copy-engine paths where a peer is expected to need at least this share of
 # a rank's tokens: they send every token to every peer (2 and 4 ranks at DeepSeek-V3 shapes).
 _COPY_MIN_TOKEN_SHARE = 0.85
-_MAX_COPY_RANKS = 32
+_MAX_COPY_RANKS = 32  # kMaxCopyRanks in ffi/kernels/buffer_layout.h
 
 
 def expected_token_share(num_ranks, num_topk, num_experts) -> float:

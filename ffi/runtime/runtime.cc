@@ -150,7 +150,7 @@ void** map_peers(void* local, int me, int n, std::vector<void*>* host_copy = nul
   return peers_device;
 }
 
-// Streams and events of the copy-engine dispatch (non-blocking: they order only by events).
+// Streams and events of the copy-engine paths (non-blocking: they order only by events).
 void create_copy_engine_streams(int n) {
   g_copy_streams.assign(size_t(n) * kCopyStreamsPerPeer, nullptr);
   g_copy_joins.assign(g_copy_streams.size(), nullptr);

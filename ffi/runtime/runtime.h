@@ -29,7 +29,7 @@ struct Transport {
   void* const* ll_peers = nullptr;  // device array [num_ranks], like peers
   // The same bases as `peers`, on the host: copy-engine transfers are enqueued there.
   void* const* host_peers = nullptr;
-  // Copy-engine dispatch: kCopyStreamsPerPeer streams per peer (index pe * kCopyStreamsPerPeer
+  // Copy-engine paths: kCopyStreamsPerPeer streams per peer (index pe * kCopyStreamsPerPeer
   // + j; those of pe == rank stay unused), the event that lets them start after the caller's
   // stream, and one event per stream that the caller's stream waits on at the end.
   CUstream_st* const* copy_streams = nullptr;
