@@ -588,7 +588,10 @@ def test_low_latency_gradients_match_reference():
 
     got, want = both(fn, x, idx, w, scale)
     for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # float32 sums in another order: an error of a few ulps of the largest term, which an
+        # element that cancels to near zero shows as a large relative error (8 ranks: 1.2e-6
+        # absolute on terms of ~8)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(b).max())))
 
 
 def test_low_latency_too_small_buffer_is_an_error_naming_the_bytes():

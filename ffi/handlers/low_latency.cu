@@ -15,7 +15,6 @@
 namespace jax_ep {
 namespace {
 
-constexpr size_t kMaxSendSmem = 200 * 1024;  // what launch_ll_dispatch_send allows
 constexpr size_t kMaxStaticSmem = 48 * 1024;  // dynamic shared memory without opting in
 
 uint64_t timeout_ns() {
@@ -156,15 +155,11 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
       err.failure())
     return err;
   const int E = static_cast<int>(num_experts);
-  int warps = kLLThreads / 32;
-  while (warps > 1 && ll_dispatch_send_smem(E, T, K, warps) > kMaxSendSmem) --warps;
-  a.smem_bytes = ll_dispatch_send_smem(E, T, K, warps);
-  if (a.smem_bytes > kMaxSendSmem)
-    return invalid(std::string(op) + ": " + std::to_string(E) + " experts and " +
-                   std::to_string(T * K) + " (token, k) pairs need " +
-                   std::to_string(a.smem_bytes) + " bytes of shared memory, more than " +
-                   std::to_string(kMaxSendSmem));
-  a.hist_warps = warps;
+  const size_t smem = ll_dispatch_send_smem(T, K, a.cached);
+  if (smem > kLLMaxSendSmem)
+    return invalid(std::string(op) + ": " + std::to_string(T * K) +
+                   " (token, k) pairs need " + std::to_string(smem) +
+                   " bytes of shared memory, more than " + std::to_string(kLLMaxSendSmem));
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = E;

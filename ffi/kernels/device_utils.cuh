@@ -182,7 +182,10 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
 
 // True in exactly one block: the last to arrive at `counter` (an arrival counter in this PE's
 // control block), after every block's writes are visible system-wide; the last block resets it.
-__device__ inline bool last_block_on(unsigned* counter) {
+// fence_reset: a system fence after the reset. Only a later kernel of this PE uses the counter
+// again, and the kernel boundary orders the reset before it: the low-latency kernels, whose
+// critical path ends here, leave the fence out.
+__device__ inline bool last_block_on(unsigned* counter, bool fence_reset = true) {
   __shared__ bool is_last;
   allow_next_kernel();  // this block has no more work but the closing fences
   // The barrier orders the block's writes before thread 0's fence, which is cumulative: one
@@ -194,7 +197,7 @@ __device__ inline bool last_block_on(unsigned* counter) {
     is_last = arrived == gridDim.x - 1;
     if (is_last) {
       *counter = 0;
-      __threadfence_system();
+      if (fence_reset) __threadfence_system();
     }
   }
   __syncthreads();

@@ -14,7 +14,9 @@ namespace jax_ep {
 namespace {
 
 constexpr int kWarps = kLLThreads / 32;
-constexpr size_t kPiece = 4096;  // bytes of a row one warp copies as one work unit
+// Bytes of a partial row one warp sums as one work unit: at most kPiece, a multiple of
+// kPieceQuantum (one 16-byte load per lane of a warp).
+constexpr size_t kPiece = 4096, kPieceQuantum = 512;
 constexpr int kOpDispatch = 0, kOpCombine = 1;
 // block_counter slots of LLControl
 constexpr int kCounterDispatchSend = 0, kCounterDispatchReceive = 1, kCounterCombineSend = 2,
@@ -50,7 +52,7 @@ __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
 
 // last_block_on the low-latency counter `slot`.
 __device__ inline bool ll_last_block(const PeerContext& ctx, int slot) {
-  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot]);
+  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], false);
 }
 
 // Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
@@ -100,10 +102,23 @@ __device__ __forceinline__ int last_not_above(const int* data, int n, int value)
   return lo;
 }
 
-// Copies `bytes` of a record written by a peer into `dst`, one warp's lanes striding.
-__device__ __forceinline__ void copy_from_peer_data(void* dst, const void* src, size_t bytes,
-                                                    int lane) {
-  copy_row<true>(dst, src, bytes, lane, 32);
+// Copies a record written by a peer (its data, then `scale_bytes` of FP8 scales or none) into
+// its output rows, one warp's lanes striding. Where the scales fit one 16-byte load per lane,
+// they are loaded before the data and stored after it: one memory latency per row, not two.
+__device__ __forceinline__ void copy_record(void* dst_data, void* dst_scales, const char* rec,
+                                            const LLDispatchPlan& plan, size_t data_bytes,
+                                            size_t scale_bytes, int lane) {
+  const char* src_scales = rec + plan.scale_offset;
+  const bool together = dst_scales != nullptr && scale_bytes <= 16 * 32 &&
+                        ((reinterpret_cast<uintptr_t>(dst_scales) |
+                          reinterpret_cast<uintptr_t>(src_scales) | scale_bytes) & 15) == 0;
+  const bool mine = together && size_t(lane) * 16 < scale_bytes;
+  int4 scales;
+  if (mine) scales = __ldcg(reinterpret_cast<const int4*>(src_scales) + lane);
+  copy_row<true>(dst_data, rec + plan.data_offset, data_bytes, lane, 32);
+  if (mine) reinterpret_cast<int4*>(dst_scales)[lane] = scales;
+  if (dst_scales != nullptr && !together)
+    copy_row<true>(dst_scales, src_scales, scale_bytes, lane, 32);
 }
 
 // ----------------------------------------------------------------------------- dispatch send
@@ -217,81 +232,89 @@ __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const*
   }
 }
 
-// Every (token, k) pair's per-(source, expert) slot into slot[] (shared, -1 = not sent) and the
-// pairs each expert receives from this source into total[] (dropped ones included); returns
-// through dropped_s the pairs past max_tokens. One block; all its threads call it.
-__device__ void compute_slots(const LLDispatchSendArgs& a, int* smem, int* dropped_s) {
-  const int E = a.num_experts, M = a.max_tokens, n_pairs = a.num_tokens * a.num_topk;
-  const int W = a.hist_warps, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int* hist = smem;             // [W][E]: per-warp counts, then their exclusive prefix
-  int* total = hist + W * E;    // [E]
-  int* slot = total + E;        // [T*K]
-  if (a.cached) {
-    for (int e = tid; e < E; e += blockDim.x) total[e] = 0;
-    __syncthreads();
-    for (int p = tid; p < n_pairs; p += blockDim.x) {
-      const int e = a.topk_idx[p], s = a.slots_in[p];
-      const bool kept = e >= 0 && e < E && s >= 0 && s < M;
-      slot[p] = kept ? s : -1;
-      if (kept) atomicAdd(&total[e], 1);
-    }
-    __syncthreads();
-    return;
-  }
-  for (int i = tid; i < W * E; i += blockDim.x) hist[i] = 0;
-  __syncthreads();
-  const int seg = (n_pairs + W - 1) / W;
-  if (warp < W) {
-    const int begin = warp * seg, end = min(n_pairs, begin + seg);
-    int* h = hist + warp * E;
-    for (int base = begin; base < end; base += 32) {  // warp-uniform
-      const int p = base + lane;
-      int e = -1;
-      if (p < end) {
-        const int v = a.topk_idx[p];
-        if (v >= 0 && v < E) e = v;
-      }
-      const unsigned peers = __match_any_sync(0xffffffffu, e);
-      if (e >= 0) slot[p] = h[e] + __popc(peers & ((1u << lane) - 1u));
-      __syncwarp();
-      if (e >= 0 && lane == __ffs(peers) - 1) h[e] += __popc(peers);
-      __syncwarp();
-    }
-  }
-  __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < W; ++w) {
-      const int c = hist[w * E + e];
-      hist[w * E + e] = run;
-      run += c;
-    }
-    total[e] = run;
-  }
-  __syncthreads();
+// The slots of this block's experts (e = blockIdx.x + j * gridDim.x). A pair's slot is its
+// rank among its expert's pairs in pair order (cached: the handle's slot). The pairs' ids (and
+// the handle's slots) are staged in shared memory once; each expert's pairs are then counted
+// by several warps, one segment each, and numbered in a second pass from the segments' prefix.
+// Writes send_slot of every pair of these experts, the index table entries (local expert, me,
+// slot) -> (token, k) and each expert's count at its rank, and adds the pairs past max_tokens
+// to `dropped`. Pairs with an out-of-range id are left to the token pass (send_slot -1). All
+// threads of the block call it. smem: ll_dispatch_send_smem() bytes.
+__device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, int* smem,
+                                   unsigned* dropped) {
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, K = a.num_topk, M = a.max_tokens, n_pairs = a.num_tokens * K;
+  const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __shared__ int segment_count[kWarps];
+  int* ids = smem;               // [T*K]
+  int* given = smem + n_pairs;   // [T*K], cached only
+  const int mine_total = E > int(blockIdx.x) ? (E - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
+  if (mine_total == 0) return;
   for (int p = tid; p < n_pairs; p += blockDim.x) {
-    const int e = a.topk_idx[p];
-    if (e >= 0 && e < E) {
-      const int s = slot[p] + hist[(p / seg) * E + e];
-      if (s >= M) atomicAdd(dropped_s, 1);
-      slot[p] = s < M ? s : -1;
-    } else {
-      slot[p] = -1;
-    }
+    ids[p] = a.topk_idx[p];
+    if (a.cached) given[p] = a.slots_in[p];
   }
   __syncthreads();
+  const unsigned before = (1u << lane) - 1u;
+  for (int first = 0; first < mine_total; first += kWarps) {  // block-uniform rounds
+    const int group = min(kWarps, mine_total - first);       // experts this round
+    const int per = kWarps / group;                          // warps per expert
+    const int j = warp / per, segment = warp % per;
+    const bool active = j < group;
+    const int e = int(blockIdx.x) + (first + j) * int(gridDim.x);
+    // segment: 32-pair aligned share of the pairs
+    const int rounds = (n_pairs + 31) / 32, each = (rounds + per - 1) / per;
+    const int begin = min(n_pairs, segment * each * 32), end = min(n_pairs, begin + each * 32);
+    auto matches = [&](int p) {
+      if (p >= end) return false;
+      const int v = ids[p];
+      return v == e && (!a.cached || (given[p] >= 0 && given[p] < M));
+    };
+    int count = 0;
+    if (active)
+      for (int base = begin; base < end; base += 32)
+        count += __popc(__ballot_sync(0xffffffffu, matches(base + lane)));
+    if (lane == 0) segment_count[warp] = count;
+    __syncthreads();
+    if (active) {
+      int seen = 0;  // e's pairs before this segment (the dropped ones included)
+      for (int w = j * per; w < warp; ++w) seen += segment_count[w];
+      const int r = e / L, l = e % L;
+      char* dest = ll_base(ctx, r) + region;
+      int32_t* table = reinterpret_cast<int32_t*>(dest + a.plan.table) + (size_t(l) * R + me) * M;
+      for (int base = begin; base < end; base += 32) {
+        const int p = base + lane;
+        const bool hit = matches(p);
+        const unsigned match = __ballot_sync(0xffffffffu, hit);
+        if (hit) {
+          const int s = a.cached ? given[p] : seen + __popc(match & before);
+          const bool kept = s < M;
+          a.send_slot[p] = kept ? s : -1;
+          if (kept) table[s] = ((p / K) << kLLPairBits) | (p % K);
+        }
+        seen += __popc(match);
+      }
+      if (segment == per - 1 && lane == 0) {  // seen: all of e's pairs
+        reinterpret_cast<int32_t*>(dest + a.plan.counts)[me * L + l] = min(seen, M);
+        if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
+      }
+    }
+    __syncthreads();  // segment_count is rewritten by the next round
+  }
 }
 
-// Block 0 computes the slots and writes the per-(expert, source) index table and counts into
-// every destination; the other blocks send whole tokens, each row once per destination rank
-// (not once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes).
-// Returns the call number (every thread). smem: ll_dispatch_send_smem() bytes.
+// Every block first finds the slots of the experts dealt to it (block_expert_slots), then sends
+// whole tokens, each row once per destination rank (not once per expert: with R ranks and
+// top-K experts that is up to K/R times fewer bytes). No block waits for another; before,
+// one block computed every slot while the receive waited for it. Returns the call number
+// (every thread). smem: ll_dispatch_send_smem() bytes.
 __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
-  const int R = ctx.num_ranks, L = E / R, me = ctx.rank, n_pairs = T * K;
+  const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
   __shared__ uint64_t call_s;
-  __shared__ int dropped_s, num_dst;
+  __shared__ int num_dst;
   __shared__ char* dst[kLLMaxTopk];
   const int tid = threadIdx.x, lane = tid & 31;
   LLControl* mine = ll_control(ctx, me);
@@ -301,7 +324,6 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     check_rank(ctx, "low_latency_dispatch (send)");
     const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
     call_s = n;
-    dropped_s = 0;
     // The region of this parity at every destination must have been read (call n - 2).
     if (n > 2)
       for (int d = 0; d < R; ++d)
@@ -313,64 +335,47 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
-  if (blockIdx.x == 0) {
-    profile_mark(ctx, kProfLLDispatchSlots, kEnter);
-    compute_slots(a, smem, &dropped_s);
-    profile_mark(ctx, kProfLLDispatchSlots, kWaited);  // slots known
-    const int* total = smem + a.hist_warps * E;
-    const int* slot = total + E;
-    for (int p = tid; p < n_pairs; p += blockDim.x) {
-      const int s = slot[p];
-      a.send_slot[p] = s;
-      if (s < 0) continue;
-      const int e = a.topk_idx[p], r = e / L, l = e % L;
-      int32_t* table = reinterpret_cast<int32_t*>(ll_base(ctx, r) + region + a.plan.table);
-      table[(size_t(l) * R + me) * M + s] = ((p / K) << kLLPairBits) | (p % K);
-    }
-    for (int e = tid; e < E; e += blockDim.x) {
-      int32_t* counts = reinterpret_cast<int32_t*>(ll_base(ctx, e / L) + region + a.plan.counts);
-      counts[me * L + e % L] = min(total[e], M);
-    }
-    if (tid == 0) {
-      *a.num_dropped = dropped_s;
-      a.call_out[0] = int32_t(uint32_t(n));
-      a.call_out[1] = int32_t(uint32_t(n >> 32));
-    }
-    profile_end(ctx, kProfLLDispatchSlots);
-  } else {
-    for (int t = blockIdx.x - 1; t < T; t += gridDim.x - 1) {
-      if (tid < 32) {  // the distinct destination ranks of token t
-        int r = -1;
-        if (lane < K) {
-          const int p = t * K + lane, e = a.topk_idx[p];
-          const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
-                                                              a.slots_in[p] < M));
-          if (sent) r = e / L;
-        }
-        const unsigned same = __match_any_sync(0xffffffffu, r);
-        const bool leader = r >= 0 && lane == __ffs(same) - 1;
-        const unsigned leaders = __ballot_sync(0xffffffffu, leader);
-        if (leader)
-          dst[__popc(leaders & ((1u << lane) - 1u))] =
-              ll_base(ctx, r) + region + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
-        if (lane == 0) num_dst = __popc(leaders);
+  profile_mark(ctx, kProfLLDispatchSlots, kEnter);
+  block_expert_slots(a, region, smem, &mine->dropped_pairs);
+  profile_mark(ctx, kProfLLDispatchSlots, kWaited);  // this block's experts are done
+  profile_end(ctx, kProfLLDispatchSlots);
+
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (tid < 32) {  // the distinct destination ranks of token t
+      int r = -1;
+      if (lane < K) {
+        const int p = t * K + lane, e = a.topk_idx[p];
+        const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
+                                                            a.slots_in[p] < M));
+        if (sent) r = e / L;
+        else a.send_slot[p] = -1;  // no expert warp finds this pair
       }
-      __syncthreads();
-      if (a.use_fp8) {
-        switch (a.x_type) {
-          case LLElement::kBF16: quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst); break;
-          case LLElement::kF16: quantize_and_store<__half>(a, t, dst, num_dst); break;
-          default: quantize_and_store<float>(a, t, dst, num_dst); break;
-        }
-      } else {
-        copy_raw_to_all(a, t, dst, num_dst);
-      }
-      __syncthreads();  // dst[] is rewritten for the next token
+      const unsigned same = __match_any_sync(0xffffffffu, r);
+      const bool leader = r >= 0 && lane == __ffs(same) - 1;
+      const unsigned leaders = __ballot_sync(0xffffffffu, leader);
+      if (leader)
+        dst[__popc(leaders & ((1u << lane) - 1u))] =
+            ll_base(ctx, r) + region + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
+      if (lane == 0) num_dst = __popc(leaders);
     }
+    __syncthreads();
+    if (a.use_fp8) {
+      switch (a.x_type) {
+        case LLElement::kBF16: quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst); break;
+        case LLElement::kF16: quantize_and_store<__half>(a, t, dst, num_dst); break;
+        default: quantize_and_store<float>(a, t, dst, num_dst); break;
+      }
+    } else {
+      copy_raw_to_all(a, t, dst, num_dst);
+    }
+    __syncthreads();  // dst[] is rewritten for the next token
   }
 
-  // ---- the last block raises arrived[me] at every destination
+  // ---- the last block reports the dropped pairs and raises arrived[me] at every destination
   if (ll_last_block(ctx, kCounterDispatchSend) && tid == 0) {
+    *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
+    a.call_out[0] = int32_t(uint32_t(n));
+    a.call_out[1] = int32_t(uint32_t(n >> 32));
     for (int r = 0; r < R; ++r)
       store_release(&ll_control(ctx, r)->arrived[kOpDispatch][n & 1][me], n);
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
@@ -435,11 +440,11 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
     if (t < 0 || t >= M) continue;  // never read outside the records
     const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
-    copy_from_peer_data(static_cast<char*>(a.out_x) + row * a.row_bytes, rec + a.plan.data_offset,
-                        a.row_bytes, lane);
-    if (a.out_scales != nullptr)
-      copy_from_peer_data(reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes,
-                          rec + a.plan.scale_offset, a.scale_bytes, lane);
+    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
+                a.out_scales != nullptr
+                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
+                    : nullptr,
+                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
     if (lane == 0 && a.src_rank != nullptr) {
       a.src_rank[row] = s;
       a.src_token[row] = t;
@@ -477,14 +482,29 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
 
 // ----------------------------------------------------------------------------- combine send
 
-// Lane k < K of the calling warp: whether pair (t, k) of `owner` is ours, its row in y and
+// Lane k < K of the calling warp: whether pair (t, k) of owner s is ours, its row in y and
 // its gate. The row is bounds-checked against the receive counts (never read outside y).
 struct GateEntry {
   int row;  // -1: not a pair of this rank
   float weight;
 };
 
-__device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, const char* owner,
+// An owner's gates: this rank's own arguments, or what a peer published in its buffer.
+struct Gates {
+  const int32_t* idx;
+  const int32_t* slot;
+  const float* weight;
+};
+
+__device__ __forceinline__ Gates gates_of(const LLCombineSendArgs& a, int s, size_t region) {
+  if (s == a.ctx.rank) return {a.topk_idx, a.send_slot, a.weights};
+  const char* owner = ll_base(a.ctx, s) + region;
+  return {reinterpret_cast<const int32_t*>(owner + a.plan.gate_idx),
+          reinterpret_cast<const int32_t*>(owner + a.plan.gate_slot),
+          reinterpret_cast<const float*>(owner + a.plan.gate_weight)};
+}
+
+__device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, const Gates& gates,
                                                 const int* prefix, const int* first, int t,
                                                 int s, int k) {
   const int L = a.num_local_experts, E = a.num_experts, K = a.num_topk, M = a.max_tokens;
@@ -492,14 +512,13 @@ __device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, cons
   GateEntry g{-1, 0.f};
   if (k >= K) return g;
   const size_t p = size_t(t) * K + k;
-  const int e = __ldcg(reinterpret_cast<const int32_t*>(owner + a.plan.gate_idx) + p);
-  const int slot = __ldcg(reinterpret_cast<const int32_t*>(owner + a.plan.gate_slot) + p);
+  const int e = __ldcg(gates.idx + p), slot = __ldcg(gates.slot + p);
   if (e < 0 || e >= E || e / L != me || slot < 0 || slot >= M) return g;
   const int l = e % L, start = first[l * R + s];
   const int i = start + slot, count = prefix[l + 1] - prefix[l];
   if (start < 0 || i >= count) return g;
   g.row = l * a.rows_per_expert + i;
-  g.weight = __ldcg(reinterpret_cast<const float*>(owner + a.plan.gate_weight) + p);
+  g.weight = __ldcg(gates.weight + p);
   return g;
 }
 
@@ -601,18 +620,23 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
-  // block 0 publishes this rank's gates in its own buffer and tells every expert rank
+  // block 0 publishes this rank's gates in its own buffer for the other expert ranks (this
+  // rank reads its own from the arguments)
   if (blockIdx.x == 0) {
-    char* own = ll_base(ctx, me) + region;
-    for (int p = tid; p < T * K; p += blockDim.x) {
-      reinterpret_cast<int32_t*>(own + a.plan.gate_idx)[p] = a.topk_idx[p];
-      reinterpret_cast<int32_t*>(own + a.plan.gate_slot)[p] = a.send_slot[p];
-      reinterpret_cast<float*>(own + a.plan.gate_weight)[p] = a.weights[p];
+    if (R > 1) {
+      char* own = ll_base(ctx, me) + region;
+      for (int p = tid; p < T * K; p += blockDim.x) {
+        reinterpret_cast<int32_t*>(own + a.plan.gate_idx)[p] = a.topk_idx[p];
+        reinterpret_cast<int32_t*>(own + a.plan.gate_slot)[p] = a.send_slot[p];
+        reinterpret_cast<float*>(own + a.plan.gate_weight)[p] = a.weights[p];
+      }
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence_system();
+        for (int r = 0; r < R; ++r) store_release(&ll_control(ctx, r)->gates[n & 1][me], n);
+      }
     }
-    __syncthreads();
     if (tid == 0) {
-      __threadfence_system();
-      for (int r = 0; r < R; ++r) store_release(&ll_control(ctx, r)->gates[n & 1][me], n);
       a.call_out[0] = int32_t(uint32_t(n));
       a.call_out[1] = int32_t(uint32_t(n >> 32));
     }
@@ -629,27 +653,43 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     const int before = i > 0 ? a.src_rank[size_t(l) * RM + i - 1] : -1;
     if (s != before && s >= 0 && s < R) first[l * R + s] = i;
   }
-  if (tid == 0)
-    for (int s = 0; s < R; ++s)
-      wait_flag(ctx, &mine->gates[n & 1][s], n, "low_latency_combine (send)", "gates published",
-                s);
   __syncthreads();
   profile_mark(ctx, kProfLLCombineSend, kWaited);
 
-  // one unit: a piece of the partial row of one (owner, token)
-  const size_t pieces = (a.row_bytes + kPiece - 1) / kPiece;
-  const size_t units = size_t(R) * T * pieces;
-  for (size_t u = size_t(warp) * gridDim.x + blockIdx.x; u < units;
-       u += size_t(gridDim.x) * kWarps) {
-    const int s = int(u / (size_t(T) * pieces)), t = int((u / pieces) % T);
-    const size_t q = u % pieces;
-    const char* owner = ll_base(ctx, s) + region;
-    const GateEntry g = gate_entry(a, owner, prefix, first, t, s, lane);
-    const unsigned mask = __ballot_sync(0xffffffffu, g.row >= 0);
+  // One unit: a piece of the partial row of one (owner, token). Each warp takes a contiguous
+  // run of units (mostly pieces of one token: one gate lookup), and pieces are sized so that
+  // every warp has work: the time is the rounds of loads a warp issues one after another.
+  const size_t warps = size_t(gridDim.x) * kWarps;
+  const size_t rows = size_t(R) * T;
+  size_t piece = a.row_bytes * rows / warps / kPieceQuantum * kPieceQuantum;
+  piece = piece < kPieceQuantum ? kPieceQuantum : piece > kPiece ? kPiece : piece;
+  const size_t pieces = (a.row_bytes + piece - 1) / piece;
+  const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
+  const size_t u_begin = (size_t(blockIdx.x) * kWarps + warp) * per_warp;
+  const size_t u_end = min(units, u_begin + per_warp);
+  size_t current = ~size_t(0);
+  int waited = -1;  // the last peer whose gates this warp waited for
+  GateEntry g{-1, 0.f};
+  unsigned mask = 0;
+  for (size_t u = u_begin; u < u_end; ++u) {
+    const size_t token = u / pieces;
+    const int s = int(token / T), t = int(token % T);
+    if (token != current) {
+      current = token;
+      if (s != me && s != waited) {  // the owner's gates are published (peers only)
+        if (lane == 0)
+          wait_flag(ctx, &mine->gates[n & 1][s], n, "low_latency_combine (send)",
+                    "gates published", s);
+        __syncwarp();
+        waited = s;
+      }
+      g = gate_entry(a, gates_of(a, s, region), prefix, first, t, s, lane);
+      mask = __ballot_sync(0xffffffffu, g.row >= 0);
+    }
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
+    const size_t q = u % pieces, off = q * piece, bytes = min(piece, a.row_bytes - off);
     char* dst = ll_base(ctx, s) + region + a.plan.records +
-                (size_t(t) * R + me) * a.plan.record_stride + q * kPiece;
-    const size_t off = q * kPiece, bytes = min(kPiece, a.row_bytes - off);
+                (size_t(t) * R + me) * a.plan.record_stride + off;
     switch (a.dtype) {
       case LLElement::kBF16:
         partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
@@ -839,13 +879,16 @@ int cooperative_grid(const void* kernel, size_t smem, int wanted) {
 }  // namespace
 
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t stream) {
+  // enough blocks for one token or one warp of experts each, at most num_blocks
+  const int wanted = a.num_tokens > (a.num_experts + kWarps - 1) / kWarps
+                         ? a.num_tokens
+                         : (a.num_experts + kWarps - 1) / kWarps;
+  const int grid = wanted < a.num_blocks ? wanted : a.num_blocks;
+  const size_t smem = ll_dispatch_send_smem(a.num_tokens, a.num_topk, a.cached);
   const cudaError_t status =
-      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_send_kernel), 200 * 1024);
+      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_send_kernel), smem);
   if (status != cudaSuccess) return status;
-  // block 0: slots and index table; the others: tokens
-  const int token_blocks = a.num_tokens < a.num_blocks - 1 ? a.num_tokens : a.num_blocks - 1;
-  const int grid = 1 + (token_blocks > 0 ? token_blocks : 0);
-  ll_dispatch_send_kernel<<<grid, kLLThreads, a.smem_bytes, stream>>>(a);
+  ll_dispatch_send_kernel<<<grid > 0 ? grid : 1, kLLThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -855,18 +898,17 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
   return cudaGetLastError();
 }
 
-
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
+  const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.cached);
+  const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
+  const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
   cudaError_t status =
-      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_kernel), 200 * 1024);
+      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_kernel), smem);
   if (status != cudaSuccess) return status;
-  const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);
-  const size_t smem = send.smem_bytes > receive_smem ? send.smem_bytes : receive_smem;
-  const int wanted = receive.num_blocks > 2 ? receive.num_blocks : 2;  // the send needs 2
   const int grid = cooperative_grid(reinterpret_cast<const void*>(ll_dispatch_kernel), smem,
-                                    wanted);
-  if (grid < 2) {  // cannot hold both halves at once: two launches
+                                    receive.num_blocks);
+  if (grid < 1) {  // cannot hold the grid at once: two launches
     status = launch_ll_dispatch_send(send, stream);
     return status != cudaSuccess ? status : launch_ll_dispatch_receive(receive, stream);
   }

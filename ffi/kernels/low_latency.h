@@ -2,13 +2,14 @@
 // buffer_layout.h): one launch per half of a split operation, one cooperative launch of both
 // halves for a fused one.
 //
-//   dispatch send     block 0 computes every (token, k) pair's per-(source, expert) slot and
-//                     writes the index table entry (local expert, me, slot) -> (token, k) and
-//                     the per-expert counts into each destination; the other blocks take
-//                     whole tokens, read a row once (quantising it to FP8 in registers) and
-//                     store it with 16-byte stores into record (me, token) of each distinct
-//                     destination rank (once per rank, not per expert); the last block
-//                     raises arrived[me].
+//   dispatch send     every block numbers the pairs of its experts (several warps per
+//                     expert, ids staged in shared memory): each pair's per-(source, expert)
+//                     slot, the index table entry (local expert, me, slot) -> (token, k) and
+//                     the expert's count, written into its rank; then every block takes whole
+//                     tokens, reads a row once (quantising it
+//                     to FP8 in registers) and stores it with 16-byte stores into record
+//                     (me, token) of each distinct destination rank (once per rank, not per
+//                     expert); the last block raises arrived[me].
 //   dispatch receive  waits for every source, expands the records through the index table
 //                     into [L, R*M] blocks in (source, token, k) order, then raises
 //                     consumed[me] at every source.
@@ -49,8 +50,7 @@ struct LLDispatchSendArgs {
   LLElement x_type;           // FP8 quantisation reads this type; raw rows are row_bytes
   size_t row_bytes;           // bytes of a sent row (FP8: hidden)
   size_t scale_bytes;         // FP8: hidden / 128 floats, else 0
-  int num_blocks, hist_warps;
-  size_t smem_bytes;
+  int num_blocks;
   const void* x;
   const int32_t* topk_idx;
   const int32_t* slots_in;    // cached: the handle's send_slot
@@ -118,11 +118,12 @@ inline size_t ll_combine_receive_smem(int num_tokens, int num_topk) {
   return sizeof(int32_t) * size_t(num_tokens) * (num_topk + 1);
 }
 
-// Dynamic shared memory of the dispatch send kernel with `hist_warps` histogram warps.
-inline size_t ll_dispatch_send_smem(int num_experts, int num_tokens, int num_topk,
-                                    int hist_warps) {
-  return sizeof(int32_t) * (size_t(hist_warps + 1) * num_experts + size_t(num_tokens) * num_topk);
+// Dynamic shared memory of the dispatch send: the pairs' expert ids (and, cached, the
+// handle's slots), staged for the slot scans.
+inline size_t ll_dispatch_send_smem(int num_tokens, int num_topk, bool cached) {
+  return sizeof(int32_t) * size_t(num_tokens) * num_topk * (cached ? 2 : 1);
 }
+constexpr size_t kLLMaxSendSmem = 200 * 1024;  // what the launchers allow
 
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaStream_t stream);
