@@ -102,6 +102,30 @@ __device__ __forceinline__ int last_not_above(const int* data, int n, int value)
   return lo;
 }
 
+// dst[0, n) = src[0, n) and, if src2 is given, dst2[0, n) = src2[0, n) (shared memory <-
+// global), all threads of the block; each thread loads kBatch values of each before storing
+// any (the stores might alias the loads as far as the compiler knows, which would make every
+// load wait for the one before).
+__device__ __forceinline__ void stage_ints(int* dst, const int32_t* src, int n,
+                                           int* dst2 = nullptr, const int32_t* src2 = nullptr) {
+  constexpr int kBatch = 4;
+  for (int base = threadIdx.x; base < n; base += kBatch * blockDim.x) {
+    int v[kBatch], w[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * blockDim.x;
+      v[b] = i < n ? __ldg(src + i) : 0;
+      w[b] = i < n && src2 != nullptr ? __ldg(src2 + i) : 0;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * blockDim.x;
+      if (i < n) dst[i] = v[b];
+      if (i < n && src2 != nullptr) dst2[i] = w[b];
+    }
+  }
+}
+
 // Copies a record written by a peer (its data, then `scale_bytes` of FP8 scales or none) into
 // its output rows, one warp's lanes striding. Where the scales fit one 16-byte load per lane,
 // they are loaded before the data and stored after it: one memory latency per row, not two.
@@ -251,11 +275,9 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, i
   int* given = smem + n_pairs;   // [T*K], cached only
   const int mine_total = E > int(blockIdx.x) ? (E - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
   if (mine_total == 0) return;
-  for (int p = tid; p < n_pairs; p += blockDim.x) {
-    ids[p] = a.topk_idx[p];
-    if (a.cached) given[p] = a.slots_in[p];
-  }
+  stage_ints(ids, a.topk_idx, n_pairs, given, a.cached ? a.slots_in : nullptr);
   __syncthreads();
+  profile_mark(ctx, kProfLLDispatchSlots, kWaited);  // ids staged
   const unsigned before = (1u << lane) - 1u;
   for (int first = 0; first < mine_total; first += kWarps) {  // block-uniform rounds
     const int group = min(kWarps, mine_total - first);       // experts this round
@@ -304,10 +326,10 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, i
   }
 }
 
-// Every block first finds the slots of the experts dealt to it (block_expert_slots), then sends
-// whole tokens, each row once per destination rank (not once per expert: with R ranks and
-// top-K experts that is up to K/R times fewer bytes). No block waits for another; before,
-// one block computed every slot while the receive waited for it. Returns the call number
+// Every block sends whole tokens, each row once per destination rank (not once per expert:
+// with R ranks and top-K experts that is up to K/R times fewer bytes), then finds the slots of
+// the experts dealt to it (block_expert_slots) while its rows are on their way. No block waits
+// for another; before, one block computed every slot while the receive waited for it. Returns the call number
 // (every thread). smem: ll_dispatch_send_smem() bytes.
 __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
@@ -334,11 +356,6 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
-
-  profile_mark(ctx, kProfLLDispatchSlots, kEnter);
-  block_expert_slots(a, region, smem, &mine->dropped_pairs);
-  profile_mark(ctx, kProfLLDispatchSlots, kWaited);  // this block's experts are done
-  profile_end(ctx, kProfLLDispatchSlots);
 
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     if (tid < 32) {  // the distinct destination ranks of token t
@@ -370,6 +387,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     }
     __syncthreads();  // dst[] is rewritten for the next token
   }
+
+  profile_mark(ctx, kProfLLDispatchSlots, kEnter);
+  block_expert_slots(a, region, smem, &mine->dropped_pairs);
+  profile_end(ctx, kProfLLDispatchSlots);
 
   // ---- the last block reports the dropped pairs and raises arrived[me] at every destination
   if (ll_last_block(ctx, kCounterDispatchSend) && tid == 0) {
@@ -607,9 +628,15 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   __shared__ uint64_t call_s;
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLCombineSend, kEnter);
+  uint64_t calls = 0;
+  if (tid == 0) calls = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]);
+  // where each source's rows start in each expert's block (rows are in source order there):
+  // the counts load while thread 0 checks that the region is free
+  for (int l = tid; l < L; l += blockDim.x) prefix[l] = min(max(a.recv_count[l], 0), RM);
+  for (int i = tid; i < L * R; i += blockDim.x) first[i] = -1;
   if (tid == 0) {
     check_rank(ctx, "low_latency_combine (send)");
-    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) + 1;
+    const uint64_t n = calls + 1;
     call_s = n;
     if (n > 2)
       for (int d = 0; d < R; ++d)
@@ -642,16 +669,27 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     }
   }
 
-  // where each source's rows start in each expert's block (rows are in source order there)
-  for (int l = tid; l < L; l += blockDim.x) prefix[l] = min(max(a.recv_count[l], 0), RM);
-  for (int i = tid; i < L * R; i += blockDim.x) first[i] = -1;
-  __syncthreads();
   block_exclusive_scan(prefix, L);
-  for (int u = tid; u < prefix[L]; u += blockDim.x) {
-    const int l = last_not_above(prefix, L, u), i = u - prefix[l];
-    const int s = a.src_rank[size_t(l) * RM + i];
-    const int before = i > 0 ? a.src_rank[size_t(l) * RM + i - 1] : -1;
-    if (s != before && s >= 0 && s < R) first[l * R + s] = i;
+  constexpr int kBatch = 4;  // rows whose sources are loaded before any is used
+  for (int base = tid; base < prefix[L]; base += kBatch * blockDim.x) {
+    int row[kBatch], source[kBatch], before[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int u = base + b * blockDim.x;
+      row[b] = -1;
+      if (u >= prefix[L]) continue;
+      const int l = last_not_above(prefix, L, u), i = u - prefix[l];
+      row[b] = l * R;  // first[] index of source 0 of block l
+      source[b] = __ldg(a.src_rank + size_t(l) * RM + i);
+      before[b] = i > 0 ? __ldg(a.src_rank + size_t(l) * RM + i - 1) : -1;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int u = base + b * blockDim.x, s = source[b];
+      if (row[b] < 0 || s == before[b] || s < 0 || s >= R) continue;
+      const int l = row[b] / R;
+      first[row[b] + s] = u - prefix[l];
+    }
   }
   __syncthreads();
   profile_mark(ctx, kProfLLCombineSend, kWaited);
@@ -770,20 +808,26 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, con
   }
 }
 
-// lists: ll_combine_receive_smem() bytes of shared memory.
-__device__ void combine_receive(const LLCombineReceiveArgs& a, int* lists, uint64_t n) {
+// smem: ll_combine_receive_smem() bytes: the lists, then the pairs' ids and slots staged.
+__device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R;
+  const int n_pairs = a.num_tokens * K;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
+  int* lists = smem;                                 // [T][K + 1]
+  int* ids = lists + size_t(a.num_tokens) * (K + 1);  // [T*K]
+  int* slots = ids + n_pairs;                        // [T*K]
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
+  stage_ints(ids, a.topk_idx, n_pairs, slots, a.send_slot);  // not 2K dependent loads a token
+  __syncthreads();
   // each token's ranks with a kept pair, ascending and distinct (insertion into its list)
   for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
     int* list = lists + t * (K + 1);
     int count = 0;
     for (int k = 0; k < K; ++k) {
-      const int p = t * K + k, e = a.topk_idx[p];
-      if (a.send_slot[p] < 0 || e < 0 || e >= E) continue;
+      const int p = t * K + k, e = ids[p];
+      if (slots[p] < 0 || e < 0 || e >= E) continue;
       const int r = e / L;
       int j = count;
       while (j > 0 && list[j] > r) --j;  // list[1..count] ascending

@@ -110,12 +110,13 @@ struct LLCombineReceiveArgs {
 };
 
 // Dynamic shared memory of the combine kernels: the send's row offsets ([L + 1] prefix and
-// [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]).
+// [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]) and the pairs' ids
+// and slots it builds them from ([T*K] each).
 inline size_t ll_combine_send_smem(int num_local_experts, int num_ranks) {
   return sizeof(int32_t) * (size_t(num_local_experts) + 1 + size_t(num_local_experts) * num_ranks);
 }
 inline size_t ll_combine_receive_smem(int num_tokens, int num_topk) {
-  return sizeof(int32_t) * size_t(num_tokens) * (num_topk + 1);
+  return sizeof(int32_t) * size_t(num_tokens) * (num_topk + 1 + 2 * num_topk);
 }
 
 // Dynamic shared memory of the dispatch send: the pairs' expert ids (and, cached, the
