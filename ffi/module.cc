@@ -164,6 +164,8 @@ NB_MODULE(_C, m) {
     return t ? t->num_ranks : 0;
   });
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
+  m.def("copy_flag_mode", [] { return std::string(jax_ep::copy_flag_mode()); },
+        "How the copy-engine paths raise their landed flags: 'stream write' or 'kernel'");
   m.def("low_latency_calls", [] { return synchronised_list(jax_ep::read_low_latency_calls); },
         "Calls started by this PE's low-latency dispatch and combine sends (synchronises)");
   m.def("profile_reset", [] {

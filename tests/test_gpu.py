@@ -253,6 +253,12 @@ def test_copy_dispatch_in_many_chunks_matches_reference(fp8, monkeypatch):
     (out, back), (out_r, back_r) = both(fn, x, idx, w)
     assert_trees_equal(out, out_r)
     assert_sums_close(back, back_r, jnp.float32)
+    if os.environ.get("JAX_EP_COPY_FLAGS") != "kernel":
+        from jax_ep import _native
+
+        # the ~40 flags per peer above were raised by the driver's stream write (no SM), not
+        # by the fallback kernels (the driver lacking or refusing cuStreamWriteValue64)
+        assert _native.load()[0].copy_flag_mode() == "stream write"
 
 
 def _assert_repeats_identical(fn, R, arrays, repeats):

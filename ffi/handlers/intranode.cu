@@ -64,9 +64,9 @@ int blocks_or_default(int64_t num_blocks) {
 // (copy engines, both directions busy, 2×H200) and its own rows, R/(R-1) as many in all, need
 // copying in the same time; one CTA is taken to copy ~32 GB/s locally (to calibrate on a
 // 2-GPU machine: NOTES items 26 and 31). 24 CTAs on 2 ranks, 16 on 4, 14 on 8.
-// At most all SMs but kFreeSms: the chunks' flags are raised by one-thread kernels on the copy
-// streams, which need room on some SM while the waiting CTAs (up to a whole register file
-// each) are resident.
+// At most all SMs but kFreeSms: where the driver's stream write is not used (copy_engine.cu),
+// the chunks' flags are raised by one-thread kernels on the copy streams, which need room on
+// some SM while the waiting CTAs (up to a whole register file each) are resident.
 int copy_engine_blocks_or_default(int64_t num_blocks, int num_ranks) {
   constexpr double kCopyEngineGBs = 382, kLocalCopyGBsPerCta = 32;
   constexpr int kFreeSms = 2;

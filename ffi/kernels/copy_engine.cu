@@ -6,10 +6,14 @@
 // where is only known on the device), so whole per-source slots of T rows are sent. With few
 // ranks a peer needs nearly all of them anyway (top-8 of 256 experts: 99.6 % on 2 ranks, 90 %
 // on 4); the Python side selects these paths only there.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "kernels/intranode.h"
 #include "runtime/runtime.h"
@@ -27,6 +31,46 @@ __global__ void wait_peers_finished(PeerContext ctx, bool combine) {
 __global__ void raise_landed_flag(uint64_t* flag) {
   __threadfence_system();
   store_release(flag, 1);
+}
+
+// The driver's stream write (cuStreamWriteValue64, found through the runtime: no link to
+// libcuda) raises a flag without a kernel, so it needs no SM and no launch: the landed flags
+// use it unless JAX_EP_COPY_FLAGS=kernel, the driver lacks it, or it once refused a write
+// (then the kernel above for the rest of the process). Its default flags put a memory barrier
+// before the write, and the chunk's copies before it on the stream have completed.
+using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+std::atomic<bool> g_stream_write_refused{false};
+
+StreamWriteValue64 stream_write_value() {
+  static const StreamWriteValue64 found = []() -> StreamWriteValue64 {
+    const char* env = std::getenv("JAX_EP_COPY_FLAGS");
+    if (env != nullptr && std::strcmp(env, "kernel") == 0) return nullptr;
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult result;
+#if CUDART_VERSION >= 12050
+    const cudaError_t status = cudaGetDriverEntryPointByVersion(
+        "cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &result);
+#else
+    const cudaError_t status =
+        cudaGetDriverEntryPoint("cuStreamWriteValue64", &fn, cudaEnableDefault, &result);
+#endif
+    if (status != cudaSuccess || result != cudaDriverEntryPointSuccess) return nullptr;
+    return reinterpret_cast<StreamWriteValue64>(fn);
+  }();
+  return g_stream_write_refused.load(std::memory_order_relaxed) ? nullptr : found;
+}
+
+cudaError_t raise_landed(cudaStream_t stream, uint64_t* flag) {
+  if (StreamWriteValue64 write = stream_write_value()) {
+    const CUresult status =
+        write(stream, reinterpret_cast<CUdeviceptr>(flag), 1, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (status == CUDA_SUCCESS) return cudaSuccess;
+    if (!g_stream_write_refused.exchange(true))
+      std::fprintf(stderr, "jax_ep: cuStreamWriteValue64 refused a landed flag (CUresult %d); "
+                   "one-thread kernels raise them from now on\n", static_cast<int>(status));
+  }
+  raise_landed_flag<<<1, 1, 0, stream>>>(flag);
+  return cudaGetLastError();
 }
 
 cudaStream_t copy_stream(const Transport& t, int pe, int j) {
@@ -63,6 +107,10 @@ void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chu
   *chunks = (num_tokens + rows - 1) / rows;
 }
 
+const char* copy_flag_mode() {
+  return stream_write_value() != nullptr ? "stream write" : "kernel";
+}
+
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
   wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine);
   return cudaGetLastError();
@@ -93,8 +141,7 @@ cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
                                                pieces[i].bytes, cudaMemcpyDeviceToDevice, s);
     if (status != cudaSuccess) return status;
   }
-  raise_landed_flag<<<1, 1, 0, s>>>(&reinterpret_cast<Control*>(base)->landed[ctx.rank][chunk]);
-  return cudaGetLastError();
+  return raise_landed(s, &reinterpret_cast<Control*>(base)->landed[ctx.rank][chunk]);
 }
 
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {

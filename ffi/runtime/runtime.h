@@ -40,6 +40,9 @@ struct Transport {
 // Streams per peer for copy-engine transfers: chunks alternate between them, so that one
 // stream's flag write never holds up the next chunk's transfer.
 constexpr int kCopyStreamsPerPeer = 2;
+// How the copy-engine paths raise their landed flags (kernels/copy_engine.cu): "stream write"
+// (the driver's, no SM) or "kernel".
+const char* copy_flag_mode();
 
 // Returns nullptr when initialize() has not run (the FFI handlers turn that into an error).
 const Transport* transport();
