@@ -63,6 +63,8 @@ import jax_ep  # noqa: E402
 from timing import (  # noqa: E402
     call_profile,
     gpu_events,
+    host_times_reset,
+    host_us_per_call,
     is_ours,
     jax_baselines,
     looped,
@@ -128,7 +130,9 @@ def main():
         per-call GPU time of the kernels `marker` picks (None: none)."""
         try:
             f = jax.jit(smap(looped(body, args.iters, chained), in_specs=(P(AXIS),) * len(a)))
+            host_times_reset()
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
+            host = host_us_per_call()
             steady = steady_seconds_per_call(
                 lambda g: jax.jit(smap(g, in_specs=(P(AXIS),) * len(a))), body, *a,
                 calls=args.iters, chained=chained, rounds=args.rounds, repeats=args.repeats)
@@ -140,9 +144,9 @@ def main():
                 call_profiles.append((name, gpu))
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan"),
                          steady * 1e6, nbytes / steady / 1e9 if nbytes else float("nan"),
-                         gpu["cycle"] if gpu else float("nan")))
+                         gpu["cycle"] if gpu else float("nan"), host))
         except Exception as e:  # a failing row must not hide the others
-            rows.append((name,) + (float("nan"),) * 5)
+            rows.append((name,) + (float("nan"),) * 6)
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
@@ -216,15 +220,17 @@ def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
               f"{args.iters} chained calls per timing")
         steady = f"{args.rounds}×{args.iters}"
         print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} | "
-              f"{steady + ' µs':>11s} | {steady + ' GB/s':>12s} | {'GPU µs/call':>11s} |")
-        print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|{'-' * 13}|{'-' * 14}|{'-' * 13}|")
-        for name, us, gbs, s_us, s_gbs, cycle in rows:
+              f"{steady + ' µs':>11s} | {steady + ' GB/s':>12s} | {'GPU µs/call':>11s} | "
+              f"{'host µs/call':>12s} |")
+        print(f"|{'-' * 54}|{'-' * 11}|{'-' * 14}|{'-' * 13}|{'-' * 14}|{'-' * 13}|{'-' * 14}|")
+        for name, us, gbs, s_us, s_gbs, cycle, host in rows:
             print(f"| {name:52s} | {us:9.1f} | {gbs:12.1f} | {s_us:11.1f} | {s_gbs:12.1f} | "
-                  f"{cycle:11.1f} |")
+                  f"{cycle:11.1f} | {host:12.1f} |")
         print(f"µs: wall clock of the chained program / calls (its launch included); {steady}: "
               f"the same chain {args.rounds} times in a fori_loop, wall clock / all calls "
               "(--rounds; the launch spread over them); GPU µs/call: the GPU's cycle per call "
-              "in a profiler trace of the first program (--profile; details below)")
+              "in a profiler trace of the first program (--profile; details below); host "
+              "µs/call: median host time of jax_ep's handlers per call (enqueueing it)")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ import jax_ep  # noqa: E402
 from timing import (  # noqa: E402
     call_profile,
     gpu_events,
+    host_times_reset,
+    host_us_per_call,
     is_ours,
     jax_baselines,
     looped,
@@ -164,7 +166,9 @@ def main():
         try:
             looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
                                     in_specs=(P(AXIS),) * len(a)))
+            host_times_reset()
             t = seconds_per_call(looped_f, *a, calls=args.calls, repeats=args.repeats)
+            host = host_us_per_call()
             steady = steady_seconds_per_call(
                 lambda g: jax.jit(smap(g, in_specs=(P(AXIS),) * len(a))), f, *a,
                 calls=args.calls, chained=chained, rounds=args.rounds,
@@ -175,9 +179,9 @@ def main():
                     profiles.append((name, profile_body(f, chained, AXIS, smap, a)))
                 gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
                 call_profiles.append((name, gpu))
-            rows.append((name, t * 1e6, steady, gpu["cycle"] if gpu else float("nan")))
+            rows.append((name, t * 1e6, steady, gpu["cycle"] if gpu else float("nan"), host))
         except Exception as e:  # a failing row must not hide the others
-            rows.append((name, float("nan"), float("nan"), float("nan")))
+            rows.append((name,) + (float("nan"),) * 4)
             if jax.process_index() == 0:
                 print(f"{name} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
@@ -195,14 +199,15 @@ def main():
               f"top-{K} of {E}; per call, jitted loop of {args.calls}")
         steady_head = f"{args.rounds}×{args.calls} calls"
         print(f"| {'operation':40s} | {'µs per call':>11s} | {steady_head:>15s} | "
-              f"{'GPU µs/call':>11s} |")
-        print(f"|{'-' * 42}|{'-' * 13}|{'-' * 17}|{'-' * 13}|")
-        for name, us, steady, cycle in rows:
-            print(f"| {name:40s} | {us:11.1f} | {steady:15.1f} | {cycle:11.1f} |")
+              f"{'GPU µs/call':>11s} | {'host µs/call':>12s} |")
+        print(f"|{'-' * 42}|{'-' * 13}|{'-' * 17}|{'-' * 13}|{'-' * 14}|")
+        for name, us, steady, cycle, host in rows:
+            print(f"| {name:40s} | {us:11.1f} | {steady:15.1f} | {cycle:11.1f} | {host:12.1f} |")
         print("µs per call: wall clock of the chained program / calls (its launch included); "
               f"{steady_head}: the same chain {args.rounds} times in a fori_loop, wall clock / "
               "all calls (--rounds; the launch spread over them); GPU µs/call: the GPU's cycle "
-              "per call in a profiler trace of the first program (--profile; details below)")
+              "per call in a profiler trace of the first program (--profile; details below); "
+              "host µs/call: median host time of jax_ep's handlers per call (enqueueing it)")
     if profiles:  # every rank: one rank's receive waits on the others' sends
         print_phases(profiles)
         if jax.process_index() == 0:

@@ -76,6 +76,31 @@ PROFILE_KERNELS = 16  # kProfileKernels: slots per row of the profile ring
 PROFILE_PHASES = 5  # kProfilePhases: enter, waited, first end, last end, retired
 
 
+def _native_module():
+    from jax_ep import _native
+
+    return _native.load()[0]
+
+
+def host_times_reset():
+    """Forgets the handlers' recorded host times (CUDA backend; no-op without the extension)."""
+    module = _native_module()
+    if module is not None:
+        module.handler_host_times(reset=True)
+
+
+def host_us_per_call():
+    """Host time XLA's thread spent in jax_ep's handlers per call since host_times_reset(): the
+    median execution of each custom call that ran, summed over them (a row calling dispatch
+    and combine adds both), in µs; NaN where none ran. The median leaves out executions that
+    blocked because the GPU's queue was full, so this is what enqueueing a call costs."""
+    module = _native_module()
+    times = module.handler_host_times() if module is not None else {}
+    if not times:
+        return float("nan")
+    return sum(float(np.median(ns)) for ns in times.values()) / 1e3
+
+
 def after_barrier(body, chained, axis_name):
     """body, after an all-reduce that every rank must reach: the profiled call then starts on
     all ranks together, whatever the skew between the processes' launches."""

@@ -2,7 +2,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdint>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +47,16 @@ constexpr Target kTargets[] = {
 constexpr int kNumTargets = sizeof(kTargets) / sizeof(kTargets[0]);
 std::atomic<unsigned long long> g_calls[kNumTargets];
 
+// Host time of each handler execution (what XLA's thread spends enqueueing a call: validation,
+// launches, copy-engine transfers), the last kHostTimes per target: a path whose host time per
+// call exceeds its GPU time cannot keep the GPU busy (see handler_host_times()).
+constexpr unsigned kHostTimes = 4096;
+struct HostTimes {
+  std::atomic<unsigned> next{0};
+  std::atomic<uint32_t> ns[kHostTimes];
+};
+HostTimes g_host_times[kNumTargets];
+
 // Diagnostic JAX_EP_LOG_CALLS=1: one stderr line per handler execution with what tells two
 // executions apart (XLA's run id, the stream, the first operand's address, the host thread).
 bool log_calls() {
@@ -76,11 +90,20 @@ void log_call(const char* name, unsigned long long n, XLA_FFI_CallFrame* frame) 
 template <int I>
 XLA_FFI_Error* counted(XLA_FFI_CallFrame* frame) {
   // Metadata queries (at registration) and other stages are not executions.
-  if (frame->extension_start == nullptr && frame->stage == XLA_FFI_ExecutionStage_EXECUTE) {
-    const unsigned long long n = g_calls[I].fetch_add(1, std::memory_order_relaxed) + 1;
-    if (log_calls()) log_call(kTargets[I].name, n, frame);
-  }
-  return kTargets[I].handler(frame);
+  if (frame->extension_start != nullptr || frame->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    return kTargets[I].handler(frame);
+  const unsigned long long n = g_calls[I].fetch_add(1, std::memory_order_relaxed) + 1;
+  if (log_calls()) log_call(kTargets[I].name, n, frame);
+  const auto start = std::chrono::steady_clock::now();
+  XLA_FFI_Error* error = kTargets[I].handler(frame);
+  const long long ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count();
+  HostTimes& times = g_host_times[I];
+  const unsigned slot = times.next.fetch_add(1, std::memory_order_relaxed) % kHostTimes;
+  times.ns[slot].store(static_cast<uint32_t>(std::min<long long>(ns, UINT32_MAX)),
+                       std::memory_order_relaxed);
+  return error;
 }
 
 template <int... Is>
@@ -100,6 +123,22 @@ nb::dict handler_calls() {
   return calls;
 }
 
+// {target: [ns of its recent executions]} for the targets executed since the last reset.
+nb::dict handler_host_times(bool reset) {
+  nb::dict out;
+  for (int i = 0; i < kNumTargets; ++i) {
+    HostTimes& times = g_host_times[i];
+    const unsigned n = std::min(times.next.load(), kHostTimes);
+    if (n > 0) {
+      nb::list values;
+      for (unsigned j = 0; j < n; ++j) values.append(times.ns[j].load());
+      out[kTargets[i].name] = values;
+    }
+    if (reset) times.next.store(0);
+  }
+  return out;
+}
+
 // Runs a device read that synchronises (without the GIL) and returns its values as a list.
 nb::list synchronised_list(std::vector<unsigned long long> (*read)()) {
   std::vector<unsigned long long> values;
@@ -117,6 +156,9 @@ nb::list synchronised_list(std::vector<unsigned long long> (*read)()) {
 NB_MODULE(_C, m) {
   m.doc() = "jax_ep native extension: typed XLA FFI handlers and the NVSHMEM runtime";
   m.def("ffi_targets", &ffi_targets, "{target name: PyCapsule} of every FFI handler");
+  m.def("handler_host_times", &handler_host_times, nb::arg("reset") = false,
+        "{target: [host ns of each recent execution]} (the last 4096 per target); reset=True "
+        "starts afresh after reading");
   m.def("handler_calls", &handler_calls,
         "{target name: executions of its FFI handler in this process} (diagnostic)");
   m.def("cuda_architectures", [] { return std::string(JAX_EP_CUDA_ARCHS); });

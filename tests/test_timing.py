@@ -105,3 +105,25 @@ def test_looped_rounds_loop_the_unrolled_chain():
     assert len(traced) == 5
     assert "while" in looped.lower(*args).as_text()
     assert "while" not in jax.jit(timing.looped(body, 5, chained=1)).lower(*args).as_text()
+
+
+def test_host_us_per_call_sums_the_median_of_each_custom_call(monkeypatch):
+    class FakeModule:
+        def __init__(self, times):
+            self.times, self.resets = times, 0
+
+        def handler_host_times(self, reset=False):
+            self.resets += reset
+            return self.times
+
+    fake = FakeModule({"jax_ep_dispatch": [1000, 90000, 2000], "jax_ep_combine": [500]})
+    monkeypatch.setattr(timing, "_native_module", lambda: fake)
+    timing.host_times_reset()
+    assert fake.resets == 1
+    # medians 2000 ns (the blocked 90 µs execution left out) and 500 ns
+    assert timing.host_us_per_call() == pytest.approx(2.5)
+    fake.times = {}
+    assert timing.host_us_per_call() != timing.host_us_per_call()  # NaN: nothing ran
+    monkeypatch.setattr(timing, "_native_module", lambda: None)
+    timing.host_times_reset()
+    assert timing.host_us_per_call() != timing.host_us_per_call()
