@@ -62,6 +62,7 @@ import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
     call_profile,
+    copy_host_breakdown,
     gpu_events,
     host_times_reset,
     host_us_per_call,
@@ -124,6 +125,7 @@ def main():
     bytes_fp8 = mean_recv * (H + H // 128 * 4)
     rows = []
     profiles, call_profiles = [], []
+    copy_host = []  # (row, host µs per call, its copy-engine host calls by kind)
 
     def record(name, body, *a, chained=0, nbytes=bytes_bf16, marker=is_ours):
         """Times body; with --profile on a GPU also its kernels' phases (jax_ep's) and the
@@ -133,6 +135,9 @@ def main():
             host_times_reset()
             t = seconds_per_call(f, *a, calls=args.iters, repeats=args.repeats)
             host = host_us_per_call()
+            breakdown = copy_host_breakdown()
+            if breakdown:
+                copy_host.append((name, host, breakdown))
             steady = steady_seconds_per_call(
                 lambda g: jax.jit(smap(g, in_specs=(P(AXIS),) * len(a))), body, *a,
                 calls=args.iters, chained=chained, rounds=args.rounds, repeats=args.repeats)
@@ -207,6 +212,14 @@ def main():
     if not args.skip_baselines:
         jax_baselines(R, H, in_rank, counts, x, shard, record, AXIS)
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
+    if copy_host and jax.process_index() == 0:
+        print("\nHost time of the copy-engine rows per call (µs; host calls in brackets; the rest "
+              "of the host column is validation and kernel launches):")
+        for name, host, kinds in copy_host:
+            parts = ", ".join(f"{kind} {us:.1f} [{calls:.0f}]" for kind, (calls, us) in
+                              kinds.items())
+            print(f"  {name}: host {host:.1f} = {parts}, rest "
+                  f"{host - sum(us for _, us in kinds.values()):.1f}")
     if profiles and jax.process_index() == 0:
         print_phases(profiles)
         print_call_profiles(call_profiles)

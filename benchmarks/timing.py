@@ -87,6 +87,23 @@ def host_times_reset():
     module = _native_module()
     if module is not None:
         module.handler_host_times(reset=True)
+        if hasattr(module, "copy_engine_host_times"):
+            module.copy_engine_host_times(reset=True)
+
+
+def copy_host_breakdown():
+    """{kind: (host calls, µs) per jax_ep call} of the copy-engine paths' host calls (guard,
+    fork, memcpy, flag, join) since host_times_reset(), or {} where none ran. Per call: divided
+    by the executions of the handler that ran most (the recorded ones, at most 4096)."""
+    module = _native_module()
+    if module is None or not hasattr(module, "copy_engine_host_times"):
+        return {}
+    kinds = module.copy_engine_host_times()
+    executions = max((len(v) for v in module.handler_host_times().values()), default=0)
+    if executions == 0 or not any(calls for calls, _ in kinds.values()):
+        return {}
+    return {kind: (calls / executions, ns / executions / 1e3)
+            for kind, (calls, ns) in kinds.items()}
 
 
 def host_us_per_call():

@@ -206,6 +206,17 @@ NB_MODULE(_C, m) {
     return t ? t->num_ranks : 0;
   });
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
+  m.def(
+      "copy_engine_host_times",
+      [](bool reset) {
+        nb::dict out;
+        for (const auto& t : jax_ep::copy_engine_host_times(reset))
+          out[t.kind] = nb::make_tuple(t.calls, t.ns);
+        return out;
+      },
+      nb::arg("reset") = false,
+      "{kind: (host calls, ns)} of the copy-engine paths' host calls (guard, fork, memcpy, flag, "
+      "join) since the last reset");
   m.def("copy_flag_mode", [] { return std::string(jax_ep::copy_flag_mode()); },
         "How the copy-engine paths raise their landed flags: 'stream write' or 'kernel'");
   m.def("low_latency_calls", [] { return synchronised_list(jax_ep::read_low_latency_calls); },

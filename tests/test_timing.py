@@ -127,3 +127,18 @@ def test_host_us_per_call_sums_the_median_of_each_custom_call(monkeypatch):
     monkeypatch.setattr(timing, "_native_module", lambda: None)
     timing.host_times_reset()
     assert timing.host_us_per_call() != timing.host_us_per_call()
+
+
+def test_copy_host_breakdown_per_call(monkeypatch):
+    class FakeModule:
+        def handler_host_times(self, reset=False):
+            return {"jax_ep_dispatch": [100_000] * 4}
+
+        def copy_engine_host_times(self, reset=False):
+            return {"memcpy": (120, 240_000), "flag": (120, 80_000), "join": (0, 0)}
+
+    monkeypatch.setattr(timing, "_native_module", lambda: FakeModule())
+    got = timing.copy_host_breakdown()
+    assert got["memcpy"] == pytest.approx((30, 60.0))  # 4 executions
+    assert got["flag"] == pytest.approx((30, 20.0))
+    assert got["join"] == (0, 0)

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,28 @@
 
 namespace jax_ep {
 namespace {
+
+// Host time of the copy-engine calls by kind (a diagnostic: which host calls a copy-engine
+// call spends its ~130 µs of host time on, NOTES item 37), read by copy_engine_host_times().
+enum HostKind { kHostGuard, kHostFork, kHostMemcpy, kHostFlag, kHostJoin, kHostKinds };
+constexpr const char* kHostKindNames[kHostKinds] = {"guard", "fork", "memcpy", "flag", "join"};
+std::atomic<unsigned long long> g_host_calls[kHostKinds], g_host_ns[kHostKinds];
+
+class HostTimer {
+ public:
+  explicit HostTimer(HostKind kind) : kind_(kind), start_(std::chrono::steady_clock::now()) {}
+  ~HostTimer() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - start_)
+                        .count();
+    g_host_calls[kind_].fetch_add(1, std::memory_order_relaxed);
+    g_host_ns[kind_].fetch_add(static_cast<unsigned long long>(ns), std::memory_order_relaxed);
+  }
+
+ private:
+  HostKind kind_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 // Every peer has finished the previous call (it no longer reads what lands in its buffer, and
 // it has cleared its landed flags), so this call's transfers may start.
@@ -61,6 +84,7 @@ StreamWriteValue64 stream_write_value() {
 }
 
 cudaError_t raise_landed(cudaStream_t stream, uint64_t* flag) {
+  HostTimer timer(kHostFlag);
   if (StreamWriteValue64 write = stream_write_value()) {
     const CUresult status =
         write(stream, reinterpret_cast<CUdeviceptr>(flag), 1, CU_STREAM_WRITE_VALUE_DEFAULT);
@@ -107,16 +131,30 @@ void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chu
   *chunks = (num_tokens + rows - 1) / rows;
 }
 
+std::vector<CopyHostTime> copy_engine_host_times(bool reset) {
+  std::vector<CopyHostTime> out;
+  for (int k = 0; k < kHostKinds; ++k) {
+    out.push_back({kHostKindNames[k], g_host_calls[k].load(), g_host_ns[k].load()});
+    if (reset) {
+      g_host_calls[k].store(0);
+      g_host_ns[k].store(0);
+    }
+  }
+  return out;
+}
+
 const char* copy_flag_mode() {
   return stream_write_value() != nullptr ? "stream write" : "kernel";
 }
 
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
+  HostTimer timer(kHostGuard);
   wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine);
   return cudaGetLastError();
 }
 
 cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream, int chunk) {
+  HostTimer timer(kHostFork);
   const Transport* t = transport();
   if (t == nullptr) return cudaErrorNotReady;
   if (ctx.num_ranks == 1) return cudaSuccess;
@@ -137,6 +175,7 @@ cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
   char* base = static_cast<char*>(t->host_peers[peer]);
   for (int i = 0; i < num_pieces; ++i) {
     if (pieces[i].bytes == 0) continue;
+    HostTimer timer(kHostMemcpy);
     const cudaError_t status = cudaMemcpyAsync(base + pieces[i].dst_offset, pieces[i].src,
                                                pieces[i].bytes, cudaMemcpyDeviceToDevice, s);
     if (status != cudaSuccess) return status;
@@ -145,6 +184,7 @@ cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
 }
 
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {
+  HostTimer timer(kHostJoin);
   return for_each_copy_stream(ctx, [&](const Transport& t, int index, cudaStream_t s) {
     cudaError_t status = cudaEventRecord(t.copy_joins[index], s);
     if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, t.copy_joins[index]);

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 struct CUstream_st;  // cudaStream_t and cudaEvent_t, without the CUDA headers
 struct CUevent_st;
@@ -43,6 +44,13 @@ constexpr int kCopyStreamsPerPeer = 2;
 // How the copy-engine paths raise their landed flags (kernels/copy_engine.cu): "stream write"
 // (the driver's, no SM) or "kernel".
 const char* copy_flag_mode();
+// Host time the copy-engine calls spent, by kind (guard, fork, memcpy, flag, join), since the
+// last reset.
+struct CopyHostTime {
+  const char* kind;
+  unsigned long long calls, ns;
+};
+std::vector<CopyHostTime> copy_engine_host_times(bool reset);
 
 // Returns nullptr when initialize() has not run (the FFI handlers turn that into an error).
 const Transport* transport();
