@@ -125,7 +125,7 @@ def main():
     bytes_fp8 = mean_recv * (H + H // 128 * 4)
     rows = []
     profiles, call_profiles = [], []
-    copy_host = []  # (row, host µs per call, its copy-engine host calls by kind)
+    copy_host = []  # (row, mean host µs per call, its copy-engine host calls by kind)
 
     def record(name, body, *a, chained=0, nbytes=bytes_bf16, marker=is_ours):
         """Times body; with --profile on a GPU also its kernels' phases (jax_ep's) and the
@@ -137,7 +137,7 @@ def main():
             host = host_us_per_call()
             breakdown = copy_host_breakdown()
             if breakdown:
-                copy_host.append((name, host, breakdown))
+                copy_host.append((name, *breakdown))
             steady = steady_seconds_per_call(
                 lambda g: jax.jit(smap(g, in_specs=(P(AXIS),) * len(a))), body, *a,
                 calls=args.iters, chained=chained, rounds=args.rounds, repeats=args.repeats)
@@ -213,8 +213,8 @@ def main():
         jax_baselines(R, H, in_rank, counts, x, shard, record, AXIS)
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
     if copy_host and jax.process_index() == 0:
-        print("\nHost time of the copy-engine rows per call (µs; host calls in brackets; the rest "
-              "of the host column is validation and kernel launches):")
+        print("\nHost time of the copy-engine rows, mean per call (µs; host calls in brackets; "
+              "the rest is validation and kernel launches):")
         for name, host, kinds in copy_host:
             parts = ", ".join(f"{kind} {us:.1f} [{calls:.0f}]" for kind, (calls, us) in
                               kinds.items())

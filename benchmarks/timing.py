@@ -92,18 +92,20 @@ def host_times_reset():
 
 
 def copy_host_breakdown():
-    """{kind: (host calls, µs) per jax_ep call} of the copy-engine paths' host calls (guard,
-    fork, memcpy, flag, join) since host_times_reset(), or {} where none ran. Per call: divided
-    by the executions of the handler that ran most (the recorded ones, at most 4096)."""
+    """(mean host µs of a jax_ep call, {kind: (host calls, µs) per call}) of the copy-engine
+    paths' host calls (guard, fork, memcpy, flag, join) since host_times_reset(), or None where
+    none ran. Both are means over the recorded executions (at most 4096) of the handler that
+    ran most, so the kinds add up to part of the mean (host_us_per_call is a median)."""
     module = _native_module()
     if module is None or not hasattr(module, "copy_engine_host_times"):
-        return {}
+        return None
     kinds = module.copy_engine_host_times()
-    executions = max((len(v) for v in module.handler_host_times().values()), default=0)
-    if executions == 0 or not any(calls for calls, _ in kinds.values()):
-        return {}
-    return {kind: (calls / executions, ns / executions / 1e3)
-            for kind, (calls, ns) in kinds.items()}
+    recorded = max(module.handler_host_times().values(), key=len, default=[])
+    if not recorded or not any(calls for calls, _ in kinds.values()):
+        return None
+    n = len(recorded)
+    return float(np.mean(recorded)) / 1e3, {kind: (calls / n, ns / n / 1e3)
+                                            for kind, (calls, ns) in kinds.items()}
 
 
 def host_us_per_call():

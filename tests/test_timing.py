@@ -138,7 +138,8 @@ def test_copy_host_breakdown_per_call(monkeypatch):
             return {"memcpy": (120, 240_000), "flag": (120, 80_000), "join": (0, 0)}
 
     monkeypatch.setattr(timing, "_native_module", lambda: FakeModule())
-    got = timing.copy_host_breakdown()
+    mean, got = timing.copy_host_breakdown()
+    assert mean == pytest.approx(100.0)
     assert got["memcpy"] == pytest.approx((30, 60.0))  # 4 executions
     assert got["flag"] == pytest.approx((30, 20.0))
     assert got["join"] == (0, 0)
