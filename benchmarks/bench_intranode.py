@@ -62,6 +62,7 @@ import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
     call_profile,
+    copy_engine_modes,
     copy_host_breakdown,
     gpu_events,
     host_times_reset,
@@ -213,8 +214,9 @@ def main():
         jax_baselines(R, H, in_rank, counts, x, shard, record, AXIS)
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
     if copy_host and jax.process_index() == 0:
-        print("\nHost time of the copy-engine rows, mean per call (µs; host calls in brackets; "
-              "the rest is validation and kernel launches):")
+        print("\nHost time of the copy-engine rows per call (µs: the median execution, and each "
+              "kind of host call's median times its calls per execution, in brackets; the rest "
+              "is validation and kernel launches)" + copy_engine_modes() + ":")
         for name, host, kinds in copy_host:
             parts = ", ".join(f"{kind} {us:.1f} [{calls:.0f}]" for kind, (calls, us) in
                               kinds.items())

@@ -210,15 +210,22 @@ NB_MODULE(_C, m) {
       "copy_engine_host_times",
       [](bool reset) {
         nb::dict out;
-        for (const auto& t : jax_ep::copy_engine_host_times(reset))
-          out[t.kind] = nb::make_tuple(t.calls, t.ns);
+        for (const auto& t : jax_ep::copy_engine_host_times(reset)) {
+          nb::list ns;
+          for (unsigned v : t.ns) ns.append(v);
+          out[t.kind] = nb::make_tuple(t.calls, ns);
+        }
         return out;
       },
       nb::arg("reset") = false,
-      "{kind: (host calls, ns)} of the copy-engine paths' host calls (guard, fork, memcpy, flag, "
-      "join) since the last reset");
+      "{kind: (host calls, [ns of the last few thousand])} of the copy-engine paths' host calls "
+      "(guard, fork, memcpy, flag, kernel, join, graph launch / update / build) since the last "
+      "reset");
   m.def("copy_flag_mode", [] { return std::string(jax_ep::copy_flag_mode()); },
         "How the copy-engine paths raise their landed flags: 'stream write' or 'kernel'");
+  m.def("copy_sequence_mode", [] { return std::string(jax_ep::copy_sequence_mode()); },
+        "How the copy-engine paths enqueue a call's transfers: 'graph' (one cached CUDA graph) "
+        "or 'direct' (JAX_EP_COPY_GRAPHS=0)");
   m.def("low_latency_calls", [] { return synchronised_list(jax_ep::read_low_latency_calls); },
         "Calls started by this PE's low-latency dispatch and combine sends (synchronises)");
   m.def("profile_reset", [] {

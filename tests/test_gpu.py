@@ -234,9 +234,16 @@ def test_fp8_dispatch_matches_reference(layout, dispatch_mode):
     assert_trees_equal(*both(fn, x, idx, w))
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_copy_dispatch_in_many_chunks_matches_reference(fp8, monkeypatch):
-    """The copy-engine paths with ~40 transfers per peer, the last one partial."""
+@pytest.mark.parametrize("fp8,graphs,flags", [(False, "1", ""), (True, "1", ""), (False, "0", ""),
+                                              (True, "0", ""), (True, "1", "write")])
+def test_copy_dispatch_in_many_chunks_matches_reference(fp8, graphs, flags, monkeypatch):
+    """The copy-engine paths with ~40 transfers per peer, the last one partial; their
+    transfers enqueued as one CUDA graph per call (flags raised by kernel nodes, or by the
+    driver's memory-operation nodes), and call by call (flags by the driver's stream write)."""
+    if os.environ.get("JAX_EP_COPY_FLAGS") == "kernel":
+        flags = "kernel"
+    monkeypatch.setenv("JAX_EP_COPY_GRAPHS", graphs)
+    monkeypatch.setenv("JAX_EP_COPY_FLAGS", flags)
     monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
     monkeypatch.setenv("JAX_EP_COMBINE", "copy")
     monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "0.05")
@@ -253,12 +260,35 @@ def test_copy_dispatch_in_many_chunks_matches_reference(fp8, monkeypatch):
     (out, back), (out_r, back_r) = both(fn, x, idx, w)
     assert_trees_equal(out, out_r)
     assert_sums_close(back, back_r, jnp.float32)
-    if os.environ.get("JAX_EP_COPY_FLAGS") != "kernel":
-        from jax_ep import _native
+    from jax_ep import _native
 
-        # the ~40 flags per peer above were raised by the driver's stream write (no SM), not
-        # by the fallback kernels (the driver lacking or refusing cuStreamWriteValue64)
-        assert _native.load()[0].copy_flag_mode() == "stream write"
+    module = _native.load()[0]
+    assert module.copy_sequence_mode() == ("graph" if graphs == "1" else "direct")
+    # where asked for, the ~40 flags per peer above were raised by the driver's write (no SM),
+    # not by the fallback kernels (the driver lacking or refusing it)
+    written = flags == "write" or (flags == "" and graphs == "0")
+    assert module.copy_flag_mode() == ("stream write" if written else "kernel")
+
+
+def test_copy_paths_follow_changing_inputs(monkeypatch):
+    """The cached copy graphs with new source addresses: several inputs of one shape, more
+    than a shape keeps graphs for, so that later calls update a graph in place."""
+    monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
+    monkeypatch.setenv("JAX_EP_COMBINE", "copy")
+    monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "0.1")
+    R = num_ranks()
+    T, H, K, E = 256, 512, 4, 4 * R
+
+    def fn(backend, x, idx, w):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend=backend)
+        return out, jax_ep.combine(out.x.astype(jnp.float32), out.handle)
+
+    for seed in range(7):
+        x, idx, w = make_inputs(np.random.default_rng(100 + seed), R, T, H, K, E, "random", 0.1)
+        x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+        (out, back), (out_r, back_r) = both(fn, x, idx, w)
+        assert_trees_equal(out, out_r)
+        assert_sums_close(back, back_r, jnp.float32)
 
 
 def _assert_repeats_identical(fn, R, arrays, repeats):

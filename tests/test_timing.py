@@ -132,14 +132,16 @@ def test_host_us_per_call_sums_the_median_of_each_custom_call(monkeypatch):
 def test_copy_host_breakdown_per_call(monkeypatch):
     class FakeModule:
         def handler_host_times(self, reset=False):
-            return {"jax_ep_dispatch": [100_000] * 4}
+            return {"jax_ep_dispatch": [100_000, 100_000, 100_000, 900_000]}
 
         def copy_engine_host_times(self, reset=False):
-            return {"memcpy": (120, 240_000), "flag": (120, 80_000), "join": (0, 0)}
+            # one memcpy blocked on a full queue: the median leaves it out
+            return {"memcpy": (120, [2_000] * 119 + [800_000]), "flag": (120, [600] * 120),
+                    "join": (0, [])}
 
     monkeypatch.setattr(timing, "_native_module", lambda: FakeModule())
-    mean, got = timing.copy_host_breakdown()
-    assert mean == pytest.approx(100.0)
-    assert got["memcpy"] == pytest.approx((30, 60.0))  # 4 executions
-    assert got["flag"] == pytest.approx((30, 20.0))
-    assert got["join"] == (0, 0)
+    median, got = timing.copy_host_breakdown()
+    assert median == pytest.approx(100.0)
+    assert got["memcpy"] == pytest.approx((30, 60.0))  # 4 executions, 30 calls of 2 µs each
+    assert got["flag"] == pytest.approx((30, 18.0))
+    assert "join" not in got  # no calls of that kind

@@ -15,6 +15,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "kernels/intranode.h"
 #include "runtime/runtime.h"
@@ -23,10 +25,22 @@ namespace jax_ep {
 namespace {
 
 // Host time of the copy-engine calls by kind (a diagnostic: which host calls a copy-engine
-// call spends its ~130 µs of host time on, NOTES item 37), read by copy_engine_host_times().
-enum HostKind { kHostGuard, kHostFork, kHostMemcpy, kHostFlag, kHostJoin, kHostKinds };
-constexpr const char* kHostKindNames[kHostKinds] = {"guard", "fork", "memcpy", "flag", "join"};
-std::atomic<unsigned long long> g_host_calls[kHostKinds], g_host_ns[kHostKinds];
+// call spends its host time on, NOTES items 37-38), read by copy_engine_host_times(). The
+// last kHostSamples calls of each kind are kept, so that a reader can take the median: a call
+// that blocked on a full queue would swamp a mean.
+enum HostKind {
+  kHostGuard, kHostFork, kHostMemcpy, kHostFlag, kHostKernel, kHostJoin,
+  kHostGraphLaunch, kHostGraphUpdate, kHostGraphBuild, kHostKinds
+};
+constexpr const char* kHostKindNames[kHostKinds] = {
+    "guard", "fork", "memcpy", "flag", "kernel", "join", "graph launch", "graph update",
+    "graph build"};
+constexpr unsigned kHostSamples = 4096;
+struct HostSamples {
+  std::atomic<unsigned long long> calls{0};
+  std::atomic<uint32_t> ns[kHostSamples];
+};
+HostSamples g_host_samples[kHostKinds];
 
 class HostTimer {
  public:
@@ -35,8 +49,10 @@ class HostTimer {
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                         std::chrono::steady_clock::now() - start_)
                         .count();
-    g_host_calls[kind_].fetch_add(1, std::memory_order_relaxed);
-    g_host_ns[kind_].fetch_add(static_cast<unsigned long long>(ns), std::memory_order_relaxed);
+    HostSamples& s = g_host_samples[kind_];
+    const unsigned long long n = s.calls.fetch_add(1, std::memory_order_relaxed);
+    s.ns[n % kHostSamples].store(static_cast<uint32_t>(std::min<long long>(ns, UINT32_MAX)),
+                                 std::memory_order_relaxed);
   }
 
  private:
@@ -45,53 +61,89 @@ class HostTimer {
 };
 
 // Every peer has finished the previous call (it no longer reads what lands in its buffer, and
-// it has cleared its landed flags), so this call's transfers may start.
+// it has cleared its landed flags), so this call's transfers may start. The combine's reduce
+// claims tokens from a work cursor reset here: its stage kernels may run alongside it.
 __global__ void wait_peers_finished(PeerContext ctx, bool combine) {
   enter_call(ctx, current_call(ctx), combine ? "combine" : "dispatch");
+  if (combine) reset_cursor(ctx, kCursorCombine);
 }
 
-// Runs on a copy stream after a chunk's transfers: the chunk is in the peer's memory.
+// Runs after a chunk's transfers: the chunk is in the peer's memory.
 __global__ void raise_landed_flag(uint64_t* flag) {
   __threadfence_system();
   store_release(flag, 1);
 }
 
-// The driver's stream write (cuStreamWriteValue64, found through the runtime: no link to
-// libcuda) raises a flag without a kernel, so it needs no SM and no launch: the landed flags
-// use it unless JAX_EP_COPY_FLAGS=kernel, the driver lacks it, or it once refused a write
-// (then the kernel above for the rest of the process). Its default flags put a memory barrier
-// before the write, and the chunk's copies before it on the stream have completed.
+// Driver entry points, found through the runtime (no link to libcuda).
+template <typename Fn>
+Fn driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult result;
+#if CUDART_VERSION >= 12050
+  const cudaError_t status =
+      cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &result);
+#else
+  const cudaError_t status = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &result);
+#endif
+  if (status != cudaSuccess || result != cudaDriverEntryPointSuccess) return nullptr;
+  return reinterpret_cast<Fn>(fn);
+}
+
+// How the landed flags are raised (JAX_EP_COPY_FLAGS, read on every call like
+// JAX_EP_COPY_GRAPHS): "write", by the driver's stream write (cuStreamWriteValue64; in a graph,
+// a memory-operation node): no SM and no launch; "kernel", by a one-thread kernel (a kernel
+// node in a graph); unset, the write where transfers are enqueued call by call and kernel
+// nodes in graphs: a graph launch took ~1.5 µs of host time per memory-operation node against
+// ~0.2 µs per kernel node (NOTES item 38), and the copy paths leave SMs free for the flags.
+// The write's default flags put a memory barrier before it, and the chunk's copies before it
+// have completed. Kernels raise them anyway where the driver lacks the entry points or once it
+// refused a write (then for the rest of the process).
 using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using GraphAddBatchMemOpNode = CUresult (*)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t,
+                                            const CUDA_BATCH_MEM_OP_NODE_PARAMS*);
+using CtxGetCurrent = CUresult (*)(CUcontext*);
+struct FlagWriters {
+  StreamWriteValue64 stream_write = nullptr;
+  GraphAddBatchMemOpNode graph_node = nullptr;
+  CtxGetCurrent current_context = nullptr;
+};
 std::atomic<bool> g_stream_write_refused{false};
 
-StreamWriteValue64 stream_write_value() {
-  static const StreamWriteValue64 found = []() -> StreamWriteValue64 {
-    const char* env = std::getenv("JAX_EP_COPY_FLAGS");
-    if (env != nullptr && std::strcmp(env, "kernel") == 0) return nullptr;
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult result;
-#if CUDART_VERSION >= 12050
-    const cudaError_t status = cudaGetDriverEntryPointByVersion(
-        "cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &result);
-#else
-    const cudaError_t status =
-        cudaGetDriverEntryPoint("cuStreamWriteValue64", &fn, cudaEnableDefault, &result);
-#endif
-    if (status != cudaSuccess || result != cudaDriverEntryPointSuccess) return nullptr;
-    return reinterpret_cast<StreamWriteValue64>(fn);
+const FlagWriters& flag_writers() {
+  static const FlagWriters found = [] {
+    FlagWriters w;
+    w.stream_write = driver_entry<StreamWriteValue64>("cuStreamWriteValue64");
+    w.graph_node = driver_entry<GraphAddBatchMemOpNode>("cuGraphAddBatchMemOpNode");
+    w.current_context = driver_entry<CtxGetCurrent>("cuCtxGetCurrent");
+    return w;
   }();
-  return g_stream_write_refused.load(std::memory_order_relaxed) ? nullptr : found;
+  return found;
+}
+
+enum class FlagChoice { kDefault, kWrite, kKernel };
+FlagChoice flag_choice() {
+  const char* env = std::getenv("JAX_EP_COPY_FLAGS");
+  if (env != nullptr && std::strcmp(env, "kernel") == 0) return FlagChoice::kKernel;
+  if (env != nullptr && std::strcmp(env, "write") == 0) return FlagChoice::kWrite;
+  return FlagChoice::kDefault;
+}
+
+bool stream_writes_refused() { return g_stream_write_refused.load(std::memory_order_relaxed); }
+
+void refuse_stream_writes(const char* where, int status) {
+  if (!g_stream_write_refused.exchange(true))
+    std::fprintf(stderr, "jax_ep: the driver refused a landed flag's write (%s, CUresult %d); "
+                 "one-thread kernels raise them from now on\n", where, status);
 }
 
 cudaError_t raise_landed(cudaStream_t stream, uint64_t* flag) {
   HostTimer timer(kHostFlag);
-  if (StreamWriteValue64 write = stream_write_value()) {
+  const bool allowed = flag_choice() != FlagChoice::kKernel && !stream_writes_refused();
+  if (StreamWriteValue64 write = allowed ? flag_writers().stream_write : nullptr) {
     const CUresult status =
         write(stream, reinterpret_cast<CUdeviceptr>(flag), 1, CU_STREAM_WRITE_VALUE_DEFAULT);
     if (status == CUDA_SUCCESS) return cudaSuccess;
-    if (!g_stream_write_refused.exchange(true))
-      std::fprintf(stderr, "jax_ep: cuStreamWriteValue64 refused a landed flag (CUresult %d); "
-                   "one-thread kernels raise them from now on\n", static_cast<int>(status));
+    refuse_stream_writes("cuStreamWriteValue64", static_cast<int>(status));
   }
   raise_landed_flag<<<1, 1, 0, stream>>>(flag);
   return cudaGetLastError();
@@ -101,17 +153,344 @@ cudaStream_t copy_stream(const Transport& t, int pe, int j) {
   return t.copy_streams[pe * kCopyStreamsPerPeer + j];
 }
 
-template <typename Fn>
-cudaError_t for_each_copy_stream(const PeerContext& ctx, Fn fn) {
-  const Transport* t = transport();
-  if (t == nullptr) return cudaErrorNotReady;
-  for (int p = 0; p < ctx.num_ranks; ++p) {
-    for (int j = 0; p != ctx.rank && j < kCopyStreamsPerPeer; ++j) {
-      const cudaError_t status = fn(*t, p * kCopyStreamsPerPeer + j, copy_stream(*t, p, j));
+// The graphs launch on this PE's own copy stream (the per-peer ones are this PE's slots'
+// neighbours; its own slot carries no transfer of the direct path).
+cudaStream_t graph_stream(const Transport& t) { return copy_stream(t, t.rank, 0); }
+cudaEvent_t graph_join_event(const Transport& t) {
+  return t.copy_joins[t.rank * kCopyStreamsPerPeer];
+}
+
+// Read on every call (tests switch it within a process); a call's run and join agree, since
+// both run within one execution of its handler.
+bool use_graphs() {
+  const char* env = std::getenv("JAX_EP_COPY_GRAPHS");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+uint64_t* landed_flag(const Transport& t, int peer, int rank, int chunk) {
+  char* base = static_cast<char*>(t.host_peers[peer]);
+  return &reinterpret_cast<Control*>(base)->landed[rank][chunk];
+}
+
+// The arguments' addresses inside a kernel step's bytes, as cudaLaunchKernel wants them.
+std::vector<void*> argument_pointers(const CopySequence::Kernel& k) {
+  std::vector<void*> out;
+  for (size_t at : k.offsets) out.push_back(const_cast<unsigned char*>(k.args.data() + at));
+  return out;
+}
+
+// ---- the direct path: the sequence enqueued call by call (JAX_EP_COPY_GRAPHS=0) ----
+
+// The copy streams of the transfers that follow kernel `after` (-1: before any) wait for the
+// caller's stream; a peer's chunks alternate between its two streams, so a copy engine has the
+// next transfer queued while the previous flag is written.
+cudaError_t fork_for(const Transport& t, const CopySequence& seq, int after, cudaStream_t stream) {
+  HostTimer timer(kHostFork);
+  bool waiting[kMaxCopyRanks * kCopyStreamsPerPeer] = {};
+  cudaError_t status = cudaSuccess;
+  bool recorded = false;
+  for (const CopySequence::Transfer& x : seq.transfers()) {
+    if (x.after_kernel != after) continue;
+    const int index = x.peer * kCopyStreamsPerPeer + x.chunk % kCopyStreamsPerPeer;
+    if (waiting[index]) continue;
+    if (!recorded && (status = cudaEventRecord(t.copy_fork, stream)) != cudaSuccess) return status;
+    recorded = waiting[index] = true;
+    if ((status = cudaStreamWaitEvent(t.copy_streams[index], t.copy_fork)) != cudaSuccess)
+      return status;
+  }
+  return status;
+}
+
+cudaError_t enqueue_transfers(const Transport& t, const CopySequence& seq, int after) {
+  for (const CopySequence::Transfer& x : seq.transfers()) {
+    if (x.after_kernel != after) continue;
+    cudaStream_t s = copy_stream(t, x.peer, x.chunk % kCopyStreamsPerPeer);
+    char* base = static_cast<char*>(t.host_peers[x.peer]);
+    for (int i = 0; i < x.num_pieces; ++i) {
+      HostTimer timer(kHostMemcpy);
+      const CopyPiece& p = x.pieces[i];
+      const cudaError_t status =
+          cudaMemcpyAsync(base + p.dst_offset, p.src, p.bytes, cudaMemcpyDeviceToDevice, s);
       if (status != cudaSuccess) return status;
     }
+    const cudaError_t status = raise_landed(s, landed_flag(t, x.peer, t.rank, x.chunk));
+    if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
+}
+
+cudaError_t run_direct(const Transport& t, const CopySequence& seq, cudaStream_t stream) {
+  cudaError_t status = fork_for(t, seq, -1, stream);
+  if (status == cudaSuccess) status = enqueue_transfers(t, seq, -1);
+  const auto& kernels = seq.kernels();
+  for (int k = 0; k < static_cast<int>(kernels.size()) && status == cudaSuccess; ++k) {
+    {
+      HostTimer timer(kHostKernel);
+      std::vector<void*> args = argument_pointers(kernels[k]);
+      status = cudaLaunchKernel(kernels[k].func, kernels[k].grid, kernels[k].block, args.data(),
+                                0, stream);
+    }
+    if (status == cudaSuccess) status = fork_for(t, seq, k, stream);
+    if (status == cudaSuccess) status = enqueue_transfers(t, seq, k);
+  }
+  return status;
+}
+
+// ---- the graph path: the sequence as one CUDA graph, cached ----
+
+// What fixes a graph's nodes and edges (shape) and what its nodes' parameters may change
+// (values: the pieces' sources and the kernels' arguments).
+struct SequenceKeys {
+  std::vector<unsigned char> shape, values;
+};
+
+template <typename T>
+void put(std::vector<unsigned char>& out, const T& value) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&value);
+  out.insert(out.end(), bytes, bytes + sizeof(T));
+}
+
+SequenceKeys keys_of(const CopySequence& seq, bool memop_flags) {
+  SequenceKeys k;
+  put(k.shape, memop_flags);
+  for (const CopySequence::Kernel& kernel : seq.kernels()) {
+    put(k.shape, kernel.func);
+    put(k.shape, kernel.grid);
+    put(k.shape, kernel.block);
+    put(k.shape, kernel.args.size());
+    k.values.insert(k.values.end(), kernel.args.begin(), kernel.args.end());
+  }
+  for (const CopySequence::Transfer& x : seq.transfers()) {
+    put(k.shape, x.peer);
+    put(k.shape, x.chunk);
+    put(k.shape, x.after_kernel);
+    put(k.shape, x.num_pieces);
+    for (int i = 0; i < x.num_pieces; ++i) {
+      put(k.shape, x.pieces[i].dst_offset);
+      put(k.shape, x.pieces[i].bytes);
+      put(k.values, x.pieces[i].src);
+    }
+  }
+  return k;
+}
+
+struct CachedGraph {
+  SequenceKeys keys;
+  cudaGraph_t graph = nullptr;  // kept: updating the executable graph names its nodes
+  cudaGraphExec_t exec = nullptr;
+  std::vector<cudaGraphNode_t> kernel_nodes, piece_nodes;  // in the sequence's order
+  std::vector<std::vector<unsigned char>> kernel_args;  // what the nodes hold now
+  std::vector<const void*> piece_sources;
+  unsigned long long last_used = 0;
+};
+
+// Graphs kept: a few shapes (dispatch BF16 / FP8, combine, their backward passes) times the
+// few source addresses XLA alternates between; on a miss with a known shape the least
+// recently used graph of that shape is updated in place instead (no instantiation).
+constexpr int kMaxGraphs = 16, kMaxGraphsPerShape = 3;
+
+class GraphCache {
+ public:
+  ~GraphCache() {
+    // Left to the process's end: the runtime may be gone by then (no CUDA calls at exit).
+  }
+
+  // The executable graph for `seq`, built, updated or found; nullptr and an error otherwise.
+  cudaError_t get(const Transport& t, const CopySequence& seq, cudaGraphExec_t* out) {
+    const bool memop = flag_choice() == FlagChoice::kWrite && !stream_writes_refused() &&
+                       flag_writers().graph_node != nullptr &&
+                       flag_writers().current_context != nullptr;
+    SequenceKeys keys = keys_of(seq, memop);
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++clock_;
+    CachedGraph* same_shape_lru = nullptr;
+    int same_shape = 0;
+    for (CachedGraph& g : graphs_) {
+      if (g.keys.shape != keys.shape) continue;
+      if (g.keys.values == keys.values) {
+        g.last_used = clock_;
+        *out = g.exec;
+        return cudaSuccess;
+      }
+      ++same_shape;
+      if (same_shape_lru == nullptr || g.last_used < same_shape_lru->last_used) same_shape_lru = &g;
+    }
+    if (same_shape_lru != nullptr && same_shape >= kMaxGraphsPerShape) {
+      HostTimer timer(kHostGraphUpdate);
+      const cudaError_t status = update(t, seq, *same_shape_lru);
+      if (status != cudaSuccess) return status;
+      same_shape_lru->keys.values = std::move(keys.values);
+      same_shape_lru->last_used = clock_;
+      *out = same_shape_lru->exec;
+      return cudaSuccess;
+    }
+    HostTimer timer(kHostGraphBuild);
+    CachedGraph g;
+    cudaError_t status = build(t, seq, memop, g);
+    if (status != cudaSuccess && memop) {
+      // The driver refused the memory-operation nodes: kernels raise the flags from now on.
+      refuse_stream_writes("memory-operation graph node", static_cast<int>(status));
+      cudaGetLastError();
+      keys = keys_of(seq, false);
+      status = build(t, seq, false, g);
+    }
+    if (status != cudaSuccess) return status;
+    g.keys = std::move(keys);
+    g.last_used = clock_;
+    if (static_cast<int>(graphs_.size()) >= kMaxGraphs) {
+      auto lru = std::min_element(graphs_.begin(), graphs_.end(),
+                                  [](const CachedGraph& a, const CachedGraph& b) {
+                                    return a.last_used < b.last_used;
+                                  });
+      cudaGraphExecDestroy(lru->exec);  // freed by the driver once its launches are done
+      cudaGraphDestroy(lru->graph);
+      graphs_.erase(lru);
+    }
+    graphs_.push_back(std::move(g));
+    *out = graphs_.back().exec;
+    return cudaSuccess;
+  }
+
+ private:
+  // Kernels in a chain; each peer's pieces in chunk order (a copy engine lands the chunks one
+  // after another, so the receiver can start on the first), each chunk's flag after its own
+  // pieces only (the next chunk's transfer need not wait for it).
+  static cudaError_t build(const Transport& t, const CopySequence& seq, bool memop,
+                           CachedGraph& g) {
+    cudaError_t status = cudaGraphCreate(&g.graph, 0);
+    if (status != cudaSuccess) return status;
+    cudaGraph_t graph = g.graph;
+    CUcontext context = nullptr;
+    if (memop && flag_writers().current_context(&context) != CUDA_SUCCESS) memop = false;
+    std::vector<std::vector<cudaGraphNode_t>> last_pieces(t.num_ranks);
+    for (size_t k = 0; k < seq.kernels().size() && status == cudaSuccess; ++k) {
+      const CopySequence::Kernel& kernel = seq.kernels()[k];
+      std::vector<void*> args = argument_pointers(kernel);
+      cudaKernelNodeParams p = {};
+      p.func = const_cast<void*>(kernel.func);
+      p.gridDim = kernel.grid;
+      p.blockDim = kernel.block;
+      p.kernelParams = args.data();
+      cudaGraphNode_t node = nullptr;
+      status = cudaGraphAddKernelNode(&node, graph, k > 0 ? &g.kernel_nodes.back() : nullptr,
+                                      k > 0 ? 1 : 0, &p);
+      g.kernel_nodes.push_back(node);
+      g.kernel_args.push_back(kernel.args);
+    }
+    for (const CopySequence::Transfer& x : seq.transfers()) {
+      if (status != cudaSuccess) break;
+      std::vector<cudaGraphNode_t> deps = last_pieces[x.peer];
+      if (x.after_kernel >= 0) deps.push_back(g.kernel_nodes[x.after_kernel]);
+      char* base = static_cast<char*>(t.host_peers[x.peer]);
+      std::vector<cudaGraphNode_t> pieces;
+      for (int i = 0; i < x.num_pieces && status == cudaSuccess; ++i) {
+        const CopyPiece& piece = x.pieces[i];
+        cudaGraphNode_t node = nullptr;
+        status = cudaGraphAddMemcpyNode1D(&node, graph, deps.data(), deps.size(),
+                                          base + piece.dst_offset, piece.src, piece.bytes,
+                                          cudaMemcpyDeviceToDevice);
+        pieces.push_back(node);
+        g.piece_nodes.push_back(node);
+        g.piece_sources.push_back(piece.src);
+      }
+      if (status != cudaSuccess) break;
+      if (!pieces.empty()) last_pieces[x.peer] = pieces;
+      const std::vector<cudaGraphNode_t>& before = pieces.empty() ? deps : pieces;
+      uint64_t* flag = landed_flag(t, x.peer, t.rank, x.chunk);
+      cudaGraphNode_t node = nullptr;
+      if (memop) {
+        CUstreamBatchMemOpParams op = {};
+        op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+        op.writeValue.address = reinterpret_cast<CUdeviceptr>(flag);
+        op.writeValue.value64 = 1;
+        op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+        CUDA_BATCH_MEM_OP_NODE_PARAMS params = {};
+        params.ctx = context;
+        params.count = 1;
+        params.paramArray = &op;
+        const CUresult result = flag_writers().graph_node(
+            reinterpret_cast<CUgraphNode*>(&node), graph,
+            reinterpret_cast<const CUgraphNode*>(before.data()), before.size(), &params);
+        if (result != CUDA_SUCCESS) status = cudaErrorNotSupported;
+      } else {
+        void* args[] = {&flag};
+        cudaKernelNodeParams p = {};
+        p.func = reinterpret_cast<void*>(raise_landed_flag);
+        p.gridDim = dim3(1);
+        p.blockDim = dim3(1);
+        p.kernelParams = args;
+        status = cudaGraphAddKernelNode(&node, graph, before.data(), before.size(), &p);
+      }
+    }
+    if (status == cudaSuccess) status = cudaGraphInstantiate(&g.exec, graph, 0);
+    if (status == cudaSuccess) status = cudaGraphUpload(g.exec, graph_stream(t));
+    if (status != cudaSuccess && g.exec != nullptr) {
+      cudaGraphExecDestroy(g.exec);
+      g.exec = nullptr;
+    }
+    if (status != cudaSuccess) {
+      cudaGraphDestroy(graph);
+      g.graph = nullptr;
+      g.kernel_nodes.clear();
+      g.piece_nodes.clear();
+      g.kernel_args.clear();
+      g.piece_sources.clear();
+    }
+    return status;
+  }
+
+  // Same shape, new sources or kernel arguments: set the parameters of the nodes that differ,
+  // in place.
+  static cudaError_t update(const Transport& t, const CopySequence& seq, CachedGraph& g) {
+    cudaError_t status = cudaSuccess;
+    for (size_t k = 0; k < seq.kernels().size() && status == cudaSuccess; ++k) {
+      const CopySequence::Kernel& kernel = seq.kernels()[k];
+      if (g.kernel_args[k] == kernel.args) continue;
+      std::vector<void*> args = argument_pointers(kernel);
+      cudaKernelNodeParams p = {};
+      p.func = const_cast<void*>(kernel.func);
+      p.gridDim = kernel.grid;
+      p.blockDim = kernel.block;
+      p.kernelParams = args.data();
+      status = cudaGraphExecKernelNodeSetParams(g.exec, g.kernel_nodes[k], &p);
+      if (status == cudaSuccess) g.kernel_args[k] = kernel.args;
+    }
+    size_t n = 0;
+    for (const CopySequence::Transfer& x : seq.transfers()) {
+      char* base = static_cast<char*>(t.host_peers[x.peer]);
+      for (int i = 0; i < x.num_pieces && status == cudaSuccess; ++i, ++n) {
+        if (g.piece_sources[n] == x.pieces[i].src) continue;
+        status = cudaGraphExecMemcpyNodeSetParams1D(
+            g.exec, g.piece_nodes[n], base + x.pieces[i].dst_offset, x.pieces[i].src,
+            x.pieces[i].bytes, cudaMemcpyDeviceToDevice);
+        if (status == cudaSuccess) g.piece_sources[n] = x.pieces[i].src;
+      }
+    }
+    return status;
+  }
+
+  std::mutex mutex_;
+  std::vector<CachedGraph> graphs_;
+  unsigned long long clock_ = 0;
+};
+
+GraphCache& graph_cache() {
+  static GraphCache* cache = new GraphCache;  // never destroyed: see ~GraphCache
+  return *cache;
+}
+
+cudaError_t run_graph(const Transport& t, const CopySequence& seq, cudaStream_t stream) {
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t status = graph_cache().get(t, seq, &exec);
+  if (status != cudaSuccess) return status;
+  {
+    HostTimer timer(kHostFork);
+    status = cudaEventRecord(t.copy_fork, stream);
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(graph_stream(t), t.copy_fork);
+  }
+  if (status != cudaSuccess) return status;
+  HostTimer timer(kHostGraphLaunch);
+  return cudaGraphLaunch(exec, graph_stream(t));
 }
 
 }  // namespace
@@ -134,18 +513,28 @@ void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chu
 std::vector<CopyHostTime> copy_engine_host_times(bool reset) {
   std::vector<CopyHostTime> out;
   for (int k = 0; k < kHostKinds; ++k) {
-    out.push_back({kHostKindNames[k], g_host_calls[k].load(), g_host_ns[k].load()});
-    if (reset) {
-      g_host_calls[k].store(0);
-      g_host_ns[k].store(0);
-    }
+    HostSamples& s = g_host_samples[k];
+    const unsigned long long calls = s.calls.load();
+    CopyHostTime row{kHostKindNames[k], calls, {}};
+    for (unsigned long long i = 0; i < std::min<unsigned long long>(calls, kHostSamples); ++i)
+      row.ns.push_back(s.ns[i].load(std::memory_order_relaxed));
+    out.push_back(std::move(row));
+    if (reset) s.calls.store(0);
   }
   return out;
 }
 
 const char* copy_flag_mode() {
-  return stream_write_value() != nullptr ? "stream write" : "kernel";
+  const FlagWriters& w = flag_writers();
+  const FlagChoice choice = flag_choice();
+  if (choice == FlagChoice::kKernel || stream_writes_refused()) return "kernel";
+  if (use_graphs())
+    return choice == FlagChoice::kWrite && w.graph_node && w.current_context ? "stream write"
+                                                                             : "kernel";
+  return w.stream_write != nullptr ? "stream write" : "kernel";
 }
+
+const char* copy_sequence_mode() { return use_graphs() ? "graph" : "direct"; }
 
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
   HostTimer timer(kHostGuard);
@@ -153,43 +542,32 @@ cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t
   return cudaGetLastError();
 }
 
-cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream, int chunk) {
-  HostTimer timer(kHostFork);
+cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence,
+                            cudaStream_t stream) {
   const Transport* t = transport();
   if (t == nullptr) return cudaErrorNotReady;
-  if (ctx.num_ranks == 1) return cudaSuccess;
-  // Re-recording is safe: each wait below takes the record made just before it.
-  const cudaError_t status = cudaEventRecord(t->copy_fork, stream);
-  if (status != cudaSuccess) return status;
-  return for_each_copy_stream(ctx, [&](const Transport& t, int index, cudaStream_t s) {
-    const bool carries = chunk < 0 || index % kCopyStreamsPerPeer == chunk % kCopyStreamsPerPeer;
-    return carries ? cudaStreamWaitEvent(s, t.copy_fork) : cudaSuccess;
-  });
-}
-
-cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
-                                   const CopyPiece* pieces, int num_pieces) {
-  const Transport* t = transport();
-  if (t == nullptr) return cudaErrorNotReady;
-  cudaStream_t s = copy_stream(*t, peer, chunk % kCopyStreamsPerPeer);
-  char* base = static_cast<char*>(t->host_peers[peer]);
-  for (int i = 0; i < num_pieces; ++i) {
-    if (pieces[i].bytes == 0) continue;
-    HostTimer timer(kHostMemcpy);
-    const cudaError_t status = cudaMemcpyAsync(base + pieces[i].dst_offset, pieces[i].src,
-                                               pieces[i].bytes, cudaMemcpyDeviceToDevice, s);
-    if (status != cudaSuccess) return status;
-  }
-  return raise_landed(s, &reinterpret_cast<Control*>(base)->landed[ctx.rank][chunk]);
+  if (sequence.kernels().empty() && sequence.transfers().empty()) return cudaSuccess;
+  return use_graphs() ? run_graph(*t, sequence, stream) : run_direct(*t, sequence, stream);
 }
 
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {
   HostTimer timer(kHostJoin);
-  return for_each_copy_stream(ctx, [&](const Transport& t, int index, cudaStream_t s) {
-    cudaError_t status = cudaEventRecord(t.copy_joins[index], s);
-    if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, t.copy_joins[index]);
+  const Transport* t = transport();
+  if (t == nullptr) return cudaErrorNotReady;
+  if (use_graphs()) {
+    cudaError_t status = cudaEventRecord(graph_join_event(*t), graph_stream(*t));
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, graph_join_event(*t));
     return status;
-  });
+  }
+  for (int p = 0; p < ctx.num_ranks; ++p) {
+    for (int j = 0; p != ctx.rank && j < kCopyStreamsPerPeer; ++j) {
+      const int index = p * kCopyStreamsPerPeer + j;
+      cudaError_t status = cudaEventRecord(t->copy_joins[index], t->copy_streams[index]);
+      if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, t->copy_joins[index]);
+      if (status != cudaSuccess) return status;
+    }
+  }
+  return cudaSuccess;
 }
 
 }  // namespace jax_ep

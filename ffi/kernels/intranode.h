@@ -13,6 +13,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
 
 #include "kernels/buffer_layout.h"
 #include "kernels/device_utils.cuh"
@@ -121,25 +124,71 @@ cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 blo
 
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // Copy-engine transfers (copy_engine.cu), which the copy-engine dispatch and combine enqueue
-// around their kernels: a guard kernel (every peer finished the previous call), a fork (the
-// copy streams wait for the caller's stream), chunks sent to a peer (each followed by its
-// landed flag there), and a join (the caller's stream waits for the copy streams, so the
-// sources outlive the transfers).
+// around their kernels: a guard kernel (every peer finished the previous call), then the
+// call's copy sequence, then the caller's kernels, which wait for the landed flags, and a join
+// (the caller's stream waits for the transfers, so their sources outlive them).
 struct CopyPiece {
   size_t dst_offset;  // in the peer's symmetric buffer
   const void* src;
   size_t bytes;
 };
-// Transfer sizes: the dispatch's default is 4 MB; the combine's 8 MB, since each of its chunks
-// costs ~5 host calls (stage kernel, event, waits, transfer, flag) against the dispatch's ~2.
+// One call's copy-engine work: kernels that run one after another (the combine's stage of
+// each chunk), and transfers, each a chunk's pieces to one peer followed by the chunk's landed
+// flag there, in order per peer, each after the kernel that produced its source (if any).
+// Run as one CUDA graph, cached per shape and updated in place where only the source
+// addresses or kernel arguments differ: ~5 host calls per call instead of 2-5 per chunk
+// (NOTES item 38). JAX_EP_COPY_GRAPHS=0 enqueues the same sequence call by call.
+class CopySequence {
+ public:
+  struct Kernel {
+    const void* func;
+    dim3 grid, block;
+    std::vector<unsigned char> args;  // the arguments' bytes, each at its offset
+    std::vector<size_t> offsets;
+  };
+  struct Transfer {
+    int peer, chunk, after_kernel;  // after_kernel: index into kernels(), or -1
+    CopyPiece pieces[2];
+    int num_pieces;
+  };
+  template <typename... Params, typename... Args>
+  int add_kernel(void (*func)(Params...), dim3 grid, dim3 block, const Args&... args) {
+    Kernel k{reinterpret_cast<const void*>(func), grid, block, {}, {}};
+    (append(k, static_cast<const Params&>(args)), ...);
+    kernels_.push_back(std::move(k));
+    return static_cast<int>(kernels_.size()) - 1;
+  }
+  void add_transfer(int peer, int chunk, int after_kernel, const CopyPiece* pieces, int n) {
+    Transfer t{peer, chunk, after_kernel, {}, 0};
+    for (int i = 0; i < n && i < 2; ++i)
+      if (pieces[i].bytes > 0) t.pieces[t.num_pieces++] = pieces[i];
+    transfers_.push_back(t);
+  }
+  const std::vector<Kernel>& kernels() const { return kernels_; }
+  const std::vector<Transfer>& transfers() const { return transfers_; }
+
+ private:
+  template <typename T>
+  static void append(Kernel& k, const T& value) {
+    size_t at = (k.args.size() + alignof(T) - 1) / alignof(T) * alignof(T);
+    k.args.resize(at + sizeof(T));
+    std::memcpy(k.args.data() + at, &value, sizeof(T));
+    k.offsets.push_back(at);
+  }
+  std::vector<Kernel> kernels_;
+  std::vector<Transfer> transfers_;
+};
+// Transfer sizes: the dispatch's default is 4 MB, the combine's 8 MB (each of its chunks is
+// also a stage kernel).
 constexpr double kDispatchCopyChunkMB = 4, kCombineCopyChunkMB = 8;
 void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chunk_rows,
                    int* chunks);
+// combine: also resets the combine's work cursor for the reduce that follows.
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream);
-// chunk >= 0: only the streams that carry that chunk wait (the others' next chunk comes later).
-cudaError_t copy_engine_fork(const PeerContext& ctx, cudaStream_t stream, int chunk = -1);
-cudaError_t copy_engine_send_chunk(const PeerContext& ctx, int peer, int chunk,
-                                   const CopyPiece* pieces, int num_pieces);
+// Starts the sequence after the caller's stream's work so far; the caller's next kernels may
+// run alongside it.
+cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence,
+                            cudaStream_t stream);
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);

@@ -68,10 +68,7 @@ __global__ void __launch_bounds__(kThreads) combine_copy_stage(CombineArgs a, si
                                                                int chunk) {
   wait_previous_kernel();
   const PeerContext& ctx = a.ctx;
-  if (chunk == 0) {
-    profile_mark(ctx, kProfCombineStage, kEnter);
-    reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
-  }
+  if (chunk == 0) profile_mark(ctx, kProfCombineStage, kEnter);
   const int R = ctx.num_ranks, T = a.num_tokens;
   const CombineCopyPlan plan = plan_combine_copy(R, T, row_bytes);
   const int used = min(*a.num_received, a.capacity);
@@ -237,30 +234,32 @@ cudaError_t launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t s
 }
 
 // Copy-engine combine: guard, then per chunk a stage kernel and, once it has run, the chunk's
-// transfers to every owner. The staging area needs no release of its own: a peer's next call
-// touches our buffer only after every rank's done, and each rank raises done only once all
-// the chunks sent to it, read from the senders' staging areas, have landed.
+// transfers to every owner, as one copy sequence alongside the reduce (which waits for the
+// landed flags). The staging area needs no release of its own: a peer's next call touches our
+// buffer only after every rank's done, and each rank raises done only once all the chunks sent
+// to it, read from the senders' staging areas, have landed.
 cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, T = a.num_tokens;
   const CombineCopyPlan plan = plan_combine_copy(R, T, row_bytes);
   const char* local = static_cast<const char*>(transport()->local);
   cudaError_t status = copy_engine_guard(ctx, /*combine=*/true, stream);
-  for (int c = 0; c < a.copy_chunks && status == cudaSuccess; ++c) {
-    status = launch_after_previous(combine_copy_stage, a.num_blocks, kThreads, 0, stream, a,
-                                   row_bytes, c);
-    if (status == cudaSuccess) status = copy_engine_fork(ctx, stream, c);
+  if (status != cudaSuccess) return status;
+  CopySequence sequence;
+  for (int c = 0; c < a.copy_chunks; ++c) {
+    const int stage =
+        sequence.add_kernel(combine_copy_stage, dim3(a.num_blocks), dim3(kThreads), a, row_bytes, c);
     const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
-    for (int step = 1; step < R && status == cudaSuccess; ++step) {
+    for (int step = 1; step < R; ++step) {
       const int owner = (ctx.rank + step) % R;
       const size_t staged = size_t(owner) * T + first, landed = size_t(ctx.rank) * T + first;
       const CopyPiece piece = {plan.landed + landed * plan.record_stride,
                                local + plan.staged + staged * plan.record_stride,
                                rows * plan.record_stride};
-      status = copy_engine_send_chunk(ctx, owner, c, &piece, 1);
+      sequence.add_transfer(owner, c, stage, &piece, 1);
     }
   }
-  return status;
+  return copy_engine_run(ctx, sequence, stream);
 }
 
 template <typename T>

@@ -985,9 +985,10 @@ int multiprocessors() {
 cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) {
   const PeerContext& ctx = a.ctx;
   cudaError_t status = copy_engine_guard(ctx, /*combine=*/false, stream);
-  if (status == cudaSuccess) status = copy_engine_fork(ctx, stream);
+  if (status != cudaSuccess) return status;
   const int R = ctx.num_ranks, T = a.num_tokens;
-  for (int c = 0; c < a.copy_chunks && status == cudaSuccess; ++c) {
+  CopySequence sequence;
+  for (int c = 0; c < a.copy_chunks; ++c) {
     const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
     const size_t landing = size_t(ctx.rank) * T + first;
     const CopyPiece pieces[2] = {
@@ -997,10 +998,10 @@ cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) 
          reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes,
          a.scales != nullptr ? rows * a.scale_row_bytes : 0},
     };
-    for (int step = 1; step < R && status == cudaSuccess; ++step)
-      status = copy_engine_send_chunk(ctx, (ctx.rank + step) % R, c, pieces, 2);
+    for (int step = 1; step < R; ++step)
+      sequence.add_transfer((ctx.rank + step) % R, c, /*after_kernel=*/-1, pieces, 2);
   }
-  return status;
+  return copy_engine_run(ctx, sequence, stream);
 }
 
 // The stage kernel: rank_major spreads its scan over a co-resident grid when it can.

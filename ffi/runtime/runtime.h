@@ -42,13 +42,17 @@ struct Transport {
 // stream's flag write never holds up the next chunk's transfer.
 constexpr int kCopyStreamsPerPeer = 2;
 // How the copy-engine paths raise their landed flags (kernels/copy_engine.cu): "stream write"
-// (the driver's, no SM) or "kernel".
+// (the driver's, no SM) or "kernel"; and how they enqueue a call's transfers: "graph" (one
+// cached CUDA graph per call) or "direct" (call by call, JAX_EP_COPY_GRAPHS=0).
 const char* copy_flag_mode();
-// Host time the copy-engine calls spent, by kind (guard, fork, memcpy, flag, join), since the
-// last reset.
+const char* copy_sequence_mode();
+// Host time the copy-engine calls spent, by kind (guard, fork, memcpy, flag, kernel, join,
+// graph launch / update / build): calls since the last reset and the durations of the last
+// few thousand of them, in ns.
 struct CopyHostTime {
   const char* kind;
-  unsigned long long calls, ns;
+  unsigned long long calls;
+  std::vector<unsigned> ns;
 };
 std::vector<CopyHostTime> copy_engine_host_times(bool reset);
 
