@@ -202,6 +202,10 @@ def main():
         record(f"jax_ep dispatch BF16 expert_major, per pair [{mode}]",
                partial(dispatch, layout="expert_major", cap=em_capacity), x, idx_d, w,
                chained=2, nbytes=pairs_bytes)
+        if mode == "copy":  # a new x every call, as layer after layer: the cached copy graph
+            # is updated in place (its host time); the time includes an add over x
+            record("jax_ep dispatch BF16, new x every call [copy]", dispatch, x, idx_d, w,
+                   chained=0)
     os.environ.pop("JAX_EP_DISPATCH")
     combine_inputs = dispatch_for_combine(x, idx_d, w)
     for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
