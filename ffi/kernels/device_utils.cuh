@@ -67,6 +67,15 @@ __device__ __forceinline__ void profile_mark(const PeerContext& ctx, int slot, P
   if (ph == kEnter || ph == kFirstEnd) atomicMin(p, now); else atomicMax(p, now);
 }
 
+// The same, stamped by lane 0 of the calling warp (a warp group's phase within a block).
+__device__ __forceinline__ void profile_mark_lane0(const PeerContext& ctx, int slot,
+                                                   ProfilePhase ph) {
+  if ((threadIdx.x & 31) != 0) return;
+  unsigned long long* p = &ctx.profile[slot][ph];
+  const unsigned long long now = global_timer_ns();
+  if (ph == kEnter || ph == kFirstEnd) atomicMin(p, now); else atomicMax(p, now);
+}
+
 __device__ __forceinline__ void profile_end(const PeerContext& ctx, int slot) {
   profile_mark(ctx, slot, kFirstEnd);
   profile_mark(ctx, slot, kLastEnd);

@@ -14,6 +14,17 @@ namespace jax_ep {
 namespace {
 
 constexpr int kWarps = kLLThreads / 32;
+// The dispatch send's two warp groups, which run side by side: the first sends the tokens'
+// rows, the second numbers the pairs (slots, index table, counts). Before, each block did one
+// after the other, and the slots ended ~2 µs after the rows (NOTES item 39).
+constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
+constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
+constexpr int kTokenBarrier = 1, kSlotBarrier = 2;  // named barriers (0 is __syncthreads)
+
+// A barrier among `threads` threads (whole warps) of the block.
+__device__ __forceinline__ void group_sync(int barrier, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
+}
 // Bytes of a partial row one warp sums as one work unit: at most kPiece, a multiple of
 // kPieceQuantum (one 16-byte load per lane of a warp).
 constexpr size_t kPiece = 4096, kPieceQuantum = 512;
@@ -106,20 +117,26 @@ __device__ __forceinline__ int last_not_above(const int* data, int n, int value)
 // global), all threads of the block; each thread loads kBatch values of each before storing
 // any (the stores might alias the loads as far as the compiler knows, which would make every
 // load wait for the one before).
+// `thread` of `threads` taking part (the whole block by default).
 __device__ __forceinline__ void stage_ints(int* dst, const int32_t* src, int n,
-                                           int* dst2 = nullptr, const int32_t* src2 = nullptr) {
+                                           int* dst2 = nullptr, const int32_t* src2 = nullptr,
+                                           int thread = -1, int threads = -1) {
   constexpr int kBatch = 4;
-  for (int base = threadIdx.x; base < n; base += kBatch * blockDim.x) {
+  if (thread < 0) {
+    thread = threadIdx.x;
+    threads = blockDim.x;
+  }
+  for (int base = thread; base < n; base += kBatch * threads) {
     int v[kBatch], w[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int i = base + b * blockDim.x;
+      const int i = base + b * threads;
       v[b] = i < n ? __ldg(src + i) : 0;
       w[b] = i < n && src2 != nullptr ? __ldg(src2 + i) : 0;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int i = base + b * blockDim.x;
+      const int i = base + b * threads;
       if (i < n) dst[i] = v[b];
       if (i < n && src2 != nullptr) dst2[i] = w[b];
     }
@@ -184,104 +201,141 @@ __device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
 }
 
 // Quantises token t's row (8 threads per 128-channel block, 16 channels each) and stores the
-// e4m3 data and scales into every destination record. Bit-identical to jax_ep.fp8 (finite
-// inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
+// e4m3 data and scales into every destination record; `thread` of `threads` (the token warps)
+// take part, with the loads of kRounds rounds in flight before any store. Bit-identical to
+// jax_ep.fp8 (finite inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
 template <typename T>
 __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                   int num_dst) {
+                                   int num_dst, int thread, int threads) {
+  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
   const int H = a.hidden, chunks = H / 16;
   const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
-  const int iters = (chunks + blockDim.x - 1) / blockDim.x;
-  for (int it = 0; it < iters; ++it) {
-    const int c = it * blockDim.x + threadIdx.x;
-    const bool active = c < chunks;  // uniform over each group of 8 lanes (chunks % 8 == 0)
-    float v[16];
-    if (active) {
-      load16<T>(row + size_t(c) * 16, v);
-    } else {
+  constexpr int kPer = 16 / sizeof(T);  // elements per int4
+  for (int c0 = thread; c0 - thread < chunks; c0 += kRounds * threads) {
+    int4 raw[kRounds][16 / kPer];  // the loads, kept raw: fewer registers than floats
 #pragma unroll
-      for (int j = 0; j < 16; ++j) v[j] = 0.f;
-    }
-    float amax = 0.f;
+    for (int u = 0; u < kRounds; ++u) {
+      const int c = c0 + u * threads;
+      const int4* q = reinterpret_cast<const int4*>(row + size_t(c) * 16);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[j]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-    if (!active) continue;
-    // jax_ep.fp8.quantize_fp8 as XLA compiles it (see there): constants rounded from double
-    // to float as NumPy does, products and the reciprocal correctly rounded, no FMA.
-    float scale = __fmul_rn(fmaxf(amax, static_cast<float>(1e-10)),
-                            static_cast<float>(1.0 / 448.0));
-    if (a.ue8m0) {
-      int exponent;
-      const float mantissa = frexpf(scale, &exponent);
-      if (mantissa == 0.5f) exponent -= 1;
-      scale = __int_as_float((exponent + 127) << 23);  // 2^exponent, a normal float here
+      for (int i = 0; i < 16 / kPer; ++i) raw[u][i] = c < chunks ? __ldg(q + i) : int4{0, 0, 0, 0};
     }
-    const float inverse = __fdiv_rn(1.0f, scale);
-    int4 packed;
-    unsigned char* bytes = reinterpret_cast<unsigned char*>(&packed);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float q = fminf(fmaxf(__fmul_rn(v[j], inverse), -448.0f), 448.0f);
-      bytes[j] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-    }
-    const bool writes_scale = (threadIdx.x & 7) == 0;
-    for (int d = 0; d < num_dst; ++d) {
-      char* rec = dst[d];
-      if (rec == nullptr) continue;
-      reinterpret_cast<int4*>(rec + a.plan.data_offset)[c] = packed;
-      if (writes_scale) reinterpret_cast<float*>(rec + a.plan.scale_offset)[c / 8] = scale;
+    for (int u = 0; u < kRounds; ++u) {
+      const int c = c0 + u * threads;
+      const bool active = c < chunks;  // uniform over each group of 8 lanes (chunks % 8 == 0)
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16 / kPer; ++i) {
+        const T* e = reinterpret_cast<const T*>(&raw[u][i]);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) v[i * kPer + j] = to_float<T>(e[j]);
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[j]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+      if (!active) continue;
+      // jax_ep.fp8.quantize_fp8 as XLA compiles it (see there): constants rounded from
+      // double to float as NumPy does, products and the reciprocal correctly rounded, no FMA.
+      float scale = __fmul_rn(fmaxf(amax, static_cast<float>(1e-10)),
+                              static_cast<float>(1.0 / 448.0));
+      if (a.ue8m0) {
+        int exponent;
+        const float mantissa = frexpf(scale, &exponent);
+        if (mantissa == 0.5f) exponent -= 1;
+        scale = __int_as_float((exponent + 127) << 23);  // 2^exponent, a normal float here
+      }
+      const float inverse = __fdiv_rn(1.0f, scale);
+      int4 packed;
+      unsigned char* bytes = reinterpret_cast<unsigned char*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float q = fminf(fmaxf(__fmul_rn(v[j], inverse), -448.0f), 448.0f);
+        bytes[j] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+      }
+      const bool writes_scale = (c & 7) == 0;
+      for (int d = 0; d < num_dst; ++d) {
+        char* rec = dst[d];
+        if (rec == nullptr) continue;
+        reinterpret_cast<int4*>(rec + a.plan.data_offset)[c] = packed;
+        if (writes_scale) reinterpret_cast<float*>(rec + a.plan.scale_offset)[c / 8] = scale;
+      }
     }
   }
 }
 
-// Stores token t's raw row (row_bytes) into every destination record: loaded once.
+// Stores token t's raw row (row_bytes) into every destination record: loaded once, kBatch
+// loads of each thread in flight before its stores; `thread` of `threads` take part.
 __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                int num_dst) {
+                                int num_dst, int thread, int threads) {
   const char* row = static_cast<const char*>(a.x) + size_t(t) * a.row_bytes;
   if (((reinterpret_cast<uintptr_t>(row) | a.row_bytes) & 15) == 0) {
+    constexpr int kBatch = 4;
     const int4* src = reinterpret_cast<const int4*>(row);
     const size_t n = a.row_bytes / 16;
-    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const int4 v = __ldg(src + i);
-      for (int d = 0; d < num_dst; ++d)
-        if (dst[d] != nullptr) reinterpret_cast<int4*>(dst[d] + a.plan.data_offset)[i] = v;
+    for (size_t i0 = thread; i0 < n; i0 += size_t(kBatch) * threads) {
+      int4 v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const size_t i = i0 + size_t(b) * threads;
+        if (i < n) v[b] = __ldg(src + i);
+      }
+      for (int d = 0; d < num_dst; ++d) {
+        if (dst[d] == nullptr) continue;
+        int4* out = reinterpret_cast<int4*>(dst[d] + a.plan.data_offset);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const size_t i = i0 + size_t(b) * threads;
+          if (i < n) out[i] = v[b];
+        }
+      }
     }
   } else {
     for (int d = 0; d < num_dst; ++d)
       if (dst[d] != nullptr)
-        copy_row(dst[d] + a.plan.data_offset, row, a.row_bytes, threadIdx.x, blockDim.x);
+        copy_row(dst[d] + a.plan.data_offset, row, a.row_bytes, thread, threads);
   }
 }
 
-// The slots of this block's experts (e = blockIdx.x + j * gridDim.x). A pair's slot is its
-// rank among its expert's pairs in pair order (cached: the handle's slot). The pairs' ids (and
-// the handle's slots) are staged in shared memory once; each expert's pairs are then counted
-// by several warps, one segment each, and numbered in a second pass from the segments' prefix.
-// Writes send_slot of every pair of these experts, the index table entries (local expert, me,
-// slot) -> (token, k) and each expert's count at its rank, and adds the pairs past max_tokens
-// to `dropped`. Pairs with an out-of-range id are left to the token pass (send_slot -1). All
-// threads of the block call it. smem: ll_dispatch_send_smem() bytes.
-__device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, int* smem,
-                                   unsigned* dropped) {
+// Experts whose pairs block b numbers: e = b + j * grid.
+__device__ __forceinline__ int block_experts(int num_experts) {
+  return num_experts > int(blockIdx.x) ? (num_experts - 1 - int(blockIdx.x)) / int(gridDim.x) + 1
+                                       : 0;
+}
+
+// The slot warps' first step, before the call's region is known: the pairs' ids (and, cached,
+// the handle's slots) into shared memory. smem: ll_dispatch_send_smem() bytes.
+__device__ void stage_pair_ids(const LLDispatchSendArgs& a, int* smem, int thread) {
+  const int n_pairs = a.num_tokens * a.num_topk;
+  if (block_experts(a.num_experts) == 0) return;
+  stage_ints(smem, a.topk_idx, n_pairs, smem + n_pairs, a.cached ? a.slots_in : nullptr, thread,
+             kSlotThreads);
+}
+
+// The slots of this block's experts, by the slot warps (`warp` of kSlotWarps, ids staged by
+// stage_pair_ids and a barrier since). A pair's slot is its rank among its expert's pairs in
+// pair order (cached: the handle's slot). Each expert's pairs are counted by several warps,
+// one segment each, and numbered in a second pass from the segments' prefix. Writes send_slot
+// of every pair of these experts, the index table entries (local expert, me, slot) ->
+// (token, k) and each expert's count at its rank, and adds the pairs past max_tokens to
+// `dropped`. Pairs with an out-of-range id are left to the token pass (send_slot -1).
+__device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, const int* smem,
+                                   unsigned* dropped, int warp) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, K = a.num_topk, M = a.max_tokens, n_pairs = a.num_tokens * K;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  __shared__ int segment_count[kWarps];
-  int* ids = smem;               // [T*K]
-  int* given = smem + n_pairs;   // [T*K], cached only
-  const int mine_total = E > int(blockIdx.x) ? (E - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
-  if (mine_total == 0) return;
-  stage_ints(ids, a.topk_idx, n_pairs, given, a.cached ? a.slots_in : nullptr);
-  __syncthreads();
-  profile_mark(ctx, kProfLLDispatchSlots, kWaited);  // ids staged
+  const int lane = threadIdx.x & 31;
+  __shared__ int segment_count[kSlotWarps];
+  const int* ids = smem;               // [T*K]
+  const int* given = smem + n_pairs;   // [T*K], cached only
+  const int mine_total = block_experts(E);
   const unsigned before = (1u << lane) - 1u;
-  for (int first = 0; first < mine_total; first += kWarps) {  // block-uniform rounds
-    const int group = min(kWarps, mine_total - first);       // experts this round
-    const int per = kWarps / group;                          // warps per expert
+  for (int first = 0; first < mine_total; first += kSlotWarps) {  // group-uniform rounds
+    const int group = min(kSlotWarps, mine_total - first);       // experts this round
+    const int per = kSlotWarps / group;                          // warps per expert
     const int j = warp / per, segment = warp % per;
     const bool active = j < group;
     const int e = int(blockIdx.x) + (first + j) * int(gridDim.x);
@@ -298,7 +352,7 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, i
       for (int base = begin; base < end; base += 32)
         count += __popc(__ballot_sync(0xffffffffu, matches(base + lane)));
     if (lane == 0) segment_count[warp] = count;
-    __syncthreads();
+    group_sync(kSlotBarrier, kSlotThreads);
     if (active) {
       int seen = 0;  // e's pairs before this segment (the dropped ones included)
       for (int w = j * per; w < warp; ++w) seen += segment_count[w];
@@ -322,15 +376,15 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, i
         if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
       }
     }
-    __syncthreads();  // segment_count is rewritten by the next round
+    group_sync(kSlotBarrier, kSlotThreads);  // segment_count is rewritten by the next round
   }
 }
 
-// Every block sends whole tokens, each row once per destination rank (not once per expert:
-// with R ranks and top-K experts that is up to K/R times fewer bytes), then finds the slots of
-// the experts dealt to it (block_expert_slots) while its rows are on their way. No block waits
-// for another; before, one block computed every slot while the receive waited for it. Returns the call number
-// (every thread). smem: ll_dispatch_send_smem() bytes.
+// The token warps: every block sends whole tokens, each row once per destination rank (not
+// once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes). The
+// slot warps meanwhile number the pairs of the experts dealt to this block
+// (block_expert_slots): the two do not wait for each other, nor does any block for another.
+// Returns the call number (every thread). smem: ll_dispatch_send_smem() bytes.
 __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
@@ -338,11 +392,15 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   __shared__ uint64_t call_s;
   __shared__ int num_dst;
   __shared__ char* dst[kLLMaxTopk];
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool token_warp = warp < kTokenWarps;
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchSend, kEnter);
 
-  if (tid == 0) {
+  if (!token_warp) {  // ids into shared memory while thread 0 checks the region
+    if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
+    stage_pair_ids(a, smem, tid - kTokenThreads);
+  } else if (tid == 0) {
     check_rank(ctx, "low_latency_dispatch (send)");
     const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
     call_s = n;
@@ -357,40 +415,50 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    if (tid < 32) {  // the distinct destination ranks of token t
-      int r = -1;
-      if (lane < K) {
-        const int p = t * K + lane, e = a.topk_idx[p];
-        const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
-                                                            a.slots_in[p] < M));
-        if (sent) r = e / L;
-        else a.send_slot[p] = -1;  // no expert warp finds this pair
+  if (token_warp) {
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+      if (warp == 0) {  // the distinct destination ranks of token t
+        int r = -1;
+        if (lane < K) {
+          const int p = t * K + lane, e = a.topk_idx[p];
+          const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
+                                                              a.slots_in[p] < M));
+          if (sent) r = e / L;
+          else a.send_slot[p] = -1;  // no expert warp finds this pair
+        }
+        const unsigned same = __match_any_sync(0xffffffffu, r);
+        const bool leader = r >= 0 && lane == __ffs(same) - 1;
+        const unsigned leaders = __ballot_sync(0xffffffffu, leader);
+        if (leader)
+          dst[__popc(leaders & ((1u << lane) - 1u))] =
+              ll_base(ctx, r) + region + a.plan.records +
+              (size_t(me) * M + t) * a.plan.record_stride;
+        if (lane == 0) num_dst = __popc(leaders);
       }
-      const unsigned same = __match_any_sync(0xffffffffu, r);
-      const bool leader = r >= 0 && lane == __ffs(same) - 1;
-      const unsigned leaders = __ballot_sync(0xffffffffu, leader);
-      if (leader)
-        dst[__popc(leaders & ((1u << lane) - 1u))] =
-            ll_base(ctx, r) + region + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
-      if (lane == 0) num_dst = __popc(leaders);
-    }
-    __syncthreads();
-    if (a.use_fp8) {
-      switch (a.x_type) {
-        case LLElement::kBF16: quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst); break;
-        case LLElement::kF16: quantize_and_store<__half>(a, t, dst, num_dst); break;
-        default: quantize_and_store<float>(a, t, dst, num_dst); break;
+      group_sync(kTokenBarrier, kTokenThreads);
+      if (a.use_fp8) {
+        switch (a.x_type) {
+          case LLElement::kBF16:
+            quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst, tid, kTokenThreads);
+            break;
+          case LLElement::kF16:
+            quantize_and_store<__half>(a, t, dst, num_dst, tid, kTokenThreads);
+            break;
+          default: quantize_and_store<float>(a, t, dst, num_dst, tid, kTokenThreads); break;
+        }
+      } else {
+        copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads);
       }
-    } else {
-      copy_raw_to_all(a, t, dst, num_dst);
+      group_sync(kTokenBarrier, kTokenThreads);  // dst[] is rewritten for the next token
     }
-    __syncthreads();  // dst[] is rewritten for the next token
+  } else {
+    if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
+    block_expert_slots(a, region, smem, &mine->dropped_pairs, warp - kTokenWarps);
+    if (warp == kTokenWarps) {
+      profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
+      profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
+    }
   }
-
-  profile_mark(ctx, kProfLLDispatchSlots, kEnter);
-  block_expert_slots(a, region, smem, &mine->dropped_pairs);
-  profile_end(ctx, kProfLLDispatchSlots);
 
   // ---- the last block reports the dropped pairs and raises arrived[me] at every destination
   if (ll_last_block(ctx, kCounterDispatchSend) && tid == 0) {
@@ -923,10 +991,10 @@ int cooperative_grid(const void* kernel, size_t smem, int wanted) {
 }  // namespace
 
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t stream) {
-  // enough blocks for one token or one warp of experts each, at most num_blocks
-  const int wanted = a.num_tokens > (a.num_experts + kWarps - 1) / kWarps
+  // enough blocks for one token or one slot warp's expert each, at most num_blocks
+  const int wanted = a.num_tokens > (a.num_experts + kSlotWarps - 1) / kSlotWarps
                          ? a.num_tokens
-                         : (a.num_experts + kWarps - 1) / kWarps;
+                         : (a.num_experts + kSlotWarps - 1) / kSlotWarps;
   const int grid = wanted < a.num_blocks ? wanted : a.num_blocks;
   const size_t smem = ll_dispatch_send_smem(a.num_tokens, a.num_topk, a.cached);
   const cudaError_t status =
