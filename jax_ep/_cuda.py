@@ -248,6 +248,7 @@ def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
         jax.ShapeDtypeStruct(src, i32),
         jax.ShapeDtypeStruct(src, i32),
         jax.ShapeDtypeStruct(src, i32),
+        jax.ShapeDtypeStruct((L, config.num_ranks) if with_src else (0,), i32),
     )
 
 
@@ -279,10 +280,10 @@ def low_latency_send(x, topk_idx, config: LowLatencyConfig):
 
 
 def _ll_output(config, topk_idx, send_slot, num_dropped, x, scales, recv_count, src_rank,
-               src_token, src_k) -> LowLatencyOutput:
+               src_token, src_k, src_offset) -> LowLatencyOutput:
     handle = LowLatencyHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                               src_token=src_token, src_k=src_k, recv_count=recv_count,
-                              config=config)
+                              src_offset=src_offset, config=config)
     return LowLatencyOutput(x=x, x_scales=scales if config.use_fp8 else None,
                             recv_count=recv_count, num_dropped=num_dropped, handle=handle)
 
@@ -312,7 +313,7 @@ def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
 
 def _ll_combine_args(y, topk_weights, handle: LowLatencyHandle):
     return (y, handle.src_rank, handle.src_token, handle.src_k, handle.recv_count,
-            handle.topk_idx, handle.send_slot, topk_weights.astype(jnp.float32),
+            handle.src_offset, handle.topk_idx, handle.send_slot, topk_weights.astype(jnp.float32),
             _rank(handle.config.axis_name))
 
 

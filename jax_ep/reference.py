@@ -275,6 +275,10 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
 
     x = sent["x"].reshape((R * T,) + sent["x"].shape[2:])[token_row]
     scales = sent["x_scales"]
+    # rows per (local expert, source), then each source's first row in its expert's block
+    per_source = jnp.zeros((L + 1, R), jnp.int32).at[
+        jnp.where(valid, expert, L), pair // (T * K)].add(1)[:L]
+    src_offset = (jnp.cumsum(per_source, axis=1) - per_source).astype(jnp.int32)
     handle = LowLatencyHandle(
         topk_idx=sent["topk_idx"],
         send_slot=sent["send_slot"],
@@ -282,6 +286,7 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
         src_token=place((pair // K) % T, -1),
         src_k=place(pair % K, -1),
         recv_count=counts,
+        src_offset=src_offset,
         config=config,
     )
     return LowLatencyOutput(

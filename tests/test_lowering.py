@@ -89,7 +89,8 @@ def test_reference_low_latency_combine_keeps_the_partials_rounding():
 
     def per_device(terms, idx, slot, src):
         handle = LowLatencyHandle(idx[0], slot[0], src[0], src[0], src[0],
-                                  jnp.zeros((L,), jnp.int32), config)
+                                  jnp.zeros((L,), jnp.int32), jnp.zeros((L, R), jnp.int32),
+                                  config)
         sent = dict(terms=terms[0], dtype=jnp.zeros((0,), jnp.bfloat16))
         return reference.low_latency_combine_receive(sent, handle)[None]
 

@@ -198,7 +198,8 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
                                  ffi::ResultBuffer<ffi::S32> recv_count,
                                  ffi::ResultBuffer<ffi::S32> src_rank,
                                  ffi::ResultBuffer<ffi::S32> src_token,
-                                 ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                                 ffi::ResultBuffer<ffi::S32> src_k,
+                                 ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_topk, int64_t num_blocks,
                                  LLDispatchReceiveArgs& a) {
   const char* op = "low_latency_dispatch (receive)";
@@ -228,8 +229,10 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   const bool want_src = src_rank->element_count() != 0;
   if (recv_count->element_count() != size_t(L) ||
       (want_src && (src_rank->element_count() != rows || src_token->element_count() != rows ||
-                    src_k->element_count() != rows)))
-    return invalid(std::string(op) + ": recv_count must be [L] and src_* [L, R*M] (or empty)");
+                    src_k->element_count() != rows ||
+                    src_offset->element_count() != size_t(L) * R)))
+    return invalid(std::string(op) + ": recv_count must be [L], src_* [L, R*M] and src_offset "
+                   "[L, R] (or empty)");
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
                             a.row_bytes, a.scale_bytes);
   if (auto err = ll_context(op, rank, num_experts, num_topk, a.plan.bytes, false, &a.ctx,
@@ -246,6 +249,7 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   a.src_rank = want_src ? src_rank->typed_data() : nullptr;
   a.src_token = want_src ? src_token->typed_data() : nullptr;
   a.src_k = want_src ? src_k->typed_data() : nullptr;
+  a.src_offset = want_src ? src_offset->typed_data() : nullptr;
   return ffi::Error::Success();
 }
 
@@ -255,13 +259,15 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call
                                  ffi::ResultBuffer<ffi::S32> recv_count,
                                  ffi::ResultBuffer<ffi::S32> src_rank,
                                  ffi::ResultBuffer<ffi::S32> src_token,
-                                 ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                                 ffi::ResultBuffer<ffi::S32> src_k,
+                                 ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
   if (call.element_count() != 2)
     return invalid("low_latency_dispatch (receive): call must be [2] int32");
   LLDispatchReceiveArgs a;
   if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
-                                       src_rank, src_token, src_k, num_experts, max_tokens,
+                                       src_rank, src_token, src_k, src_offset, num_experts,
+                                       max_tokens,
                                        num_topk, num_blocks, a);
       err.failure())
     return err;
@@ -277,7 +283,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::F32> out_scales,
                          ffi::ResultBuffer<ffi::S32> recv_count,
                          ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_token,
-                         ffi::ResultBuffer<ffi::S32> src_k, int64_t num_experts,
+                         ffi::ResultBuffer<ffi::S32> src_k,
+                         ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
                          int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
                          int64_t num_blocks) {
   LLDispatchSendArgs send;
@@ -288,7 +295,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return err;
   LLDispatchReceiveArgs receive;
   if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
-                                       src_rank, src_token, src_k, num_experts, max_tokens,
+                                       src_rank, src_token, src_k, src_offset, num_experts,
+                                       max_tokens,
                                        send.num_topk, num_blocks, receive);
       err.failure())
     return err;
@@ -302,7 +310,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 // publishes them for the expert ranks.
 ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
                              ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
-                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> topk_idx,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
+                             ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                              int64_t num_experts, int64_t max_tokens, int64_t num_blocks,
@@ -329,8 +338,8 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
   const size_t rows = size_t(L) * RM;
   if (src_rank.element_count() != rows || src_token.element_count() != rows ||
       src_k.element_count() != rows || recv_count.element_count() != size_t(L) ||
-      call->element_count() != 2)
-    return invalid(std::string(op) + ": the handle's arrays do not match [L, R*M] / [L]");
+      src_offset.element_count() != size_t(L) * R || call->element_count() != 2)
+    return invalid(std::string(op) + ": the handle's arrays do not match [L, R*M] / [L] / [L, R]");
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
@@ -352,6 +361,7 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
   a.src_token = src_token.typed_data();
   a.src_k = src_k.typed_data();
   a.recv_count = recv_count.typed_data();
+  a.src_offset = src_offset.typed_data();
   a.topk_idx = topk_idx.typed_data();
   a.send_slot = send_slot.typed_data();
   a.weights = weights.typed_data();
@@ -361,12 +371,13 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
 
 ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
                              ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
-                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> topk_idx,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
+                             ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                              int64_t num_experts, int64_t max_tokens, int64_t num_blocks) {
   LLCombineSendArgs a;
-  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, topk_idx,
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, src_offset, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
                                    num_blocks, a);
       err.failure())
@@ -427,7 +438,8 @@ ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
 // Send and receive in one custom call (the fused combine).
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
                         ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
-                        ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
+                        ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts, int64_t max_tokens,
@@ -435,7 +447,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (out->element_type() != y.element_type())
     return invalid("low_latency_combine: the result must have y's dtype");
   LLCombineSendArgs send;
-  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, topk_idx,
+  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, src_offset, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
                                    num_blocks, send);
       err.failure())
@@ -484,6 +496,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_i
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
                                   .Attr<int64_t>("num_topk")
@@ -493,6 +506,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -534,6 +548,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
                                   .Attr<int64_t>("use_fp8")
@@ -545,6 +560,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

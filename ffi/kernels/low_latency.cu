@@ -588,8 +588,11 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   block_exclusive_scan(prefix, E);
   const int total = prefix[E];
 
-  if (blockIdx.x == 0)
+  if (blockIdx.x == 0) {
     for (int l = tid; l < L; l += blockDim.x) a.recv_count[l] = prefix[(l + 1) * R] - prefix[l * R];
+    if (a.src_offset != nullptr)  // for the combine: no scan of the counts there
+      for (int i = tid; i < E; i += blockDim.x) a.src_offset[i] = prefix[i] - prefix[i / R * R];
+  }
   if (a.src_rank != nullptr) {
     const size_t rows = size_t(L) * RM;
     for (size_t row = size_t(blockIdx.x) * blockDim.x + tid; row < rows;
@@ -680,7 +683,7 @@ __device__ __forceinline__ Gates gates_of(const LLCombineSendArgs& a, int s, siz
 }
 
 __device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, const Gates& gates,
-                                                const int* prefix, const int* first, int t,
+                                                const int* count, const int* first, int t,
                                                 int s, int k) {
   const int L = a.num_local_experts, E = a.num_experts, K = a.num_topk, M = a.max_tokens;
   const int me = a.ctx.rank, R = a.ctx.num_ranks;
@@ -689,9 +692,12 @@ __device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, cons
   const size_t p = size_t(t) * K + k;
   const int e = __ldcg(gates.idx + p), slot = __ldcg(gates.slot + p);
   if (e < 0 || e >= E || e / L != me || slot < 0 || slot >= M) return g;
+  // source s's rows of block l: [first[l][s], first[l][s + 1]) (the last source's end at the
+  // block's count); a handle from another call never sends us outside y
   const int l = e % L, start = first[l * R + s];
-  const int i = start + slot, count = prefix[l + 1] - prefix[l];
-  if (start < 0 || i >= count) return g;
+  const int end = s + 1 < R ? first[l * R + s + 1] : count[l];
+  const int i = start + slot;
+  if (start < 0 || i >= end || i >= count[l]) return g;
   g.row = l * a.rows_per_expert + i;
   g.weight = __ldcg(gates.weight + p);
   return g;
@@ -777,17 +783,17 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const int L = a.num_local_experts, RM = a.rows_per_expert, K = a.num_topk, T = a.num_tokens;
   const int R = ctx.num_ranks, me = ctx.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int* prefix = smem;          // [L + 1]: used rows per local expert, exclusive prefix
-  int* first = prefix + L + 1; // [L][R]: first row of source s in block l (-1: none)
+  int* count = smem;           // [L]: used rows per local expert
+  int* first = count + L + 1;  // [L][R]: first row of source s in block l (the handle's)
   __shared__ uint64_t call_s;
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLCombineSend, kEnter);
   uint64_t calls = 0;
   if (tid == 0) calls = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]);
-  // where each source's rows start in each expert's block (rows are in source order there):
-  // the counts load while thread 0 checks that the region is free
-  for (int l = tid; l < L; l += blockDim.x) prefix[l] = min(max(a.recv_count[l], 0), RM);
-  for (int i = tid; i < L * R; i += blockDim.x) first[i] = -1;
+  // the rows of each expert and where each source's start (one round of loads, while thread 0
+  // checks that the region is free)
+  for (int l = tid; l < L; l += blockDim.x) count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
+  for (int i = tid; i < L * R; i += blockDim.x) first[i] = __ldg(a.src_offset + i);
   if (tid == 0) {
     check_rank(ctx, "low_latency_combine (send)");
     const uint64_t n = calls + 1;
@@ -822,30 +828,6 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       a.call_out[1] = int32_t(uint32_t(n >> 32));
     }
   }
-
-  block_exclusive_scan(prefix, L);
-  constexpr int kBatch = 4;  // rows whose sources are loaded before any is used
-  for (int base = tid; base < prefix[L]; base += kBatch * blockDim.x) {
-    int row[kBatch], source[kBatch], before[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int u = base + b * blockDim.x;
-      row[b] = -1;
-      if (u >= prefix[L]) continue;
-      const int l = last_not_above(prefix, L, u), i = u - prefix[l];
-      row[b] = l * R;  // first[] index of source 0 of block l
-      source[b] = __ldg(a.src_rank + size_t(l) * RM + i);
-      before[b] = i > 0 ? __ldg(a.src_rank + size_t(l) * RM + i - 1) : -1;
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int u = base + b * blockDim.x, s = source[b];
-      if (row[b] < 0 || s == before[b] || s < 0 || s >= R) continue;
-      const int l = row[b] / R;
-      first[row[b] + s] = u - prefix[l];
-    }
-  }
-  __syncthreads();
   profile_mark(ctx, kProfLLCombineSend, kWaited);
 
   // One unit: a piece of the partial row of one (owner, token). Each warp takes a contiguous
@@ -875,7 +857,7 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
         __syncwarp();
         waited = s;
       }
-      g = gate_entry(a, gates_of(a, s, region), prefix, first, t, s, lane);
+      g = gate_entry(a, gates_of(a, s, region), count, first, t, s, lane);
       mask = __ballot_sync(0xffffffffu, g.row >= 0);
     }
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us

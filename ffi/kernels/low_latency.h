@@ -73,6 +73,7 @@ struct LLDispatchReceiveArgs {
   int32_t* src_rank;          // [L, R*M] (all three nullptr: not wanted)
   int32_t* src_token;
   int32_t* src_k;
+  int32_t* src_offset;        // [L, R]: first row of each source in each expert's block
 };
 
 struct LLCombineSendArgs {
@@ -90,6 +91,7 @@ struct LLCombineSendArgs {
   const int32_t* src_token;
   const int32_t* src_k;
   const int32_t* recv_count;  // [L]
+  const int32_t* src_offset;  // [L, R]: first row of each source in each expert's block
   const int32_t* topk_idx;    // this rank's gates, published for the expert ranks: [T, K]
   const int32_t* send_slot;
   const float* weights;
@@ -109,7 +111,7 @@ struct LLCombineReceiveArgs {
   void* out;
 };
 
-// Dynamic shared memory of the combine kernels: the send's row offsets ([L + 1] prefix and
+// Dynamic shared memory of the combine kernels: the send's row offsets ([L + 1] counts and
 // [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]) and the pairs' ids
 // and slots it builds them from ([T*K] each).
 inline size_t ll_combine_send_smem(int num_local_experts, int num_ranks) {
