@@ -20,7 +20,7 @@ constexpr int kWarps = kLLThreads / 32;
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
 // Named barriers (0 is __syncthreads): among the token warps, among the slot warps, and
-// the region check's warp releasing the token warps once the call's region is known.
+// warp 0 releasing the slot warps once the call's region is known.
 constexpr int kTokenBarrier = 1, kSlotBarrier = 2, kRegionBarrier = 3;
 
 // A barrier among `threads` threads (whole warps) of the block.
@@ -463,39 +463,36 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchSend, kEnter);
 
-  // The region check first, by the last slot warp's lane 0 before it loads anything (an
-  // acquire load waits for the thread's loads in flight: checked after the prefetch below it
-  // took 1.2 µs longer). Meanwhile loads that need no region: the token warps load their
-  // first token's row and warp 0 its experts, the other slot warps stage the pairs' ids. The
-  // checking warp then releases the token warps (kRegionBarrier) and joins the staging; the
-  // slot warps see the call number after their own barrier.
+  // Loads that need no region first: the slot warps stage the pairs' ids, the token warps
+  // load their first token's row and warp 0 its experts, while thread 0 checks the region.
+  // Then warp 0 releases the slot warps (kRegionBarrier) and the token warps (kTokenBarrier)
+  // separately, so that neither waits for the other's loads.
   RowBatch first_batch;
   int first_expert = -1;
-  if (warp == kWarps - 1) {
-    if (lane == 0) {
-      check_rank(ctx, "low_latency_dispatch (send)");
-      const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
-      call_s = n;
-      // The region of this parity at every destination must have been read (call n - 2).
-      if (n > 2)
-        for (int d = 0; d < R; ++d)
-          wait_flag(ctx, &mine->consumed[kOpDispatch][n & 1][d], n - 2,
-                    "low_latency_dispatch (send)", "receive of call n-2 finished", d);
-    }
-    __syncwarp();
-    group_arrive(kRegionBarrier, 32 + kTokenThreads);  // call_s is written
-  }
   if (!token_warp) {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
-    group_sync(kSlotBarrier, kSlotThreads);  // ids staged, call_s seen
-  } else {
-    if (int(blockIdx.x) < T) {
-      prefetch_token(a, blockIdx.x, tid, kTokenThreads, first_batch);
-      if (warp == 0 && lane < K) first_expert = __ldg(a.topk_idx + blockIdx.x * K + lane);
-    }
-    group_sync(kRegionBarrier, 32 + kTokenThreads);
+  } else if (int(blockIdx.x) < T) {
+    prefetch_token(a, blockIdx.x, tid, kTokenThreads, first_batch);
+    if (warp == 0 && lane < K) first_expert = __ldg(a.topk_idx + blockIdx.x * K + lane);
   }
+  if (tid == 0) {
+    check_rank(ctx, "low_latency_dispatch (send)");
+    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
+    call_s = n;
+    // The region of this parity at every destination must have been read (call n - 2).
+    if (n > 2)
+      for (int d = 0; d < R; ++d)
+        wait_flag(ctx, &mine->consumed[kOpDispatch][n & 1][d], n - 2,
+                  "low_latency_dispatch (send)", "receive of call n-2 finished", d);
+  }
+  if (warp == 0) {
+    __syncwarp();
+    group_arrive(kRegionBarrier, 32 + kSlotThreads);  // call_s is written
+  } else if (!token_warp) {
+    group_sync(kRegionBarrier, 32 + kSlotThreads);
+  }
+  if (token_warp) group_sync(kTokenBarrier, kTokenThreads);
   profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
