@@ -19,19 +19,11 @@ constexpr int kWarps = kLLThreads / 32;
 // after the other, and the slots ended ~2 µs after the rows (NOTES item 39).
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
-// Named barriers (0 is __syncthreads): among the token warps, among the slot warps, and
-// warp 0 releasing the slot warps once the call's region is known.
-constexpr int kTokenBarrier = 1, kSlotBarrier = 2, kRegionBarrier = 3;
+constexpr int kTokenBarrier = 1, kSlotBarrier = 2;  // named barriers (0 is __syncthreads)
 
 // A barrier among `threads` threads (whole warps) of the block.
 __device__ __forceinline__ void group_sync(int barrier, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
-}
-
-// The calling warp's arrival at `barrier` of `threads` threads, without waiting (the others
-// wait in group_sync); its writes before it are visible to them after theirs.
-__device__ __forceinline__ void group_arrive(int barrier, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
 }
 // Bytes of a partial row one warp sums as one work unit: at most kPiece, a multiple of
 // kPieceQuantum (one 16-byte load per lane of a warp).
@@ -212,42 +204,22 @@ __device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
 // e4m3 data and scales into every destination record; `thread` of `threads` (the token warps)
 // take part, with the loads of kRounds rounds in flight before any store. Bit-identical to
 // jax_ep.fp8 (finite inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
-// The loads of a row's first batch (the same for every path: 4 int4 per thread), so that a
-// token's loads can be issued before the call's region is known (dispatch_send).
-constexpr int kRowBatch = 4;
-struct RowBatch {
-  int4 v[kRowBatch];
-};
-
-template <typename T>
-__device__ __forceinline__ void load_quantize_batch(const T* row, int chunks, int c0, int threads,
-                                                    RowBatch& out) {
-  constexpr int kPer = 16 / sizeof(T), kLoads = 16 / kPer, kRounds = kRowBatch / kLoads;
-#pragma unroll
-  for (int u = 0; u < kRounds; ++u) {
-    const int c = c0 + u * threads;
-    const int4* q = reinterpret_cast<const int4*>(row + size_t(c) * 16);
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i)
-      out.v[u * kLoads + i] = c < chunks ? __ldg(q + i) : int4{0, 0, 0, 0};
-  }
-}
-
 template <typename T>
 __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                   int num_dst, int thread, int threads,
-                                   const RowBatch* first = nullptr) {
-  constexpr int kPer = 16 / sizeof(T);  // elements per int4
-  // rounds of 16 channels per batch: 2 for 16-bit rows, 1 for float rows (registers)
-  constexpr int kRounds = kRowBatch / (16 / kPer);
+                                   int num_dst, int thread, int threads) {
+  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
   const int H = a.hidden, chunks = H / 16;
   const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
+  constexpr int kPer = 16 / sizeof(T);  // elements per int4
   for (int c0 = thread; c0 - thread < chunks; c0 += kRounds * threads) {
-    RowBatch batch;  // the loads, kept raw: fewer registers than floats
-    if (first != nullptr && c0 == thread) batch = *first;
-    else load_quantize_batch<T>(row, chunks, c0, threads, batch);
-    const int4 (&raw)[kRounds][16 / kPer] =
-        *reinterpret_cast<const int4 (*)[kRounds][16 / kPer]>(batch.v);
+    int4 raw[kRounds][16 / kPer];  // the loads, kept raw: fewer registers than floats
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+      const int c = c0 + u * threads;
+      const int4* q = reinterpret_cast<const int4*>(row + size_t(c) * 16);
+#pragma unroll
+      for (int i = 0; i < 16 / kPer; ++i) raw[u][i] = c < chunks ? __ldg(q + i) : int4{0, 0, 0, 0};
+    }
 #pragma unroll
     for (int u = 0; u < kRounds; ++u) {
       const int c = c0 + u * threads;
@@ -297,32 +269,20 @@ __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* con
 
 // Stores token t's raw row (row_bytes) into every destination record: loaded once, kBatch
 // loads of each thread in flight before its stores; `thread` of `threads` take part.
-__device__ __forceinline__ bool raw_rows_vectorised(const LLDispatchSendArgs& a) {
-  return ((reinterpret_cast<uintptr_t>(a.x) | a.row_bytes) & 15) == 0;
-}
-
-__device__ __forceinline__ void load_raw_batch(const int4* src, size_t n, size_t i0, int threads,
-                                               RowBatch& out) {
-#pragma unroll
-  for (int b = 0; b < kRowBatch; ++b) {
-    const size_t i = i0 + size_t(b) * threads;
-    if (i < n) out.v[b] = __ldg(src + i);
-  }
-}
-
 __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                int num_dst, int thread, int threads,
-                                const RowBatch* first = nullptr) {
+                                int num_dst, int thread, int threads) {
   const char* row = static_cast<const char*>(a.x) + size_t(t) * a.row_bytes;
-  if (raw_rows_vectorised(a)) {
-    constexpr int kBatch = kRowBatch;
+  if (((reinterpret_cast<uintptr_t>(row) | a.row_bytes) & 15) == 0) {
+    constexpr int kBatch = 4;
     const int4* src = reinterpret_cast<const int4*>(row);
     const size_t n = a.row_bytes / 16;
     for (size_t i0 = thread; i0 < n; i0 += size_t(kBatch) * threads) {
-      RowBatch batch;
-      if (first != nullptr && i0 == size_t(thread)) batch = *first;
-      else load_raw_batch(src, n, i0, threads, batch);
-      const int4 (&v)[kBatch] = batch.v;
+      int4 v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const size_t i = i0 + size_t(b) * threads;
+        if (i < n) v[b] = __ldg(src + i);
+      }
       for (int d = 0; d < num_dst; ++d) {
         if (dst[d] == nullptr) continue;
         int4* out = reinterpret_cast<int4*>(dst[d] + a.plan.data_offset);
@@ -420,32 +380,6 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, c
   }
 }
 
-// Token t's first batch of loads (what quantize_and_store / copy_raw_to_all would load first).
-__device__ __forceinline__ void prefetch_token(const LLDispatchSendArgs& a, int t, int thread,
-                                               int threads, RowBatch& out) {
-  if (a.use_fp8) {
-    const int H = a.hidden, chunks = H / 16;
-    switch (a.x_type) {
-      case LLElement::kBF16:
-        load_quantize_batch(static_cast<const __nv_bfloat16*>(a.x) + size_t(t) * H, chunks,
-                            thread, threads, out);
-        break;
-      case LLElement::kF16:
-        load_quantize_batch(static_cast<const __half*>(a.x) + size_t(t) * H, chunks, thread,
-                            threads, out);
-        break;
-      default:
-        load_quantize_batch(static_cast<const float*>(a.x) + size_t(t) * H, chunks, thread,
-                            threads, out);
-        break;
-    }
-  } else if (raw_rows_vectorised(a)) {
-    load_raw_batch(reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
-                                                 size_t(t) * a.row_bytes),
-                   a.row_bytes / 16, thread, threads, out);
-  }
-}
-
 // The token warps: every block sends whole tokens, each row once per destination rank (not
 // once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes). The
 // slot warps meanwhile number the pairs of the experts dealt to this block
@@ -463,20 +397,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchSend, kEnter);
 
-  // Loads that need no region first: the slot warps stage the pairs' ids, the token warps
-  // load their first token's row and warp 0 its experts, while thread 0 checks the region.
-  // Then warp 0 releases the slot warps (kRegionBarrier) and the token warps (kTokenBarrier)
-  // separately, so that neither waits for the other's loads.
-  RowBatch first_batch;
-  int first_expert = -1;
-  if (!token_warp) {
+  if (!token_warp) {  // ids into shared memory while thread 0 checks the region
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
-  } else if (int(blockIdx.x) < T) {
-    prefetch_token(a, blockIdx.x, tid, kTokenThreads, first_batch);
-    if (warp == 0 && lane < K) first_expert = __ldg(a.topk_idx + blockIdx.x * K + lane);
-  }
-  if (tid == 0) {
+  } else if (tid == 0) {
     check_rank(ctx, "low_latency_dispatch (send)");
     const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
     call_s = n;
@@ -486,24 +410,17 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         wait_flag(ctx, &mine->consumed[kOpDispatch][n & 1][d], n - 2,
                   "low_latency_dispatch (send)", "receive of call n-2 finished", d);
   }
-  if (warp == 0) {
-    __syncwarp();
-    group_arrive(kRegionBarrier, 32 + kSlotThreads);  // call_s is written
-  } else if (!token_warp) {
-    group_sync(kRegionBarrier, 32 + kSlotThreads);
-  }
-  if (token_warp) group_sync(kTokenBarrier, kTokenThreads);
+  __syncthreads();
   profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
   if (token_warp) {
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-      const bool first = t == int(blockIdx.x);
       if (warp == 0) {  // the distinct destination ranks of token t
         int r = -1;
         if (lane < K) {
-          const int p = t * K + lane, e = first ? first_expert : a.topk_idx[p];
+          const int p = t * K + lane, e = a.topk_idx[p];
           const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
                                                               a.slots_in[p] < M));
           if (sent) r = e / L;
@@ -520,20 +437,17 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
       }
       group_sync(kTokenBarrier, kTokenThreads);
       if (a.use_fp8) {
-        const RowBatch* batch = first ? &first_batch : nullptr;
         switch (a.x_type) {
           case LLElement::kBF16:
-            quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst, tid, kTokenThreads, batch);
+            quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst, tid, kTokenThreads);
             break;
           case LLElement::kF16:
-            quantize_and_store<__half>(a, t, dst, num_dst, tid, kTokenThreads, batch);
+            quantize_and_store<__half>(a, t, dst, num_dst, tid, kTokenThreads);
             break;
-          default:
-            quantize_and_store<float>(a, t, dst, num_dst, tid, kTokenThreads, batch);
-            break;
+          default: quantize_and_store<float>(a, t, dst, num_dst, tid, kTokenThreads); break;
         }
       } else {
-        copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads, first ? &first_batch : nullptr);
+        copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads);
       }
       group_sync(kTokenBarrier, kTokenThreads);  // dst[] is rewritten for the next token
     }
