@@ -61,9 +61,10 @@ __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
   }
 }
 
-// last_block_on the low-latency counter `slot`.
-__device__ inline bool ll_last_block(const PeerContext& ctx, int slot) {
-  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], false);
+// last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
+// signal (consumed) only says that the region has been read.
+__device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true) {
+  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], false, fence_writes);
 }
 
 // Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
@@ -545,7 +546,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   }
 
   // every CTA has read what it needed: tell every source its region may be reused
-  if (ll_last_block(ctx, kCounterDispatchReceive) && tid == 0) {
+  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && tid == 0) {
     for (int s = 0; s < R; ++s)
       store_release(&ll_control(ctx, s)->consumed[kOpDispatch][n & 1][ctx.rank], n);
   }
@@ -807,40 +808,60 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, con
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int R = a.ctx.num_ranks;
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int kBatch = 8;  // partials loaded at once
   T* out = static_cast<T*>(a.out);
   const char* records = base + a.plan.records;
   if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
     const int per_token = H / kVec;
     const size_t units = size_t(a.num_tokens) * per_token;
-    for (size_t u = first; u < units; u += threads) {
-      const int t = int(u / per_token), c = int(u % per_token);
-      const int* list = lists + t * (K + 1);
-      const int count = list[0];
-      float acc[kVec];
+    // kUnits units per thread with their loads in flight together: with ~2 units a thread
+    // (T = 128, H = 7168 on 132 SMs) that is one round of load latency, not two
+    constexpr int kUnits = 2, kBatch = 4;  // partials of each unit loaded at once
+    for (size_t u0 = first; u0 < units; u0 += kUnits * threads) {
+      int token[kUnits], column[kUnits], count[kUnits];
+      const int* list[kUnits];
+      int most = 0;
+      float acc[kUnits][kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
-      for (int j0 = 0; j0 < count; j0 += kBatch) {
-        int4 raw[kBatch];
+      for (int v = 0; v < kUnits; ++v) {
+        const size_t u = u0 + v * threads;
+        token[v] = u < units ? int(u / per_token) : 0;
+        column[v] = int(u % per_token);
+        list[v] = lists + token[v] * (K + 1);
+        count[v] = u < units ? list[v][0] : 0;
+        most = max(most, count[v]);
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b)
-          if (j0 + b < count)
-            raw[b] = __ldcg(reinterpret_cast<const int4*>(
-                                records + (size_t(t) * R + list[1 + j0 + b]) * a.plan.record_stride) +
-                            c);
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (j0 + b >= count) break;
-          const T* v = reinterpret_cast<const T*>(&raw[b]);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) acc[j] = __fadd_rn(acc[j], to_float<T>(v[j]));
-        }
+        for (int j = 0; j < kVec; ++j) acc[v][j] = 0.f;
       }
-      int4 packed;
-      T* o = reinterpret_cast<T*>(&packed);
+      for (int j0 = 0; j0 < most; j0 += kBatch) {
+        int4 raw[kUnits][kBatch];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[j]);
-      reinterpret_cast<int4*>(out + size_t(t) * H)[c] = packed;
+        for (int v = 0; v < kUnits; ++v)
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b)
+            if (j0 + b < count[v])
+              raw[v][b] = __ldcg(reinterpret_cast<const int4*>(
+                                     records + (size_t(token[v]) * R + list[v][1 + j0 + b]) *
+                                                   a.plan.record_stride) +
+                                 column[v]);
+#pragma unroll
+        for (int v = 0; v < kUnits; ++v)
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            if (j0 + b >= count[v]) break;
+            const T* e = reinterpret_cast<const T*>(&raw[v][b]);
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
+          }
+      }
+#pragma unroll
+      for (int v = 0; v < kUnits; ++v) {
+        if (u0 + v * threads >= units) break;
+        int4 packed;
+        T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[v][j]);
+        reinterpret_cast<int4*>(out + size_t(token[v]) * H)[column[v]] = packed;
+      }
     }
   } else {
     const size_t units = size_t(a.num_tokens) * H;
@@ -902,7 +923,8 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64
     case LLElement::kF16: combine_sum<__half>(a, base, lists); break;
     default: combine_sum<float>(a, base, lists); break;
   }
-  if (ll_last_block(ctx, kCounterCombineReceive) && threadIdx.x == 0) {
+  if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) &&
+      threadIdx.x == 0) {
     for (int s = 0; s < R; ++s)
       store_release(&ll_control(ctx, s)->consumed[kOpCombine][n & 1][ctx.rank], n);
   }
