@@ -179,6 +179,17 @@ std::vector<void*> argument_pointers(const CopySequence::Kernel& k) {
   return out;
 }
 
+// A kernel node's parameters; `args` (argument_pointers of the kernel) must outlive them.
+cudaKernelNodeParams kernel_node_params(const CopySequence::Kernel& kernel,
+                                        std::vector<void*>& args) {
+  cudaKernelNodeParams p = {};
+  p.func = const_cast<void*>(kernel.func);
+  p.gridDim = kernel.grid;
+  p.blockDim = kernel.block;
+  p.kernelParams = args.data();
+  return p;
+}
+
 // ---- the direct path: the sequence enqueued call by call (JAX_EP_COPY_GRAPHS=0) ----
 
 // The copy streams of the transfers that follow kernel `after` (-1: before any) wait for the
@@ -366,11 +377,7 @@ class GraphCache {
     for (size_t k = 0; k < seq.kernels().size() && status == cudaSuccess; ++k) {
       const CopySequence::Kernel& kernel = seq.kernels()[k];
       std::vector<void*> args = argument_pointers(kernel);
-      cudaKernelNodeParams p = {};
-      p.func = const_cast<void*>(kernel.func);
-      p.gridDim = kernel.grid;
-      p.blockDim = kernel.block;
-      p.kernelParams = args.data();
+      const cudaKernelNodeParams p = kernel_node_params(kernel, args);
       cudaGraphNode_t node = nullptr;
       status = cudaGraphAddKernelNode(&node, graph, k > 0 ? &g.kernel_nodes.back() : nullptr,
                                       k > 0 ? 1 : 0, &p);
@@ -447,11 +454,7 @@ class GraphCache {
       const CopySequence::Kernel& kernel = seq.kernels()[k];
       if (g.kernel_args[k] == kernel.args) continue;
       std::vector<void*> args = argument_pointers(kernel);
-      cudaKernelNodeParams p = {};
-      p.func = const_cast<void*>(kernel.func);
-      p.gridDim = kernel.grid;
-      p.blockDim = kernel.block;
-      p.kernelParams = args.data();
+      const cudaKernelNodeParams p = kernel_node_params(kernel, args);
       status = cudaGraphExecKernelNodeSetParams(g.exec, g.kernel_nodes[k], &p);
       if (status == cudaSuccess) g.kernel_args[k] = kernel.args;
     }
