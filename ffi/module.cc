@@ -2,11 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <climits>
-#include <cstdint>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +15,7 @@
 #include "handlers/handlers.h"
 #include "kernels/buffer_layout.h"
 #include "runtime/diagnostics.h"
+#include "runtime/host_times.h"
 #include "runtime/runtime.h"
 
 namespace nb = nanobind;
@@ -48,14 +45,9 @@ constexpr int kNumTargets = sizeof(kTargets) / sizeof(kTargets[0]);
 std::atomic<unsigned long long> g_calls[kNumTargets];
 
 // Host time of each handler execution (what XLA's thread spends enqueueing a call: validation,
-// launches, copy-engine transfers), the last kHostTimes per target: a path whose host time per
-// call exceeds its GPU time cannot keep the GPU busy (see handler_host_times()).
-constexpr unsigned kHostTimes = 4096;
-struct HostTimes {
-  std::atomic<unsigned> next{0};
-  std::atomic<uint32_t> ns[kHostTimes];
-};
-HostTimes g_host_times[kNumTargets];
+// launches, copy-engine transfers): a path whose host time per call exceeds its GPU time
+// cannot keep the GPU busy (see handler_host_times()).
+jax_ep::HostTimeRing g_host_times[kNumTargets];
 
 // Diagnostic JAX_EP_LOG_CALLS=1: one stderr line per handler execution with what tells two
 // executions apart (XLA's run id, the stream, the first operand's address, the host thread).
@@ -94,16 +86,8 @@ XLA_FFI_Error* counted(XLA_FFI_CallFrame* frame) {
     return kTargets[I].handler(frame);
   const unsigned long long n = g_calls[I].fetch_add(1, std::memory_order_relaxed) + 1;
   if (log_calls()) log_call(kTargets[I].name, n, frame);
-  const auto start = std::chrono::steady_clock::now();
-  XLA_FFI_Error* error = kTargets[I].handler(frame);
-  const long long ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - start)
-                           .count();
-  HostTimes& times = g_host_times[I];
-  const unsigned slot = times.next.fetch_add(1, std::memory_order_relaxed) % kHostTimes;
-  times.ns[slot].store(static_cast<uint32_t>(std::min<long long>(ns, UINT32_MAX)),
-                       std::memory_order_relaxed);
-  return error;
+  jax_ep::ScopedHostTimer timer(g_host_times[I]);
+  return kTargets[I].handler(frame);
 }
 
 template <int... Is>
@@ -127,14 +111,12 @@ nb::dict handler_calls() {
 nb::dict handler_host_times(bool reset) {
   nb::dict out;
   for (int i = 0; i < kNumTargets; ++i) {
-    HostTimes& times = g_host_times[i];
-    const unsigned n = std::min(times.next.load(), kHostTimes);
-    if (n > 0) {
+    if (g_host_times[i].count() > 0) {
       nb::list values;
-      for (unsigned j = 0; j < n; ++j) values.append(times.ns[j].load());
+      for (unsigned ns : g_host_times[i].recent()) values.append(ns);
       out[kTargets[i].name] = values;
     }
-    if (reset) times.next.store(0);
+    if (reset) g_host_times[i].reset();
   }
   return out;
 }

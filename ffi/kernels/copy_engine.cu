@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -19,15 +18,14 @@
 #include <vector>
 
 #include "kernels/intranode.h"
+#include "runtime/host_times.h"
 #include "runtime/runtime.h"
 
 namespace jax_ep {
 namespace {
 
 // Host time of the copy-engine calls by kind (a diagnostic: which host calls a copy-engine
-// call spends its host time on, NOTES items 37-38), read by copy_engine_host_times(). The
-// last kHostSamples calls of each kind are kept, so that a reader can take the median: a call
-// that blocked on a full queue would swamp a mean.
+// call spends its host time on, NOTES items 37-38), read by copy_engine_host_times().
 enum HostKind {
   kHostGuard, kHostFork, kHostMemcpy, kHostFlag, kHostKernel, kHostJoin,
   kHostGraphLaunch, kHostGraphUpdate, kHostGraphBuild, kHostKinds
@@ -35,29 +33,11 @@ enum HostKind {
 constexpr const char* kHostKindNames[kHostKinds] = {
     "guard", "fork", "memcpy", "flag", "kernel", "join", "graph launch", "graph update",
     "graph build"};
-constexpr unsigned kHostSamples = 4096;
-struct HostSamples {
-  std::atomic<unsigned long long> calls{0};
-  std::atomic<uint32_t> ns[kHostSamples];
-};
-HostSamples g_host_samples[kHostKinds];
+HostTimeRing g_host_times[kHostKinds];
 
-class HostTimer {
+class HostTimer : public ScopedHostTimer {
  public:
-  explicit HostTimer(HostKind kind) : kind_(kind), start_(std::chrono::steady_clock::now()) {}
-  ~HostTimer() {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now() - start_)
-                        .count();
-    HostSamples& s = g_host_samples[kind_];
-    const unsigned long long n = s.calls.fetch_add(1, std::memory_order_relaxed);
-    s.ns[n % kHostSamples].store(static_cast<uint32_t>(std::min<long long>(ns, UINT32_MAX)),
-                                 std::memory_order_relaxed);
-  }
-
- private:
-  HostKind kind_;
-  std::chrono::steady_clock::time_point start_;
+  explicit HostTimer(HostKind kind) : ScopedHostTimer(g_host_times[kind]) {}
 };
 
 // Every peer has finished the previous call (it no longer reads what lands in its buffer, and
@@ -302,10 +282,6 @@ constexpr int kMaxGraphs = 16, kMaxGraphsPerShape = 3;
 
 class GraphCache {
  public:
-  ~GraphCache() {
-    // Left to the process's end: the runtime may be gone by then (no CUDA calls at exit).
-  }
-
   // The executable graph for `seq`, built, updated or found; nullptr and an error otherwise.
   cudaError_t get(const Transport& t, const CopySequence& seq, cudaGraphExec_t* out) {
     const bool memop = flag_choice() == FlagChoice::kWrite && !stream_writes_refused() &&
@@ -478,7 +454,8 @@ class GraphCache {
 };
 
 GraphCache& graph_cache() {
-  static GraphCache* cache = new GraphCache;  // never destroyed: see ~GraphCache
+  // never destroyed: the CUDA runtime may be gone by the process's end (no CUDA calls at exit)
+  static GraphCache* cache = new GraphCache;
   return *cache;
 }
 
@@ -516,13 +493,8 @@ void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chu
 std::vector<CopyHostTime> copy_engine_host_times(bool reset) {
   std::vector<CopyHostTime> out;
   for (int k = 0; k < kHostKinds; ++k) {
-    HostSamples& s = g_host_samples[k];
-    const unsigned long long calls = s.calls.load();
-    CopyHostTime row{kHostKindNames[k], calls, {}};
-    for (unsigned long long i = 0; i < std::min<unsigned long long>(calls, kHostSamples); ++i)
-      row.ns.push_back(s.ns[i].load(std::memory_order_relaxed));
-    out.push_back(std::move(row));
-    if (reset) s.calls.store(0);
+    out.push_back({kHostKindNames[k], g_host_times[k].count(), g_host_times[k].recent()});
+    if (reset) g_host_times[k].reset();
   }
   return out;
 }

@@ -60,20 +60,20 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // kWaited/kLastEnd the latest.
 enum ProfilePhase { kEnter = 0, kWaited = 1, kFirstEnd = 2, kLastEnd = 3, kRetired = 4 };
 
-__device__ __forceinline__ void profile_mark(const PeerContext& ctx, int slot, ProfilePhase ph) {
-  if (threadIdx.x != 0) return;
+__device__ __forceinline__ void profile_stamp(const PeerContext& ctx, int slot, ProfilePhase ph) {
   unsigned long long* p = &ctx.profile[slot][ph];
   const unsigned long long now = global_timer_ns();
   if (ph == kEnter || ph == kFirstEnd) atomicMin(p, now); else atomicMax(p, now);
 }
 
+__device__ __forceinline__ void profile_mark(const PeerContext& ctx, int slot, ProfilePhase ph) {
+  if (threadIdx.x == 0) profile_stamp(ctx, slot, ph);
+}
+
 // The same, stamped by lane 0 of the calling warp (a warp group's phase within a block).
 __device__ __forceinline__ void profile_mark_lane0(const PeerContext& ctx, int slot,
                                                    ProfilePhase ph) {
-  if ((threadIdx.x & 31) != 0) return;
-  unsigned long long* p = &ctx.profile[slot][ph];
-  const unsigned long long now = global_timer_ns();
-  if (ph == kEnter || ph == kFirstEnd) atomicMin(p, now); else atomicMax(p, now);
+  if ((threadIdx.x & 31) == 0) profile_stamp(ctx, slot, ph);
 }
 
 __device__ __forceinline__ void profile_end(const PeerContext& ctx, int slot) {

@@ -187,15 +187,13 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ float from_float<float>(float v) { return v; }
 
-// 16 consecutive elements of type T (16-byte aligned) as floats.
+// 16 consecutive elements of type T, loaded raw as 16 / (16 / sizeof(T)) int4, as floats.
 template <typename T>
-__device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
+__device__ __forceinline__ void unpack16(const int4 (&raw)[sizeof(T)], float (&v)[16]) {
   constexpr int kPer = 16 / sizeof(T);  // elements per int4
-  const int4* q = reinterpret_cast<const int4*>(p);
 #pragma unroll
-  for (int c = 0; c < 16 / kPer; ++c) {
-    const int4 raw = __ldg(q + c);
-    const T* e = reinterpret_cast<const T*>(&raw);
+  for (int c = 0; c < int(sizeof(T)); ++c) {
+    const T* e = reinterpret_cast<const T*>(&raw[c]);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) v[c * kPer + j] = to_float<T>(e[j]);
   }
@@ -226,12 +224,7 @@ __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* con
       const int c = c0 + u * threads;
       const bool active = c < chunks;  // uniform over each group of 8 lanes (chunks % 8 == 0)
       float v[16];
-#pragma unroll
-      for (int i = 0; i < 16 / kPer; ++i) {
-        const T* e = reinterpret_cast<const T*>(&raw[u][i]);
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) v[i * kPer + j] = to_float<T>(e[j]);
-      }
+      unpack16<T>(raw[u], v);
       float amax = 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[j]));

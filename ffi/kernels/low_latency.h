@@ -111,8 +111,8 @@ struct LLCombineReceiveArgs {
   void* out;
 };
 
-// Dynamic shared memory of the combine kernels: the send's row offsets ([L + 1] counts and
-// [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]) and the pairs' ids
+// Dynamic shared memory of the combine kernels: the send's row offsets ([L] counts, one spare
+// int, [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]) and the pairs' ids
 // and slots it builds them from ([T*K] each).
 inline size_t ll_combine_send_smem(int num_local_experts, int num_ranks) {
   return sizeof(int32_t) * (size_t(num_local_experts) + 1 + size_t(num_local_experts) * num_ranks);
