@@ -312,9 +312,8 @@ def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
 
 
 def _ll_combine_args(y, topk_weights, handle: LowLatencyHandle):
-    return (y, handle.src_rank, handle.src_token, handle.src_k, handle.recv_count,
-            handle.src_offset, handle.topk_idx, handle.send_slot, topk_weights.astype(jnp.float32),
-            _rank(handle.config.axis_name))
+    return (y, handle.recv_count, handle.src_offset, handle.topk_idx, handle.send_slot,
+            topk_weights.astype(jnp.float32), _rank(handle.config.axis_name))
 
 
 def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):

@@ -308,8 +308,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 
 // The gates (topk_idx, send_slot, weights [T, K]) are this rank's, as owner: the send
 // publishes them for the expert ranks.
-ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
-                             ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+ffi::Error make_combine_send(ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
@@ -335,11 +334,9 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
   LLElement dtype;
   if (!float_type(y.element_type(), &dtype))
     return invalid(std::string(op) + ": y must be bf16, f16 or f32");
-  const size_t rows = size_t(L) * RM;
-  if (src_rank.element_count() != rows || src_token.element_count() != rows ||
-      src_k.element_count() != rows || recv_count.element_count() != size_t(L) ||
-      src_offset.element_count() != size_t(L) * R || call->element_count() != 2)
-    return invalid(std::string(op) + ": the handle's arrays do not match [L, R*M] / [L] / [L, R]");
+  if (recv_count.element_count() != size_t(L) || src_offset.element_count() != size_t(L) * R ||
+      call->element_count() != 2)
+    return invalid(std::string(op) + ": the handle's arrays do not match [L] / [L, R]");
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
@@ -357,9 +354,6 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
   a.hidden = static_cast<int>(dims[2]);
   a.num_blocks = blocks_or_default(num_blocks);
   a.y = y.untyped_data();
-  a.src_rank = src_rank.typed_data();
-  a.src_token = src_token.typed_data();
-  a.src_k = src_k.typed_data();
   a.recv_count = recv_count.typed_data();
   a.src_offset = src_offset.typed_data();
   a.topk_idx = topk_idx.typed_data();
@@ -369,15 +363,14 @@ ffi::Error make_combine_send(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
   return ffi::Error::Success();
 }
 
-ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
-                             ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                              int64_t num_experts, int64_t max_tokens, int64_t num_blocks) {
   LLCombineSendArgs a;
-  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, src_offset, topk_idx,
+  if (auto err = make_combine_send(y, recv_count, src_offset, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
                                    num_blocks, a);
       err.failure())
@@ -436,8 +429,7 @@ ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
 }
 
 // Send and receive in one custom call (the fused combine).
-ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> src_rank,
-                        ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> src_k,
+ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
                         ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
                         ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
@@ -447,7 +439,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (out->element_type() != y.element_type())
     return invalid("low_latency_combine: the result must have y's dtype");
   LLCombineSendArgs send;
-  if (auto err = make_combine_send(y, src_rank, src_token, src_k, recv_count, src_offset, topk_idx,
+  if (auto err = make_combine_send(y, recv_count, src_offset, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
                                    num_blocks, send);
       err.failure())
@@ -510,9 +502,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
@@ -560,9 +549,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

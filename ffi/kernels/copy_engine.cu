@@ -229,11 +229,9 @@ cudaError_t run_direct(const Transport& t, const CopySequence& seq, cudaStream_t
 
 // ---- the graph path: the sequence as one CUDA graph, cached ----
 
-// What fixes a graph's nodes and edges (shape) and what its nodes' parameters may change
-// (values: the pieces' sources and the kernels' arguments).
-struct SequenceKeys {
-  std::vector<unsigned char> shape, values;
-};
+// What fixes a graph's nodes and edges; the pieces' sources and the kernels' arguments may
+// change (set in place, see GraphCache::update).
+using GraphShape = std::vector<unsigned char>;
 
 template <typename T>
 void put(std::vector<unsigned char>& out, const T& value) {
@@ -241,38 +239,47 @@ void put(std::vector<unsigned char>& out, const T& value) {
   out.insert(out.end(), bytes, bytes + sizeof(T));
 }
 
-SequenceKeys keys_of(const CopySequence& seq, bool memop_flags) {
-  SequenceKeys k;
-  put(k.shape, memop_flags);
+GraphShape shape_of(const CopySequence& seq, bool memop_flags) {
+  GraphShape shape;
+  put(shape, memop_flags);
   for (const CopySequence::Kernel& kernel : seq.kernels()) {
-    put(k.shape, kernel.func);
-    put(k.shape, kernel.grid);
-    put(k.shape, kernel.block);
-    put(k.shape, kernel.args.size());
-    k.values.insert(k.values.end(), kernel.args.begin(), kernel.args.end());
+    put(shape, kernel.func);
+    put(shape, kernel.grid);
+    put(shape, kernel.block);
+    put(shape, kernel.args.size());
   }
   for (const CopySequence::Transfer& x : seq.transfers()) {
-    put(k.shape, x.peer);
-    put(k.shape, x.chunk);
-    put(k.shape, x.after_kernel);
-    put(k.shape, x.num_pieces);
+    put(shape, x.peer);
+    put(shape, x.chunk);
+    put(shape, x.after_kernel);
+    put(shape, x.num_pieces);
     for (int i = 0; i < x.num_pieces; ++i) {
-      put(k.shape, x.pieces[i].dst_offset);
-      put(k.shape, x.pieces[i].bytes);
-      put(k.values, x.pieces[i].src);
+      put(shape, x.pieces[i].dst_offset);
+      put(shape, x.pieces[i].bytes);
     }
   }
-  return k;
+  return shape;
 }
 
 struct CachedGraph {
-  SequenceKeys keys;
+  GraphShape shape;
   cudaGraph_t graph = nullptr;  // kept: updating the executable graph names its nodes
   cudaGraphExec_t exec = nullptr;
   std::vector<cudaGraphNode_t> kernel_nodes, piece_nodes;  // in the sequence's order
   std::vector<std::vector<unsigned char>> kernel_args;  // what the nodes hold now
   std::vector<const void*> piece_sources;
   unsigned long long last_used = 0;
+
+  // Whether the nodes hold `seq`'s sources and arguments (the shape being the same).
+  bool holds(const CopySequence& seq) const {
+    for (size_t k = 0; k < kernel_args.size(); ++k)
+      if (kernel_args[k] != seq.kernels()[k].args) return false;
+    size_t n = 0;
+    for (const CopySequence::Transfer& x : seq.transfers())
+      for (int i = 0; i < x.num_pieces; ++i, ++n)
+        if (piece_sources[n] != x.pieces[i].src) return false;
+    return true;
+  }
 };
 
 // Graphs kept: a few shapes (dispatch BF16 / FP8, combine, their backward passes) times the
@@ -287,14 +294,14 @@ class GraphCache {
     const bool memop = flag_choice() == FlagChoice::kWrite && !stream_writes_refused() &&
                        flag_writers().graph_node != nullptr &&
                        flag_writers().current_context != nullptr;
-    SequenceKeys keys = keys_of(seq, memop);
+    GraphShape shape = shape_of(seq, memop);
     std::lock_guard<std::mutex> lock(mutex_);
     ++clock_;
     CachedGraph* same_shape_lru = nullptr;
     int same_shape = 0;
     for (CachedGraph& g : graphs_) {
-      if (g.keys.shape != keys.shape) continue;
-      if (g.keys.values == keys.values) {
+      if (g.shape != shape) continue;
+      if (g.holds(seq)) {
         g.last_used = clock_;
         *out = g.exec;
         return cudaSuccess;
@@ -306,7 +313,6 @@ class GraphCache {
       HostTimer timer(kHostGraphUpdate);
       const cudaError_t status = update(t, seq, *same_shape_lru);
       if (status != cudaSuccess) return status;
-      same_shape_lru->keys.values = std::move(keys.values);
       same_shape_lru->last_used = clock_;
       *out = same_shape_lru->exec;
       return cudaSuccess;
@@ -318,11 +324,11 @@ class GraphCache {
       // The driver refused the memory-operation nodes: kernels raise the flags from now on.
       refuse_stream_writes("memory-operation graph node", static_cast<int>(status));
       cudaGetLastError();
-      keys = keys_of(seq, false);
+      shape = shape_of(seq, false);
       status = build(t, seq, false, g);
     }
     if (status != cudaSuccess) return status;
-    g.keys = std::move(keys);
+    g.shape = std::move(shape);
     g.last_used = clock_;
     if (static_cast<int>(graphs_.size()) >= kMaxGraphs) {
       auto lru = std::min_element(graphs_.begin(), graphs_.end(),

@@ -87,9 +87,6 @@ struct LLCombineSendArgs {
   int hidden;
   int num_blocks;
   const void* y;              // [L, R*M] rows of row_bytes
-  const int32_t* src_rank;
-  const int32_t* src_token;
-  const int32_t* src_k;
   const int32_t* recv_count;  // [L]
   const int32_t* src_offset;  // [L, R]: first row of each source in each expert's block
   const int32_t* topk_idx;    // this rank's gates, published for the expert ranks: [T, K]
