@@ -67,51 +67,62 @@ __device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fenc
   return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], false, fence_writes);
 }
 
-// Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
-// it; data is shared memory with n + 1 entries.
-__device__ inline void block_exclusive_scan(int* data, int n) {
-  __shared__ int warp_sums[kWarps];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int per = (n + blockDim.x - 1) / blockDim.x;
-  const int begin = min(n, tid * per), end = min(n, begin + per);
-  int sum = 0;
-  for (int i = begin; i < end; ++i) sum += data[i];
-  int incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < kWarps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
-    }
-    if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  int run = incl - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
-  for (int i = begin; i < end; ++i) {
-    const int v = data[i];
-    data[i] = run;
-    run += v;
-  }
-  if (tid == blockDim.x - 1) data[n] = run;
-  __syncthreads();
+// Flags of every peer in one round of loads: each lane of the calling warp loads its own
+// peer's flag (one acquire load per lane, side by side) where thread 0 used to load them one
+// after another; an acquire load holds back the loads after it, so R flags cost R memory
+// latencies there (NOTES item 41).
+
+// Byte offset of a flag inside LLControl: the same flag of PE r is at ll_control(r) + offset.
+__device__ __forceinline__ size_t control_offset(const LLControl* control, const uint64_t* flag) {
+  return reinterpret_cast<const char*>(flag) - reinterpret_cast<const char*>(control);
 }
 
-// Largest j in [0, n) with data[j] <= value (data ascending, data[0] <= value).
-__device__ __forceinline__ int last_not_above(const int* data, int n, int value) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (data[mid] <= value) lo = mid; else hi = mid - 1;
-  }
-  return lo;
+// The whole warp: the rank check, then flags[s] >= want for every peer s (lane s, strided);
+// the expected rank and the flags are loaded in one round.
+__device__ inline void warp_wait_peers(const PeerContext& ctx, const uint64_t* flags,
+                                       uint64_t want, const char* op, const char* what) {
+  const int lane = threadIdx.x & 31;
+  const int expected = *ctx.expected_rank;
+  uint64_t first = want;  // the first load of each lane's flag, issued before the rank check
+  if (lane < ctx.num_ranks) first = load_acquire(flags + lane);
+  if (lane == 0 && expected != ctx.rank) check_rank(ctx, op);
+  if (first < want) wait_flag(ctx, flags + lane, want, op, what, lane);
+  for (int s = lane + 32; s < ctx.num_ranks; s += 32) wait_flag(ctx, flags + s, want, op, what, s);
+  __syncwarp();
+}
+
+// The whole warp of a send kernel: the call number n (the op's count + 1), after checking the
+// rank and that every destination has consumed call n - 2 (same parity). The count, the
+// expected rank and both parities' consumed flags are loaded in one round (the parity is not
+// known before the count).
+__device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const char* name) {
+  const int lane = threadIdx.x & 31, R = ctx.num_ranks;
+  LLControl* mine = ll_control(ctx, ctx.rank);
+  const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[op]) + 1;
+  const int expected = *ctx.expected_rank;
+  const bool both = 2 * R <= 32;  // lane p * R + d holds parity p's flag of d
+  uint64_t guess = 0;
+  if (both && lane < 2 * R) guess = load_acquire(&mine->consumed[op][lane / R][lane % R]);
+  if (lane == 0 && expected != ctx.rank) check_rank(ctx, name);
+  if (n <= 2) return n;
+  const uint64_t want = n - 2;
+  const int parity = int(n & 1);
+  const uint64_t mine_now = __shfl_sync(0xffffffffu, guess, both ? (parity * R + lane) & 31 : 0);
+  for (int d = lane; d < R; d += 32)
+    if (!both || d != lane || mine_now < want)
+      wait_flag(ctx, &mine->consumed[op][parity][d], want, name, "receive of call n-2 finished",
+                d);
+  __syncwarp();
+  return n;
+}
+
+// The whole warp: lane r of it raises `flag` (a flag of this PE's LLControl, named by its
+// address there) to n at PE r, with release semantics; all peers side by side.
+__device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t* flag, uint64_t n) {
+  const size_t offset = control_offset(ll_control(ctx, ctx.rank), flag);
+  for (int r = threadIdx.x & 31; r < ctx.num_ranks; r += 32)
+    store_release(reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(ll_control(ctx, r)) + offset),
+                  n);
 }
 
 // dst[0, n) = src[0, n) and, if src2 is given, dst2[0, n) = src2[0, n) (shared memory <-
@@ -394,15 +405,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   if (!token_warp) {  // ids into shared memory while thread 0 checks the region
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
-  } else if (tid == 0) {
-    check_rank(ctx, "low_latency_dispatch (send)");
-    const uint64_t n = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) + 1;
-    call_s = n;
+  } else if (warp == 0) {
     // The region of this parity at every destination must have been read (call n - 2).
-    if (n > 2)
-      for (int d = 0; d < R; ++d)
-        wait_flag(ctx, &mine->consumed[kOpDispatch][n & 1][d], n - 2,
-                  "low_latency_dispatch (send)", "receive of call n-2 finished", d);
+    const uint64_t n = warp_enter_send(ctx, kOpDispatch, "low_latency_dispatch (send)");
+    if (lane == 0) call_s = n;
   }
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
@@ -455,13 +461,14 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   }
 
   // ---- the last block reports the dropped pairs and raises arrived[me] at every destination
-  if (ll_last_block(ctx, kCounterDispatchSend) && tid == 0) {
-    *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
-    a.call_out[0] = int32_t(uint32_t(n));
-    a.call_out[1] = int32_t(uint32_t(n >> 32));
-    for (int r = 0; r < R; ++r)
-      store_release(&ll_control(ctx, r)->arrived[kOpDispatch][n & 1][me], n);
-    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
+  if (ll_last_block(ctx, kCounterDispatchSend) && warp == 0) {
+    if (lane == 0) {
+      *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
+      a.call_out[0] = int32_t(uint32_t(n));
+      a.call_out[1] = int32_t(uint32_t(n >> 32));
+    }
+    warp_signal_peers(ctx, &mine->arrived[kOpDispatch][n & 1][me], n);
+    if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
   }
   profile_end(ctx, kProfLLDispatchSend);
   return n;
@@ -469,80 +476,82 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- dispatch receive
 
-// prefix: E + 1 ints of shared memory (over (local expert, source), expert-major).
-__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
+// Every (local expert l, source s, slot) that may hold a row is a candidate, dealt to the
+// lanes of all warps: lane j of warp w takes candidates q = w + G * j (+ 32 G ...), G warps,
+// with q = slot * E + l * R + s (the low slots of every (l, s), where rows are, spread over
+// distinct warps). A lane loads its candidate's index entry and the counts of l from every
+// source in one round (no block-wide scan of the counts first, which made the entries a
+// second round, NOTES item 41); then its warp copies the rows of its valid lanes. A candidate
+// also stands for row j = s * M + slot of expert l, which it marks unused in the handle where
+// j >= the expert's total.
+__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
-  if (tid == 0) {
-    check_rank(ctx, "low_latency_dispatch (receive)");
-    for (int s = 0; s < R; ++s)
-      wait_flag(ctx, &mine->arrived[kOpDispatch][n & 1][s], n, "low_latency_dispatch (receive)",
-                "rows sent", s);
-  }
+  if (warp == 0)
+    warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, "low_latency_dispatch (receive)",
+                    "rows sent");
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
-  const int32_t* table = reinterpret_cast<const int32_t*>(base + a.plan.table);
-  for (int i = tid; i < E; i += blockDim.x) {
-    const int l = i / R, s = i % R;
-    prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
-  }
-  __syncthreads();
-  block_exclusive_scan(prefix, E);
-  const int total = prefix[E];
-
-  if (blockIdx.x == 0) {
-    for (int l = tid; l < L; l += blockDim.x) a.recv_count[l] = prefix[(l + 1) * R] - prefix[l * R];
-    if (a.src_offset != nullptr)  // for the combine: no scan of the counts there
-      for (int i = tid; i < E; i += blockDim.x) a.src_offset[i] = prefix[i] - prefix[i / R * R];
-  }
-  if (a.src_rank != nullptr) {
-    const size_t rows = size_t(L) * RM;
-    for (size_t row = size_t(blockIdx.x) * blockDim.x + tid; row < rows;
-         row += size_t(gridDim.x) * blockDim.x) {
-      const int l = int(row / RM), i = int(row % RM);
-      if (i >= prefix[(l + 1) * R] - prefix[l * R]) {
-        a.src_rank[row] = -1;
-        a.src_token[row] = -1;
-        a.src_k[row] = -1;
+  const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);  // [R][L]
+  const int32_t* table = reinterpret_cast<const int32_t*>(base + a.plan.table);    // [L][R][M]
+  const int G = gridDim.x * kWarps, w = warp * gridDim.x + blockIdx.x;  // warps across SMs
+  const int candidates = E * M;
+  for (int q0 = 0; q0 < candidates; q0 += 32 * G) {
+    const int q = q0 + lane * G + w;
+    const bool live = q < candidates;
+    const int slot = q / E, c = q % E, l = c / R, s = c % R;
+    int entry = -1, before = 0, total = 0, count = 0;
+    if (live) {
+      entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
+      for (int src = 0; src < R; ++src) {
+        const int v = min(max(__ldcg(counts + src * L + l), 0), M);
+        total += v;
+        if (src < s) before += v;
+        if (src == s) count = v;
+      }
+    }
+    const bool valid = live && slot < count;
+    const size_t row = size_t(l) * RM + before + slot;
+    if (live && slot == 0) {  // one lane per (l, s): the handle's offsets and counts
+      if (a.src_offset != nullptr) a.src_offset[c] = before;
+      if (s == 0) a.recv_count[l] = total;
+    }
+    if (live && a.src_rank != nullptr && s * M + slot >= total) {
+      const size_t unused = size_t(l) * RM + s * M + slot;
+      a.src_rank[unused] = -1;
+      a.src_token[unused] = -1;
+      a.src_k[unused] = -1;
+    }
+    // the valid lanes' rows, one after another, each by the whole warp with every load of
+    // its record in flight at once (a token's record serves each of its experts here)
+    for (unsigned m = __ballot_sync(0xffffffffu, valid); m != 0; m &= m - 1) {
+      const int v = __ffs(m) - 1;
+      const int e = __shfl_sync(0xffffffffu, entry, v), src = __shfl_sync(0xffffffffu, s, v);
+      const size_t r = __shfl_sync(0xffffffffu, row, v);
+      const int t = e >> kLLPairBits, k = e & ((1 << kLLPairBits) - 1);
+      if (t < 0 || t >= M) continue;  // never read outside the records
+      const char* rec = base + a.plan.records + (size_t(src) * M + t) * a.plan.record_stride;
+      copy_record(static_cast<char*>(a.out_x) + r * a.row_bytes,
+                  a.out_scales != nullptr
+                      ? reinterpret_cast<char*>(a.out_scales) + r * a.scale_bytes
+                      : nullptr,
+                  rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+      if (lane == 0 && a.src_rank != nullptr) {
+        a.src_rank[r] = src;
+        a.src_token[r] = t;
+        a.src_k[r] = k;
       }
     }
   }
 
-  // one warp per received row: its index entry, then the whole record with every load in
-  // flight at once (rows are read from the local buffer; a token's record serves each of its
-  // experts here)
-  // rows dealt block by block (row r to block r % grid): every SM copies about total / grid
-  for (int r = warp * gridDim.x + blockIdx.x; r < total; r += gridDim.x * kWarps) {
-    const int j = last_not_above(prefix, E, r);
-    const int l = j / R, s = j % R, slot = r - prefix[j];
-    const size_t row = size_t(l) * RM + (r - prefix[l * R]);
-    const int entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
-    const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
-    if (t < 0 || t >= M) continue;  // never read outside the records
-    const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
-    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
-                a.out_scales != nullptr
-                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
-                    : nullptr,
-                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
-    if (lane == 0 && a.src_rank != nullptr) {
-      a.src_rank[row] = s;
-      a.src_token[row] = t;
-      a.src_k[row] = k;
-    }
-  }
-
   // every CTA has read what it needed: tell every source its region may be reused
-  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && tid == 0) {
-    for (int s = 0; s < R; ++s)
-      store_release(&ll_control(ctx, s)->consumed[kOpDispatch][n & 1][ctx.rank], n);
-  }
+  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0)
+    warp_signal_peers(ctx, &mine->consumed[kOpDispatch][n & 1][ctx.rank], n);
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
@@ -552,8 +561,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
 }
 
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
-  extern __shared__ int smem[];
-  dispatch_receive(a, smem, read_call(a.call));
+  dispatch_receive(a, read_call(a.call));
 }
 
 // Send and receive in one cooperative launch (every block resident: the receive half waits
@@ -562,8 +570,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
   const uint64_t n = dispatch_send(send, smem);
-  __syncthreads();  // shared memory is reused
-  dispatch_receive(receive, smem, n);
+  dispatch_receive(receive, n);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -696,20 +703,14 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   __shared__ uint64_t call_s;
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLCombineSend, kEnter);
-  uint64_t calls = 0;
-  if (tid == 0) calls = *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]);
-  // the rows of each expert and where each source's start (one round of loads, while thread 0
-  // checks that the region is free)
-  for (int l = tid; l < L; l += blockDim.x) count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
-  for (int i = tid; i < L * R; i += blockDim.x) first[i] = __ldg(a.src_offset + i);
-  if (tid == 0) {
-    check_rank(ctx, "low_latency_combine (send)");
-    const uint64_t n = calls + 1;
-    call_s = n;
-    if (n > 2)
-      for (int d = 0; d < R; ++d)
-        wait_flag(ctx, &mine->consumed[kOpCombine][n & 1][d], n - 2,
-                  "low_latency_combine (send)", "receive of call n-2 finished", d);
+  if (warp == 0) {  // the region must be free at every destination
+    const uint64_t n = warp_enter_send(ctx, kOpCombine, "low_latency_combine (send)");
+    if (lane == 0) call_s = n;
+  } else {
+    // meanwhile the rows of each expert and where each source's start (one round of loads)
+    const int stride = blockDim.x - 32, i0 = tid - 32;
+    for (int l = i0; l < L; l += stride) count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
+    for (int i = i0; i < L * R; i += stride) first[i] = __ldg(a.src_offset + i);
   }
   __syncthreads();
   const uint64_t n = call_s;
@@ -726,9 +727,10 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
         reinterpret_cast<float*>(own + a.plan.gate_weight)[p] = a.weights[p];
       }
       __syncthreads();
-      if (tid == 0) {
-        __threadfence_system();
-        for (int r = 0; r < R; ++r) store_release(&ll_control(ctx, r)->gates[n & 1][me], n);
+      if (warp == 0) {
+        if (lane == 0) __threadfence_system();
+        __syncwarp();
+        warp_signal_peers(ctx, &mine->gates[n & 1][me], n);
       }
     }
     if (tid == 0) {
@@ -781,10 +783,9 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     }
   }
 
-  if (ll_last_block(ctx, kCounterCombineSend) && tid == 0) {
-    for (int p = 0; p < R; ++p)
-      store_release(&ll_control(ctx, p)->arrived[kOpCombine][n & 1][me], n);
-    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
+  if (ll_last_block(ctx, kCounterCombineSend) && warp == 0) {
+    warp_signal_peers(ctx, &mine->arrived[kOpCombine][n & 1][me], n);
+    if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   profile_end(ctx, kProfLLCombineSend);
   return n;
@@ -902,12 +903,9 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64
     }
     list[0] = count;
   }
-  if (threadIdx.x == 0) {
-    check_rank(ctx, "low_latency_combine (receive)");
-    for (int s = 0; s < R; ++s)
-      wait_flag(ctx, &mine->arrived[kOpCombine][n & 1][s], n, "low_latency_combine (receive)",
-                "partial rows sent back", s);
-  }
+  if (threadIdx.x < 32)
+    warp_wait_peers(ctx, mine->arrived[kOpCombine][n & 1], n, "low_latency_combine (receive)",
+                    "partial rows sent back");
   __syncthreads();
   profile_mark(ctx, kProfLLCombineReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
@@ -916,11 +914,8 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64
     case LLElement::kF16: combine_sum<__half>(a, base, lists); break;
     default: combine_sum<float>(a, base, lists); break;
   }
-  if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) &&
-      threadIdx.x == 0) {
-    for (int s = 0; s < R; ++s)
-      store_release(&ll_control(ctx, s)->consumed[kOpCombine][n & 1][ctx.rank], n);
-  }
+  if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
+    warp_signal_peers(ctx, &mine->consumed[kOpCombine][n & 1][ctx.rank], n);
   profile_end(ctx, kProfLLCombineReceive);
 }
 
@@ -1002,16 +997,13 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
 }
 
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
-  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
+  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
-  const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.cached);
-  const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
-  const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
+  const size_t smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.cached);
   cudaError_t status =
       allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_kernel), smem);
   if (status != cudaSuccess) return status;
