@@ -125,6 +125,53 @@ __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t*
                   n);
 }
 
+// Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
+// it; data is shared memory with n + 1 entries.
+__device__ inline void block_exclusive_scan(int* data, int n) {
+  __shared__ int warp_sums[kWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, tid * per), end = min(n, begin + per);
+  int sum = 0;
+  for (int i = begin; i < end; ++i) sum += data[i];
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kWarps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  int run = incl - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int i = begin; i < end; ++i) {
+    const int v = data[i];
+    data[i] = run;
+    run += v;
+  }
+  if (tid == blockDim.x - 1) data[n] = run;
+  __syncthreads();
+}
+
+// Largest j in [0, n) with data[j] <= value (data ascending, data[0] <= value).
+__device__ __forceinline__ int last_not_above(const int* data, int n, int value) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (data[mid] <= value) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // dst[0, n) = src[0, n) and, if src2 is given, dst2[0, n) = src2[0, n) (shared memory <-
 // global), all threads of the block; each thread loads kBatch values of each before storing
 // any (the stores might alias the loads as far as the compiler knows, which would make every
@@ -476,15 +523,8 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- dispatch receive
 
-// Every (local expert l, source s, slot) that may hold a row is a candidate, dealt to the
-// lanes of all warps: lane j of warp w takes candidates q = w + G * j (+ 32 G ...), G warps,
-// with q = slot * E + l * R + s (the low slots of every (l, s), where rows are, spread over
-// distinct warps). A lane loads its candidate's index entry and the counts of l from every
-// source in one round (no block-wide scan of the counts first, which made the entries a
-// second round, NOTES item 41); then its warp copies the rows of its valid lanes. A candidate
-// also stands for row j = s * M + slot of expert l, which it marks unused in the handle where
-// j >= the expert's total.
-__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, uint64_t n) {
+// prefix: E + 1 ints of shared memory (over (local expert, source), expert-major).
+__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -497,55 +537,55 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, uint64_t n) {
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);  // [R][L]
-  const int32_t* table = reinterpret_cast<const int32_t*>(base + a.plan.table);    // [L][R][M]
-  const int G = gridDim.x * kWarps, w = warp * gridDim.x + blockIdx.x;  // warps across SMs
-  const int candidates = E * M;
-  for (int q0 = 0; q0 < candidates; q0 += 32 * G) {
-    const int q = q0 + lane * G + w;
-    const bool live = q < candidates;
-    const int slot = q / E, c = q % E, l = c / R, s = c % R;
-    int entry = -1, before = 0, total = 0, count = 0;
-    if (live) {
-      entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
-      for (int src = 0; src < R; ++src) {
-        const int v = min(max(__ldcg(counts + src * L + l), 0), M);
-        total += v;
-        if (src < s) before += v;
-        if (src == s) count = v;
+  const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
+  const int32_t* table = reinterpret_cast<const int32_t*>(base + a.plan.table);
+  for (int i = tid; i < E; i += blockDim.x) {
+    const int l = i / R, s = i % R;
+    prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
+  }
+  __syncthreads();
+  block_exclusive_scan(prefix, E);
+  const int total = prefix[E];
+
+  if (blockIdx.x == 0) {
+    for (int l = tid; l < L; l += blockDim.x) a.recv_count[l] = prefix[(l + 1) * R] - prefix[l * R];
+    if (a.src_offset != nullptr)  // for the combine: no scan of the counts there
+      for (int i = tid; i < E; i += blockDim.x) a.src_offset[i] = prefix[i] - prefix[i / R * R];
+  }
+  if (a.src_rank != nullptr) {
+    const size_t rows = size_t(L) * RM;
+    for (size_t row = size_t(blockIdx.x) * blockDim.x + tid; row < rows;
+         row += size_t(gridDim.x) * blockDim.x) {
+      const int l = int(row / RM), i = int(row % RM);
+      if (i >= prefix[(l + 1) * R] - prefix[l * R]) {
+        a.src_rank[row] = -1;
+        a.src_token[row] = -1;
+        a.src_k[row] = -1;
       }
     }
-    const bool valid = live && slot < count;
-    const size_t row = size_t(l) * RM + before + slot;
-    if (live && slot == 0) {  // one lane per (l, s): the handle's offsets and counts
-      if (a.src_offset != nullptr) a.src_offset[c] = before;
-      if (s == 0) a.recv_count[l] = total;
-    }
-    if (live && a.src_rank != nullptr && s * M + slot >= total) {
-      const size_t unused = size_t(l) * RM + s * M + slot;
-      a.src_rank[unused] = -1;
-      a.src_token[unused] = -1;
-      a.src_k[unused] = -1;
-    }
-    // the valid lanes' rows, one after another, each by the whole warp with every load of
-    // its record in flight at once (a token's record serves each of its experts here)
-    for (unsigned m = __ballot_sync(0xffffffffu, valid); m != 0; m &= m - 1) {
-      const int v = __ffs(m) - 1;
-      const int e = __shfl_sync(0xffffffffu, entry, v), src = __shfl_sync(0xffffffffu, s, v);
-      const size_t r = __shfl_sync(0xffffffffu, row, v);
-      const int t = e >> kLLPairBits, k = e & ((1 << kLLPairBits) - 1);
-      if (t < 0 || t >= M) continue;  // never read outside the records
-      const char* rec = base + a.plan.records + (size_t(src) * M + t) * a.plan.record_stride;
-      copy_record(static_cast<char*>(a.out_x) + r * a.row_bytes,
-                  a.out_scales != nullptr
-                      ? reinterpret_cast<char*>(a.out_scales) + r * a.scale_bytes
-                      : nullptr,
-                  rec, a.plan, a.row_bytes, a.scale_bytes, lane);
-      if (lane == 0 && a.src_rank != nullptr) {
-        a.src_rank[r] = src;
-        a.src_token[r] = t;
-        a.src_k[r] = k;
-      }
+  }
+
+  // one warp per received row: its index entry, then the whole record with every load in
+  // flight at once (rows are read from the local buffer; a token's record serves each of its
+  // experts here)
+  // rows dealt block by block (row r to block r % grid): every SM copies about total / grid
+  for (int r = warp * gridDim.x + blockIdx.x; r < total; r += gridDim.x * kWarps) {
+    const int j = last_not_above(prefix, E, r);
+    const int l = j / R, s = j % R, slot = r - prefix[j];
+    const size_t row = size_t(l) * RM + (r - prefix[l * R]);
+    const int entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
+    const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
+    if (t < 0 || t >= M) continue;  // never read outside the records
+    const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
+    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
+                a.out_scales != nullptr
+                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
+                    : nullptr,
+                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+    if (lane == 0 && a.src_rank != nullptr) {
+      a.src_rank[row] = s;
+      a.src_token[row] = t;
+      a.src_k[row] = k;
     }
   }
 
@@ -561,7 +601,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
 }
 
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
-  dispatch_receive(a, read_call(a.call));
+  extern __shared__ int smem[];
+  dispatch_receive(a, smem, read_call(a.call));
 }
 
 // Send and receive in one cooperative launch (every block resident: the receive half waits
@@ -570,7 +611,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
   const uint64_t n = dispatch_send(send, smem);
-  dispatch_receive(receive, n);
+  __syncthreads();  // shared memory is reused
+  dispatch_receive(receive, smem, n);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -997,13 +1039,16 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
 }
 
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
-  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, 0, stream>>>(a);
+  const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
+  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
-  const size_t smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.cached);
+  const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.cached);
+  const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
+  const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
   cudaError_t status =
       allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_kernel), smem);
   if (status != cudaSuccess) return status;
