@@ -3,7 +3,8 @@
 # every tree under variants/ (benchmarks/make_variants.sh), each built against the machine's
 # jax/NVSHMEM (all builds at once, then the benchmarks one after the other), in one call.
 # Logs in $OUT/ab/<name>.
-#   bash benchmarks/ab_on_device.sh [gpus] [bench_intranode args] [ll]
+#   bash benchmarks/ab_on_device.sh [gpus] [bench_intranode args, or none] [ll]
+# AB_PASSES=p runs the benchmarks of all trees p times over (interleaved: drift shows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-2}
@@ -26,16 +27,20 @@ for tree in "${trees[@]}"; do
     touch "$log/built") &
 done
 wait
+for pass in $(seq "${AB_PASSES:-1}"); do
 for tree in "${trees[@]}"; do
   name=$(name_of "$tree"); log=$OUT/ab/$name
-  echo; echo "=== $name ($(date +%T))"
+  echo; echo "=== $name, pass $pass ($(date +%T))"
   [[ -f $log/built ]] || { echo "build failed"; tail -20 "$log/build.log"; continue; }
-  (cd "$tree" && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
-    benchmarks/bench_intranode.py --profile $ARGS 2>&1 | tee "$log/bench_intranode.log" |
-    grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|.*FAILED)" | sed 's/^\[rank 0\] //')
-  if [[ -n $LL ]]; then
-    (cd "$tree" && PYTHONPATH=$PWD timeout 200 $PY -m jax_ep.launch -n "$N" \
-      benchmarks/bench_low_latency.py --profile 2>&1 | tee "$log/bench_low_latency.log" |
+  if [[ $ARGS != none ]]; then
+    (cd "$tree" && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
+      benchmarks/bench_intranode.py --profile $ARGS 2>&1 | tee "$log/bench_intranode_$pass.log" |
       grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|.*FAILED)" | sed 's/^\[rank 0\] //')
   fi
+  if [[ -n $LL ]]; then
+    (cd "$tree" && PYTHONPATH=$PWD timeout 200 $PY -m jax_ep.launch -n "$N" \
+      benchmarks/bench_low_latency.py --profile 2>&1 | tee "$log/bench_low_latency_$pass.log" |
+      grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|    ll_.*/|.*FAILED)" | sed 's/^\[rank 0\] //')
+  fi
+done
 done
