@@ -19,7 +19,6 @@ constexpr int kWarps = kLLThreads / 32;
 // after the other, and the slots ended ~2 µs after the rows (NOTES item 39).
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
-constexpr int kDestWarp = 1;  // the token warp that finds a token's destinations
 constexpr int kTokenBarrier = 1, kSlotBarrier = 2;  // named barriers (0 is __syncthreads)
 
 // A barrier among `threads` threads (whole warps) of the block.
@@ -450,14 +449,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchSend, kEnter);
 
-  // The destination warp's first token: its ids loaded while warp 0 checks the region (the
-  // destinations' addresses wait for it, the ranks need not).
-  int first_id = -1, first_slot = 0;
-  if (warp == kDestWarp && lane < K && int(blockIdx.x) < T) {
-    first_id = a.topk_idx[blockIdx.x * K + lane];
-    if (a.cached) first_slot = a.slots_in[blockIdx.x * K + lane];
-  }
-  if (!token_warp) {  // ids into shared memory while warp 0 checks the region
+  if (!token_warp) {  // ids into shared memory while thread 0 checks the region
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
   } else if (warp == 0) {
@@ -472,14 +464,12 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
   if (token_warp) {
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-      if (warp == kDestWarp) {  // the distinct destination ranks of token t
+      if (warp == 0) {  // the distinct destination ranks of token t
         int r = -1;
         if (lane < K) {
-          const int p = t * K + lane;
-          const bool first = t == int(blockIdx.x);
-          const int e = first ? first_id : a.topk_idx[p];
-          const int slot = !a.cached ? 0 : first ? first_slot : a.slots_in[p];
-          const bool sent = e >= 0 && e < E && (!a.cached || (slot >= 0 && slot < M));
+          const int p = t * K + lane, e = a.topk_idx[p];
+          const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
+                                                              a.slots_in[p] < M));
           if (sent) r = e / L;
           else a.send_slot[p] = -1;  // no expert warp finds this pair
         }
