@@ -291,9 +291,6 @@ struct LLControl {
   uint64_t consumed[kLLOps][2][kMaxRanks];
   // gates[parity][s] = n: PE s has published its gates of combine call n (in its own buffer)
   uint64_t gates[2][kMaxRanks];
-  // indexed[parity][s] = n: PE s has written its counts and index entries of dispatch call n
-  // into this buffer (raised before its rows have landed: the receive looks them up meanwhile)
-  uint64_t indexed[2][kMaxRanks];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {

@@ -31,7 +31,7 @@ constexpr size_t kPiece = 4096, kPieceQuantum = 512;
 constexpr int kOpDispatch = 0, kOpCombine = 1;
 // block_counter slots of LLControl
 constexpr int kCounterDispatchSend = 0, kCounterDispatchReceive = 1, kCounterCombineSend = 2,
-              kCounterCombineReceive = 3, kCounterDispatchIndex = 4;
+              kCounterCombineReceive = 3;
 
 __device__ __forceinline__ char* ll_base(const PeerContext& ctx, int pe) {
   return static_cast<char*>(ctx.peers[pe]);
@@ -501,20 +501,6 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   } else {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
     block_expert_slots(a, region, smem, &mine->dropped_pairs, warp - kTokenWarps);
-    // The index (counts and entries) is complete when every block's slot warps are done: the
-    // last block's raise indexed[me] at every destination, ahead of the rows.
-    group_sync(kSlotBarrier, kSlotThreads);  // the block's index writes before the fence
-    if (warp == kTokenWarps) {
-      bool last = false;
-      if (lane == 0) {
-        __threadfence_system();
-        unsigned* counter = &mine->block_counter[kCounterDispatchIndex];
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-        if (last) *counter = 0;  // the kernel's end orders the reset before the next call
-      }
-      if (__shfl_sync(0xffffffffu, last, 0))
-        warp_signal_peers(ctx, &mine->indexed[n & 1][me], n);
-    }
     if (warp == kTokenWarps) {
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
@@ -537,39 +523,19 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- dispatch receive
 
-// A received row looked up: its place in out, its source and its index entry (token, k).
-struct RowLookup {
-  long long row;  // -1: none
-  int source, entry;
-};
-
-// Row r (of `total`, in (local expert, source, slot) order): the index entry its source wrote.
-__device__ __forceinline__ RowLookup look_up_row(const int* prefix, const int32_t* table, int r,
-                                                 int total, int E, int R, int M) {
-  RowLookup x{-1, 0, 0};
-  if (r >= total) return x;
-  const int j = last_not_above(prefix, E, r);
-  const int l = j / R, s = j % R, slot = r - prefix[j];
-  x.row = (long long)l * R * M + (r - prefix[l * R]);
-  x.source = s;
-  x.entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
-  return x;
-}
-
 // prefix: E + 1 ints of shared memory (over (local expert, source), expert-major).
-// The sources' counts and index entries are read as soon as they are indexed (the rows may
-// still be travelling); each warp looks up up to 32 of its rows at once (a lane each), and
-// copies them once every source's rows have landed (NOTES item 41).
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
-  const char* op = "low_latency_dispatch (receive)";
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
-  if (warp == 0) warp_wait_peers(ctx, mine->indexed[n & 1], n, op, "counts and index sent");
+  if (warp == 0)
+    warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, "low_latency_dispatch (receive)",
+                    "rows sent");
   __syncthreads();
+  profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
   const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
   const int32_t* table = reinterpret_cast<const int32_t*>(base + a.plan.table);
@@ -599,34 +565,27 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
   }
 
-  // rows dealt warp by warp across the blocks (row r to warp r % warps): every SM copies about
-  // total / grid; one warp per row, with every load of its record in flight at once (rows are
-  // read from the local buffer; a token's record serves each of its experts here)
-  const int warps = gridDim.x * kWarps, w = warp * gridDim.x + blockIdx.x;
-  RowLookup x = look_up_row(prefix, table, w + lane * warps, total, E, R, M);
-  if (warp == 0) warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, op, "rows sent");
-  __syncthreads();
-  profile_mark(ctx, kProfLLDispatchReceive, kWaited);
-  for (int r0 = w; r0 < total; r0 += 32 * warps) {
-    if (r0 != w) x = look_up_row(prefix, table, r0 + lane * warps, total, E, R, M);
-    for (unsigned m = __ballot_sync(0xffffffffu, x.row >= 0); m != 0; m &= m - 1) {
-      const int v = __ffs(m) - 1;
-      const long long row = __shfl_sync(0xffffffffu, x.row, v);
-      const int s = __shfl_sync(0xffffffffu, x.source, v);
-      const int entry = __shfl_sync(0xffffffffu, x.entry, v);
-      const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
-      if (t < 0 || t >= M) continue;  // never read outside the records
-      const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
-      copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
-                  a.out_scales != nullptr
-                      ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
-                      : nullptr,
-                  rec, a.plan, a.row_bytes, a.scale_bytes, lane);
-      if (lane == 0 && a.src_rank != nullptr) {
-        a.src_rank[row] = s;
-        a.src_token[row] = t;
-        a.src_k[row] = k;
-      }
+  // one warp per received row: its index entry, then the whole record with every load in
+  // flight at once (rows are read from the local buffer; a token's record serves each of its
+  // experts here)
+  // rows dealt block by block (row r to block r % grid): every SM copies about total / grid
+  for (int r = warp * gridDim.x + blockIdx.x; r < total; r += gridDim.x * kWarps) {
+    const int j = last_not_above(prefix, E, r);
+    const int l = j / R, s = j % R, slot = r - prefix[j];
+    const size_t row = size_t(l) * RM + (r - prefix[l * R]);
+    const int entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
+    const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
+    if (t < 0 || t >= M) continue;  // never read outside the records
+    const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
+    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
+                a.out_scales != nullptr
+                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
+                    : nullptr,
+                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+    if (lane == 0 && a.src_rank != nullptr) {
+      a.src_rank[row] = s;
+      a.src_token[row] = t;
+      a.src_k[row] = k;
     }
   }
 
