@@ -830,8 +830,7 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem,
   piece = piece < kPieceQuantum ? kPieceQuantum : piece > kPiece ? kPiece : piece;
   const size_t pieces = (a.row_bytes + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
-  // warps numbered across the blocks first: where units run out, every SM still has work
-  const size_t u_begin = (size_t(warp) * gridDim.x + blockIdx.x) * per_warp;
+  const size_t u_begin = (size_t(blockIdx.x) * kWarps + warp) * per_warp;
   const size_t u_end = min(units, u_begin + per_warp);
   size_t current = ~size_t(0);
   int waited = -1;  // the last peer whose gates this warp waited for
