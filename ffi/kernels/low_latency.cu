@@ -19,8 +19,7 @@ constexpr int kWarps = kLLThreads / 32;
 // after the other, and the slots ended ~2 µs after the rows (NOTES item 39).
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
-// named barriers (0 is __syncthreads)
-constexpr int kTokenBarrier = 1, kSlotBarrier = 2, kListBarrier = 3;
+constexpr int kTokenBarrier = 1, kSlotBarrier = 2;  // named barriers (0 is __syncthreads)
 
 // A barrier among `threads` threads (whole warps) of the block.
 __device__ __forceinline__ void group_sync(int barrier, int threads) {
@@ -616,39 +615,6 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
   dispatch_receive(receive, smem, n);
 }
 
-// Each token's ranks with a kept pair, ascending and distinct, into lists [T][K + 1] (count,
-// then the ranks): smem is ll_combine_receive_smem() bytes, the lists first, then the pairs'
-// ids and slots staged. Threads [first_thread, blockDim) take part; `barrier` is a named
-// barrier for exactly those (0 with first_thread 0: __syncthreads). The caller syncs after.
-__device__ void build_rank_lists(const LLCombineReceiveArgs& a, int* smem, int first_thread,
-                                 int barrier) {
-  const int R = a.ctx.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R;
-  const int n_pairs = a.num_tokens * K;
-  const int thread = threadIdx.x - first_thread, threads = blockDim.x - first_thread;
-  int* lists = smem;                                  // [T][K + 1]
-  int* ids = lists + size_t(a.num_tokens) * (K + 1);  // [T*K]
-  int* slots = ids + n_pairs;                         // [T*K]
-  // not 2K dependent loads a token
-  stage_ints(ids, a.topk_idx, n_pairs, slots, a.send_slot, thread, threads);
-  group_sync(barrier, threads);
-  for (int t = thread; t < a.num_tokens; t += threads) {  // insertion into the token's list
-    int* list = lists + t * (K + 1);
-    int count = 0;
-    for (int k = 0; k < K; ++k) {
-      const int p = t * K + k, e = ids[p];
-      if (slots[p] < 0 || e < 0 || e >= E) continue;
-      const int r = e / L;
-      int j = count;
-      while (j > 0 && list[j] > r) --j;  // list[1..count] ascending
-      if (j > 0 && list[j] == r) continue;
-      for (int m = count; m > j; --m) list[m + 1] = list[m];
-      list[j + 1] = r;
-      ++count;
-    }
-    list[0] = count;
-  }
-}
-
 // ----------------------------------------------------------------------------- combine send
 
 // Lane k < K of the calling warp: whether pair (t, k) of owner s is ours, its row in y and
@@ -769,11 +735,7 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
 
 // Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
 // block resident (a cooperative launch): the blocks wait for block 0's publication.
-// lists: where a fused kernel's receive half wants its rank lists built while warp 0 waits for
-// the region (with `receive`), or nullptr.
-__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem,
-                                 const LLCombineReceiveArgs* receive = nullptr,
-                                 int* lists = nullptr) {
+__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_local_experts, RM = a.rows_per_expert, K = a.num_topk, T = a.num_tokens;
   const int R = ctx.num_ranks, me = ctx.rank;
@@ -791,7 +753,6 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem,
     const int stride = blockDim.x - 32, i0 = tid - 32;
     for (int l = i0; l < L; l += stride) count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
     for (int i = i0; i < L * R; i += stride) first[i] = __ldg(a.src_offset + i);
-    if (lists != nullptr) build_rank_lists(*receive, lists, 32, kListBarrier);
   }
   __syncthreads();
   const uint64_t n = call_s;
@@ -954,16 +915,36 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, con
   }
 }
 
-// smem: ll_combine_receive_smem() bytes; lists_built: build_rank_lists has filled it (the
-// fused kernel builds the lists while its send waits for the region).
-__device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64_t n,
-                                bool lists_built) {
+// smem: ll_combine_receive_smem() bytes: the lists, then the pairs' ids and slots staged.
+__device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64_t n) {
   const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R;
+  const int n_pairs = a.num_tokens * K;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
-  const int* lists = smem;
+  int* lists = smem;                                 // [T][K + 1]
+  int* ids = lists + size_t(a.num_tokens) * (K + 1);  // [T*K]
+  int* slots = ids + n_pairs;                        // [T*K]
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
-  if (!lists_built) build_rank_lists(a, smem, 0, 0);
+  stage_ints(ids, a.topk_idx, n_pairs, slots, a.send_slot);  // not 2K dependent loads a token
+  __syncthreads();
+  // each token's ranks with a kept pair, ascending and distinct (insertion into its list)
+  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
+    int* list = lists + t * (K + 1);
+    int count = 0;
+    for (int k = 0; k < K; ++k) {
+      const int p = t * K + k, e = ids[p];
+      if (slots[p] < 0 || e < 0 || e >= E) continue;
+      const int r = e / L;
+      int j = count;
+      while (j > 0 && list[j] > r) --j;  // list[1..count] ascending
+      if (j > 0 && list[j] == r) continue;
+      for (int m = count; m > j; --m) list[m + 1] = list[m];
+      list[j + 1] = r;
+      ++count;
+    }
+    list[0] = count;
+  }
   if (threadIdx.x < 32)
     warp_wait_peers(ctx, mine->arrived[kOpCombine][n & 1], n, "low_latency_combine (receive)",
                     "partial rows sent back");
@@ -987,17 +968,16 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
 
 __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
   extern __shared__ int smem[];
-  combine_receive(a, smem, read_call(a.call), /*lists_built=*/false);
+  combine_receive(a, smem, read_call(a.call));
 }
 
 // Both halves of a combine in one cooperative launch (see ll_dispatch_kernel).
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArgs send,
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
-  // the receive's lists after the send's arrays, built during the send's wait for the region
-  int* lists = smem + ll_combine_send_ints(send.num_local_experts, send.ctx.num_ranks);
-  const uint64_t n = combine_send(send, smem, &receive, lists);
-  combine_receive(receive, lists, n, /*lists_built=*/true);
+  const uint64_t n = combine_send(send, smem);
+  __syncthreads();  // shared memory is reused
+  combine_receive(receive, smem, n);
 }
 
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
@@ -1125,13 +1105,12 @@ cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_
 
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
                               cudaStream_t stream) {
+  const size_t a = combine_send_smem(send), b = combine_receive_smem(receive);
   LLCombineSendArgs s = send;
   LLCombineReceiveArgs r = receive;
   void* args[] = {&s, &r};
-  // the send's arrays and the receive's lists side by side (the lists are built early)
   return launch_cooperative(reinterpret_cast<const void*>(ll_combine_kernel), receive.num_blocks,
-                            combine_send_smem(send) + combine_receive_smem(receive), args,
-                            stream);
+                            a > b ? a : b, args, stream);
 }
 
 }  // namespace jax_ep

@@ -110,12 +110,9 @@ struct LLCombineReceiveArgs {
 
 // Dynamic shared memory of the combine kernels: the send's row offsets ([L] counts, one spare
 // int, [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]) and the pairs' ids
-// and slots it builds them from ([T*K] each); the fused kernel's holds both, side by side.
-JAX_EP_HOST_DEVICE inline size_t ll_combine_send_ints(int num_local_experts, int num_ranks) {
-  return size_t(num_local_experts) + 1 + size_t(num_local_experts) * num_ranks;
-}
+// and slots it builds them from ([T*K] each).
 inline size_t ll_combine_send_smem(int num_local_experts, int num_ranks) {
-  return sizeof(int32_t) * ll_combine_send_ints(num_local_experts, num_ranks);
+  return sizeof(int32_t) * (size_t(num_local_experts) + 1 + size_t(num_local_experts) * num_ranks);
 }
 inline size_t ll_combine_receive_smem(int num_tokens, int num_topk) {
   return sizeof(int32_t) * size_t(num_tokens) * (num_topk + 1 + 2 * num_topk);
