@@ -61,29 +61,10 @@ __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
   }
 }
 
-// True in exactly one block: the last to arrive at the low-latency counter `slot`. With
-// publish, each block arrives with a release add at system scope and the last one's add also
-// acquires (acq_rel): its later release stores of flags then carry every block's writes to
-// the peers. That is the last-block pattern without a sequentially consistent fence per block
-// (fence.sc.sys, which the normal-mode kernels' last_block_on uses). Without publish (the
-// receives: their signal says only that the region has been read) a relaxed add.
-__device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool publish = true) {
-  __shared__ bool is_last;
-  unsigned* counter = &ll_control(ctx, ctx.rank)->block_counter[slot];
-  allow_next_kernel();  // this block has no more work but its arrival
-  __syncthreads();      // the block's writes before thread 0's (cumulative) release
-  if (threadIdx.x == 0) {
-    unsigned arrived;
-    if (publish)
-      asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], 1;"
-                   : "=r"(arrived) : "l"(counter) : "memory");
-    else
-      arrived = atomicAdd(counter, 1u);
-    is_last = arrived == gridDim.x - 1;
-    if (is_last) *counter = 0;  // the kernel's end orders the reset before the next call
-  }
-  __syncthreads();
-  return is_last;
+// last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
+// signal (consumed) only says that the region has been read.
+__device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true) {
+  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], false, fence_writes);
 }
 
 // Flags of every peer in one round of loads: each lane of the calling warp loads its own
@@ -609,7 +590,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   }
 
   // every CTA has read what it needed: tell every source its region may be reused
-  if (ll_last_block(ctx, kCounterDispatchReceive, /*publish=*/false) && warp == 0)
+  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0)
     warp_signal_peers(ctx, &mine->consumed[kOpDispatch][n & 1][ctx.rank], n);
   profile_end(ctx, kProfLLDispatchReceive);
 }
@@ -788,8 +769,11 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
         reinterpret_cast<float*>(own + a.plan.gate_weight)[p] = a.weights[p];
       }
       __syncthreads();
-      if (warp == 0)  // release stores: the block's gate writes (ordered by the barrier) first
+      if (warp == 0) {
+        if (lane == 0) __threadfence_system();
+        __syncwarp();
         warp_signal_peers(ctx, &mine->gates[n & 1][me], n);
+      }
     }
     if (tid == 0) {
       a.call_out[0] = int32_t(uint32_t(n));
@@ -972,7 +956,7 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64
     case LLElement::kF16: combine_sum<__half>(a, base, lists); break;
     default: combine_sum<float>(a, base, lists); break;
   }
-  if (ll_last_block(ctx, kCounterCombineReceive, /*publish=*/false) && threadIdx.x < 32)
+  if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
     warp_signal_peers(ctx, &mine->consumed[kOpCombine][n & 1][ctx.rank], n);
   profile_end(ctx, kProfLLCombineReceive);
 }
