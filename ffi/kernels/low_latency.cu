@@ -507,15 +507,17 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     }
   }
 
-  // ---- the last block reports the dropped pairs and raises arrived[me] at every destination
+  // ---- the last block raises arrived[me] at every destination and reports the dropped pairs
+  // (the peers first: the dropped count's exchange is a round trip that only this PE's
+  // outputs wait for)
   if (ll_last_block(ctx, kCounterDispatchSend) && warp == 0) {
+    warp_signal_peers(ctx, &mine->arrived[kOpDispatch][n & 1][me], n);
     if (lane == 0) {
       *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
       a.call_out[0] = int32_t(uint32_t(n));
       a.call_out[1] = int32_t(uint32_t(n >> 32));
+      *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
     }
-    warp_signal_peers(ctx, &mine->arrived[kOpDispatch][n & 1][me], n);
-    if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
   }
   profile_end(ctx, kProfLLDispatchSend);
   return n;
