@@ -449,7 +449,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchSend, kEnter);
 
-  if (!token_warp) {  // ids into shared memory while thread 0 checks the region
+  if (!token_warp) {  // ids into shared memory while warp 0 checks the region
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
   } else if (warp == 0) {
