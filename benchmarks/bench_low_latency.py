@@ -103,7 +103,12 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         s, pending = jax.lax.optimization_barrier((s, pending))
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
 
+    def dispatch_fp8_split(x, idx):  # the two halves back to back: the split's own cost
+        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
+        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0]
+
     record("jax_ep low_latency_dispatch FP8", dispatch_fp8, x, idx_d)
+    record("jax_ep dispatch FP8, send then receive", dispatch_fp8_split, x, idx_d)
     record("jax_ep low_latency_dispatch BF16", dispatch_bf16, x, idx_d)
     record("jax_ep dispatch BF16 + combine BF16", combine, x, idx_d, w)
 
