@@ -1,6 +1,8 @@
 // Low-latency (decode) dispatch and combine kernels; see low_latency.h for the protocol.
 #include "kernels/low_latency.h"
 
+#include "kernels/intranode.h"  // launch_after_previous
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -602,8 +604,11 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
   dispatch_send(a, smem);
 }
 
+// The split receives are launched to start while the kernel before them drains (their call
+// number is that kernel's output, or an earlier one's): nothing is read before the wait.
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
+  wait_previous_kernel();
   dispatch_receive(a, smem, read_call(a.call));
 }
 
@@ -970,6 +975,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
 
 __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
   extern __shared__ int smem[];
+  wait_previous_kernel();
   combine_receive(a, smem, read_call(a.call));
 }
 
@@ -1042,8 +1048,8 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
 
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
   const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
-  ll_dispatch_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_after_previous(ll_dispatch_receive_kernel, a.num_blocks, kLLThreads, smem, stream,
+                               a);
 }
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
@@ -1101,8 +1107,8 @@ cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_
   const cudaError_t status =
       allow_shared_memory(reinterpret_cast<const void*>(ll_combine_receive_kernel), smem);
   if (status != cudaSuccess) return status;
-  ll_combine_receive_kernel<<<a.num_blocks, kLLThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_after_previous(ll_combine_receive_kernel, a.num_blocks, kLLThreads, smem, stream,
+                               a);
 }
 
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
