@@ -599,13 +599,14 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
+// Every LL kernel is launched to start while the kernel before it drains (programmatic
+// launch) and waits for it before reading anything: its inputs, the LL control state.
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
   extern __shared__ int smem[];
+  wait_previous_kernel();
   dispatch_send(a, smem);
 }
 
-// The split receives are launched to start while the kernel before them drains (their call
-// number is that kernel's output, or an earlier one's): nothing is read before the wait.
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
@@ -617,6 +618,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendArgs send,
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
+  wait_previous_kernel();
   const uint64_t n = dispatch_send(send, smem);
   __syncthreads();  // shared memory is reused
   dispatch_receive(receive, smem, n);
@@ -970,6 +972,7 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64
 
 __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSendArgs a) {
   extern __shared__ int smem[];
+  wait_previous_kernel();
   combine_send(a, smem);
 }
 
@@ -983,9 +986,29 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombin
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArgs send,
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
+  wait_previous_kernel();
   const uint64_t n = combine_send(send, smem);
   __syncthreads();  // shared memory is reused
   combine_receive(receive, smem, n);
+}
+
+// A cooperative launch (every block resident) that may also start while the kernel before it
+// drains, like launch_after_previous (the kernels wait in wait_previous_kernel first).
+cudaError_t cooperative_after_previous(const void* kernel, int grid, size_t smem, void** args,
+                                       cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kLLThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeCooperative;
+  attributes[0].val.cooperative = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
+  config.attrs = attributes;
+  config.numAttrs = 2;
+  return cudaLaunchKernelExC(&config, kernel, args);
 }
 
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
@@ -1042,8 +1065,8 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
   const cudaError_t status =
       allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_send_kernel), smem);
   if (status != cudaSuccess) return status;
-  ll_dispatch_send_kernel<<<grid > 0 ? grid : 1, kLLThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_after_previous(ll_dispatch_send_kernel, grid > 0 ? grid : 1, kLLThreads, smem,
+                               stream, a);
 }
 
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
@@ -1069,8 +1092,8 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
   LLDispatchSendArgs s = send;
   LLDispatchReceiveArgs r = receive;
   void* args[] = {&s, &r};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(ll_dispatch_kernel),
-                                     dim3(grid), dim3(kLLThreads), args, smem, stream);
+  return cooperative_after_previous(reinterpret_cast<const void*>(ll_dispatch_kernel), grid, smem,
+                                    args, stream);
 }
 
 // The combine kernels wait for block 0's publication of the gates: always cooperative.
@@ -1082,7 +1105,7 @@ cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void
   if (status != cudaSuccess) return status;
   const int grid = cooperative_grid(kernel, smem, wanted);
   if (grid < 1) return cudaErrorCooperativeLaunchTooLarge;
-  return cudaLaunchCooperativeKernel(kernel, dim3(grid), dim3(kLLThreads), args, smem, stream);
+  return cooperative_after_previous(kernel, grid, smem, args, stream);
 }
 
 size_t combine_send_smem(const LLCombineSendArgs& a) {
