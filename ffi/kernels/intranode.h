@@ -19,6 +19,7 @@
 
 #include "kernels/buffer_layout.h"
 #include "kernels/device_utils.cuh"
+#include "kernels/launch.h"
 
 namespace jax_ep {
 
@@ -101,26 +102,6 @@ struct CombineArgs {
   const int32_t* src_rank;  // [C]: rows with -1 are not staged
   void* out;
 };
-
-// Launches `kernel` so that it may start while the previous kernel on the stream drains
-// (programmatic stream serialization; the kernel waits in wait_previous_kernel). Off with
-// JAX_EP_PDL=0.
-bool programmatic_launch();
-template <typename... Params, typename... Args>
-cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                  cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
 
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // Copy-engine transfers (copy_engine.cu), which the copy-engine dispatch and combine enqueue

@@ -2,8 +2,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "kernels/intranode.h"
@@ -956,18 +954,6 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
     profile_mark(ctx, kProfCachedGather, kRetired);
   }
 }
-
-}  // namespace
-
-bool programmatic_launch() {
-  static const bool value = [] {
-    const char* env = std::getenv("JAX_EP_PDL");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  return value;
-}
-
-namespace {
 
 int multiprocessors() {
   static const int count = [] {

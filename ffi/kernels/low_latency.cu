@@ -1,7 +1,7 @@
 // Low-latency (decode) dispatch and combine kernels; see low_latency.h for the protocol.
 #include "kernels/low_latency.h"
 
-#include "kernels/intranode.h"  // launch_after_previous
+#include "kernels/launch.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

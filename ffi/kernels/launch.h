@@ -1,0 +1,39 @@
+// Kernel launches shared by the normal-mode and the low-latency kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace jax_ep {
+
+// Whether kernels are launched to start while the kernel before them drains (programmatic
+// stream serialization; each such kernel waits in wait_previous_kernel before reading
+// anything). On unless JAX_EP_PDL=0; read once.
+inline bool programmatic_launch() {
+  static const bool value = [] {
+    const char* env = std::getenv("JAX_EP_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return value;
+}
+
+// Launches `kernel` so that it may start while the previous kernel on the stream drains.
+template <typename... Params, typename... Args>
+cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                  cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+}  // namespace jax_ep
