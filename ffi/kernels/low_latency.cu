@@ -53,7 +53,7 @@ __device__ __forceinline__ uint64_t read_call(const int32_t* call) {
   return uint64_t(uint32_t(call[0])) | (uint64_t(uint32_t(call[1])) << 32);
 }
 
-// Thread 0: the program's EP axis index must be this PE.
+// One thread: the program's EP axis index must be this PE (else a message and a trap).
 __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
   if (*ctx.expected_rank != ctx.rank) {
     printf("jax_ep %s: the expert-parallel axis index %d differs from the NVSHMEM PE %d; the EP "
