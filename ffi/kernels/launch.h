@@ -19,6 +19,17 @@ inline bool programmatic_launch() {
   return value;
 }
 
+// programmatic_launch() for a launch on `stream`, except while the stream is captured into a
+// CUDA graph (JAX_EP_COMMAND_BUFFERS=1): the low-latency tests passed there with plain
+// launches, and programmatic edges in captured graphs, cooperative launches among them, have
+// not been run yet.
+inline bool programmatic_launch_on(cudaStream_t stream) {
+  if (!programmatic_launch()) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+         capture == cudaStreamCaptureStatusNone;
+}
+
 // Launches `kernel` so that it may start while the previous kernel on the stream drains.
 template <typename... Params, typename... Args>
 cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
@@ -30,7 +41,7 @@ cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 blo
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
+  attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch_on(stream) ? 1 : 0;
   config.attrs = attribute;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, args...);

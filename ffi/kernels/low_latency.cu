@@ -1005,7 +1005,7 @@ cudaError_t cooperative_after_previous(const void* kernel, int grid, size_t smem
   attributes[0].id = cudaLaunchAttributeCooperative;
   attributes[0].val.cooperative = 1;
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = programmatic_launch() ? 1 : 0;
+  attributes[1].val.programmaticStreamSerializationAllowed = programmatic_launch_on(stream) ? 1 : 0;
   config.attrs = attributes;
   config.numAttrs = 2;
   return cudaLaunchKernelExC(&config, kernel, args);
