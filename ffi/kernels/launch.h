@@ -30,21 +30,43 @@ inline bool programmatic_launch_on(cudaStream_t stream) {
          capture == cudaStreamCaptureStatusNone;
 }
 
-// Launches `kernel` so that it may start while the previous kernel on the stream drains.
-template <typename... Params, typename... Args>
-cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                  cudaStream_t stream, Args... args) {
+// The configuration of a launch that may start while the previous kernel on the stream
+// drains; cooperative: every block resident as well. `attributes` (two) must outlive it.
+inline cudaLaunchConfig_t config_after_previous(dim3 grid, dim3 block, size_t smem,
+                                                cudaStream_t stream, bool cooperative,
+                                                cudaLaunchAttribute* attributes) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = programmatic_launch_on(stream) ? 1 : 0;
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = programmatic_launch_on(stream) ? 1 : 0;
+  attributes[1].id = cudaLaunchAttributeCooperative;
+  attributes[1].val.cooperative = 1;
+  config.attrs = attributes;
+  config.numAttrs = cooperative ? 2 : 1;
+  return config;
+}
+
+// Launches `kernel` so that it may start while the previous kernel on the stream drains.
+template <typename... Params, typename... Args>
+cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                  cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attributes[2];
+  const cudaLaunchConfig_t config =
+      config_after_previous(grid, block, smem, stream, /*cooperative=*/false, attributes);
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// The same as a cooperative launch (every block resident), the arguments as an array.
+inline cudaError_t launch_cooperative_after_previous(const void* kernel, dim3 grid, dim3 block,
+                                                     size_t smem, cudaStream_t stream,
+                                                     void** args) {
+  cudaLaunchAttribute attributes[2];
+  const cudaLaunchConfig_t config =
+      config_after_previous(grid, block, smem, stream, /*cooperative=*/true, attributes);
+  return cudaLaunchKernelExC(&config, kernel, args);
 }
 
 }  // namespace jax_ep

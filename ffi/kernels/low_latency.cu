@@ -992,25 +992,6 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
   combine_receive(receive, smem, n);
 }
 
-// A cooperative launch (every block resident) that may also start while the kernel before it
-// drains, like launch_after_previous (the kernels wait in wait_previous_kernel first).
-cudaError_t cooperative_after_previous(const void* kernel, int grid, size_t smem, void** args,
-                                       cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kLLThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attributes[2];
-  attributes[0].id = cudaLaunchAttributeCooperative;
-  attributes[0].val.cooperative = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = programmatic_launch_on(stream) ? 1 : 0;
-  config.attrs = attributes;
-  config.numAttrs = 2;
-  return cudaLaunchKernelExC(&config, kernel, args);
-}
-
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
 // every call: in a decode loop the handler's host time is on the critical path whenever the
 // GPU would otherwise run ahead. Handlers may run on several threads, hence the lock.
@@ -1092,8 +1073,8 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
   LLDispatchSendArgs s = send;
   LLDispatchReceiveArgs r = receive;
   void* args[] = {&s, &r};
-  return cooperative_after_previous(reinterpret_cast<const void*>(ll_dispatch_kernel), grid, smem,
-                                    args, stream);
+  return launch_cooperative_after_previous(reinterpret_cast<const void*>(ll_dispatch_kernel),
+                                           dim3(grid), dim3(kLLThreads), smem, stream, args);
 }
 
 // The combine kernels wait for block 0's publication of the gates: always cooperative.
@@ -1105,7 +1086,8 @@ cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void
   if (status != cudaSuccess) return status;
   const int grid = cooperative_grid(kernel, smem, wanted);
   if (grid < 1) return cudaErrorCooperativeLaunchTooLarge;
-  return cooperative_after_previous(kernel, grid, smem, args, stream);
+  return launch_cooperative_after_previous(kernel, dim3(grid), dim3(kLLThreads), smem, stream,
+                                           args);
 }
 
 size_t combine_send_smem(const LLCombineSendArgs& a) {
