@@ -292,8 +292,8 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
     dtype = jnp.float8_e4m3fn if config.use_fp8 else sent["dtype"].dtype
     types = _ll_receive_types(config, dtype, config.hidden, fp8=config.use_fp8, with_src=True)
     received = _call("jax_ep_ll_dispatch_receive", types, sent["call"], _rank(config.axis_name),
-                     axis_name=config.axis_name, num_topk=np.int64(config.num_topk),
-                     **_ll_attrs(config))
+                     axis_name=config.axis_name, num_tokens=np.int64(config.num_tokens),
+                     num_topk=np.int64(config.num_topk), **_ll_attrs(config))
     return _ll_output(config, sent["topk_idx"], sent["send_slot"], sent["num_dropped"],
                       *received)
 

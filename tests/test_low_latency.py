@@ -186,7 +186,7 @@ def test_ue8m0_scales_are_exact_powers_of_two():
 
 def test_low_latency_buffer_hint_covers_both_parities():
     """The hint (the handlers' own formula) holds two dispatch regions in half of the buffer
-    (per-expert counts, an index entry per (expert, slot), one record per (source, token) of
+    (per-expert counts, a pair header per (source, token, k), one record per (source, token) of
     the widest row) and two combine regions in the other half (the owner's gates, three
     [M, K] arrays, and one partial row per (token, rank)). Needs the extension, not a GPU."""
     from jax_ep import _native
@@ -196,7 +196,7 @@ def test_low_latency_buffer_hint_covers_both_parities():
     for M, H, E, K, R in [(128, 7168, 256, 8, 2), (64, 256, 16, 8, 2), (5, 128, 8, 2, 8)]:
         got = jax_ep.low_latency_buffer_size_hint(M, H, E, K, R)
         row = H * 2  # a bf16 row (wider than FP8 data + scales)
-        dispatch = 2 * (4 * E + 4 * E * M + R * M * row)
+        dispatch = 2 * (4 * E + 8 * R * M * K + R * M * row)
         combine = 2 * (3 * 4 * M * K + R * M * row)
         assert got >= dispatch * 2 and got >= combine * 2
         assert got <= 1.02 * max(dispatch * 2, combine * 2) + (1 << 20)

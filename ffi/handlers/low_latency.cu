@@ -71,8 +71,8 @@ std::string hint_text() {
 // The peer context on the low-latency buffer and the area of this op. `region` is the bytes
 // one parity of this call needs; `combine` picks the combine area.
 ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_experts,
-                      int64_t num_topk, size_t region, bool combine, PeerContext* ctx,
-                      size_t* begin, size_t* end) {
+                      int64_t max_tokens, int64_t num_topk, size_t region, bool combine,
+                      PeerContext* ctx, size_t* begin, size_t* end) {
   const Transport* t = transport();
   if (t == nullptr)
     return invalid(std::string(op) + ": the runtime is not initialised: call "
@@ -85,6 +85,9 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
   if (num_topk < 1 || num_topk > kLLMaxTopk)
     return invalid(std::string(op) + ": num_topk must be in [1, " + std::to_string(kLLMaxTopk) +
                    "]");
+  if (num_experts / R * max_tokens > INT32_MAX)  // a pair header holds l * M + slot in 32 bits
+    return invalid(std::string(op) + ": num_experts / num_ranks * max_tokens_per_rank must be "
+                   "below 2^31");
   const size_t needed = combine ? ll_bytes_for_combine(region) : ll_bytes_for_dispatch(region);
   const LLAreas areas = ll_areas(t->ll_bytes);
   const size_t have = combine ? areas.combine_end - areas.combine_begin
@@ -148,10 +151,10 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
     a.scale_bytes = 0;
   }
   const int R = num_ranks_or_one();
-  a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
+  a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens), K,
                             a.row_bytes, a.scale_bytes);
-  if (auto err = ll_context(op, rank, num_experts, K, a.plan.bytes, false, &a.ctx, &a.area_begin,
-                            &a.area_end);
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, false, &a.ctx,
+                            &a.area_begin, &a.area_end);
       err.failure())
     return err;
   const int E = static_cast<int>(num_experts);
@@ -200,8 +203,8 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
                                  ffi::ResultBuffer<ffi::S32> src_token,
                                  ffi::ResultBuffer<ffi::S32> src_k,
                                  ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
-                                 int64_t max_tokens, int64_t num_topk, int64_t num_blocks,
-                                 LLDispatchReceiveArgs& a) {
+                                 int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
+                                 int64_t num_blocks, LLDispatchReceiveArgs& a) {
   const char* op = "low_latency_dispatch (receive)";
   auto dims = out_x->dimensions();
   const int R = num_ranks_or_one();
@@ -233,14 +236,18 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
                     src_offset->element_count() != size_t(L) * R)))
     return invalid(std::string(op) + ": recv_count must be [L], src_* [L, R*M] and src_offset "
                    "[L, R] (or empty)");
+  if (num_tokens < 0 || num_tokens > max_tokens)
+    return invalid(std::string(op) + ": num_tokens must be in [0, max_tokens_per_rank]");
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
-                            a.row_bytes, a.scale_bytes);
-  if (auto err = ll_context(op, rank, num_experts, num_topk, a.plan.bytes, false, &a.ctx,
-                            &a.area_begin, &a.area_end);
+                            static_cast<int>(num_topk), a.row_bytes, a.scale_bytes);
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, num_topk, a.plan.bytes, false,
+                            &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
   a.num_experts = static_cast<int>(num_experts);
   a.max_tokens = static_cast<int>(max_tokens);
+  a.num_tokens = static_cast<int>(num_tokens);
+  a.num_topk = static_cast<int>(num_topk);
   a.num_blocks = blocks_or_default(num_blocks);
   a.call = call;
   a.out_x = out_x->untyped_data();
@@ -261,14 +268,14 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call
                                  ffi::ResultBuffer<ffi::S32> src_token,
                                  ffi::ResultBuffer<ffi::S32> src_k,
                                  ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
-                                 int64_t max_tokens, int64_t num_topk, int64_t num_blocks) {
+                                 int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
+                                 int64_t num_blocks) {
   if (call.element_count() != 2)
     return invalid("low_latency_dispatch (receive): call must be [2] int32");
   LLDispatchReceiveArgs a;
   if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
                                        src_rank, src_token, src_k, src_offset, num_experts,
-                                       max_tokens,
-                                       num_topk, num_blocks, a);
+                                       max_tokens, num_tokens, num_topk, num_blocks, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_dispatch_receive(a, stream), "low_latency_dispatch (receive)");
@@ -296,8 +303,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   LLDispatchReceiveArgs receive;
   if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
                                        src_rank, src_token, src_k, src_offset, num_experts,
-                                       max_tokens,
-                                       send.num_topk, num_blocks, receive);
+                                       max_tokens, send.num_tokens, send.num_topk, num_blocks,
+                                       receive);
       err.failure())
     return err;
   if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
@@ -340,7 +347,7 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
-  if (auto err = ll_context(op, rank, num_experts, K, a.plan.bytes, true, &a.ctx,
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, &a.ctx,
                             &a.area_begin, &a.area_end);
       err.failure())
     return err;
@@ -398,8 +405,8 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
     return invalid(std::string(op) + ": the result must be bf16, f16 or f32");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(out->element_type());
   a.plan = plan_ll_combine(num_ranks_or_one(), static_cast<int>(max_tokens), K, row_bytes);
-  if (auto err = ll_context(op, rank, num_experts, K, a.plan.bytes, true, &a.ctx, &a.area_begin,
-                            &a.area_end);
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, &a.ctx,
+                            &a.area_begin, &a.area_end);
       err.failure())
     return err;
   a.num_tokens = T;
@@ -491,6 +498,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_i
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
+                                  .Attr<int64_t>("num_tokens")
                                   .Attr<int64_t>("num_topk")
                                   .Attr<int64_t>("num_blocks"));
 

@@ -270,9 +270,11 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // (what the handlers check).
 //
 // Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
-// local expert), the index table [L][R][M] int32 (entry (l, s, slot): token << kLLPairBits |
-// k of that pair), then records [R][M]: record (s, token) = the row (data) padded to 16
-// bytes, the FP8 scales padded to 16 bytes. A token is stored once per destination rank.
+// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written when that
+// pair is kept here: the call number's low 32 bits << 32 | local expert * M + slot; an entry
+// from an earlier call, or never written, does not carry this call's number), then records
+// [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
+// bytes. A token is stored once per destination rank.
 // Combine region (at the token owner): the owner's gates (topk_idx, send_slot, weights, each
 // [M][K]), which the expert ranks read, then records [M][R]: record (token, r) = the partial
 // row expert rank r summed over its pairs of that token, padded to 16 bytes.
@@ -299,7 +301,7 @@ JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
 
 struct LLDispatchPlan {
   size_t counts = 0;         // [R][L] int32, relative to the region
-  size_t table = 0;          // [L][R][M] int32 index entries: token << kLLPairBits | k
+  size_t headers = 0;        // [R][M][K] uint64 pair headers: call << 32 | l * M + slot
   size_t records = 0;        // [R][M] records (source, token)
   size_t record_stride = 0;
   size_t data_offset = 0;    // inside a record
@@ -308,12 +310,12 @@ struct LLDispatchPlan {
 };
 
 JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num_experts,
-                                                          int max_tokens, size_t row_bytes,
-                                                          size_t scale_bytes) {
+                                                          int max_tokens, int num_topk,
+                                                          size_t row_bytes, size_t scale_bytes) {
   LLDispatchPlan p;
   p.counts = 0;
-  p.table = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
-  p.records = align_up(p.table + sizeof(int32_t) * size_t(num_experts) * max_tokens,
+  p.headers = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
+  p.records = align_up(p.headers + sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk,
                        kRegionAlign);
   p.data_offset = 0;
   p.scale_offset = row_stride(row_bytes);
@@ -383,10 +385,12 @@ inline size_t ll_bytes_for_combine(size_t region) {
 inline size_t required_low_latency_bytes(int max_tokens, int hidden, int num_experts,
                                          int num_topk, int num_ranks, int elem_bytes) {
   const size_t rows[] = {
-      plan_ll_dispatch(num_ranks, num_experts, max_tokens, size_t(hidden),
+      plan_ll_dispatch(num_ranks, num_experts, max_tokens, num_topk, size_t(hidden),
                        sizeof(float) * size_t(hidden / 128)).bytes,
-      plan_ll_dispatch(num_ranks, num_experts, max_tokens, size_t(hidden) * elem_bytes, 0).bytes,
-      plan_ll_dispatch(num_ranks, num_experts, max_tokens, sizeof(float) * num_topk, 0).bytes,
+      plan_ll_dispatch(num_ranks, num_experts, max_tokens, num_topk,
+                       size_t(hidden) * elem_bytes, 0).bytes,
+      plan_ll_dispatch(num_ranks, num_experts, max_tokens, num_topk,
+                       sizeof(float) * num_topk, 0).bytes,
   };
   size_t dispatch = 0;
   for (size_t r : rows) dispatch = r > dispatch ? r : dispatch;

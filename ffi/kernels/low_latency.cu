@@ -17,7 +17,7 @@ namespace {
 
 constexpr int kWarps = kLLThreads / 32;
 // The dispatch send's two warp groups, which run side by side: the first sends the tokens'
-// rows, the second numbers the pairs (slots, index table, counts). Before, each block did one
+// rows, the second numbers the pairs (slots, pair headers, counts). Before, each block did one
 // after the other, and the slots ended ~2 µs after the rows (NOTES item 39).
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
@@ -162,16 +162,6 @@ __device__ inline void block_exclusive_scan(int* data, int n) {
   }
   if (tid == blockDim.x - 1) data[n] = run;
   __syncthreads();
-}
-
-// Largest j in [0, n) with data[j] <= value (data ascending, data[0] <= value).
-__device__ __forceinline__ int last_not_above(const int* data, int n, int value) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (data[mid] <= value) lo = mid; else hi = mid - 1;
-  }
-  return lo;
 }
 
 // dst[0, n) = src[0, n) and, if src2 is given, dst2[0, n) = src2[0, n) (shared memory <-
@@ -373,11 +363,11 @@ __device__ void stage_pair_ids(const LLDispatchSendArgs& a, int* smem, int threa
 // stage_pair_ids and a barrier since). A pair's slot is its rank among its expert's pairs in
 // pair order (cached: the handle's slot). Each expert's pairs are counted by several warps,
 // one segment each, and numbered in a second pass from the segments' prefix. Writes send_slot
-// of every pair of these experts, the index table entries (local expert, me, slot) ->
-// (token, k) and each expert's count at its rank, and adds the pairs past max_tokens to
+// of every pair of these experts, the pair headers (me, token, k) -> (call n, local expert,
+// slot) and each expert's count at its rank, and adds the pairs past max_tokens to
 // `dropped`. Pairs with an out-of-range id are left to the token pass (send_slot -1).
-__device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, const int* smem,
-                                   unsigned* dropped, int warp) {
+__device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size_t region,
+                                   const int* smem, unsigned* dropped, int warp) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, K = a.num_topk, M = a.max_tokens, n_pairs = a.num_tokens * K;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
@@ -412,7 +402,8 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, c
       for (int w = j * per; w < warp; ++w) seen += segment_count[w];
       const int r = e / L, l = e % L;
       char* dest = ll_base(ctx, r) + region;
-      int32_t* table = reinterpret_cast<int32_t*>(dest + a.plan.table) + (size_t(l) * R + me) * M;
+      uint64_t* headers = reinterpret_cast<uint64_t*>(dest + a.plan.headers) + size_t(me) * M * K;
+      const uint64_t tag = uint64_t(uint32_t(n)) << 32;
       for (int base = begin; base < end; base += 32) {
         const int p = base + lane;
         const bool hit = matches(p);
@@ -421,7 +412,7 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, size_t region, c
           const int s = a.cached ? given[p] : seen + __popc(match & before);
           const bool kept = s < M;
           a.send_slot[p] = kept ? s : -1;
-          if (kept) table[s] = ((p / K) << kLLPairBits) | (p % K);
+          if (kept) headers[p] = tag | uint32_t(l * M + s);  // p = token * K + k
         }
         seen += __popc(match);
       }
@@ -502,7 +493,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     }
   } else {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
-    block_expert_slots(a, region, smem, &mine->dropped_pairs, warp - kTokenWarps);
+    block_expert_slots(a, n, region, smem, &mine->dropped_pairs, warp - kTokenWarps);
     if (warp == kTokenWarps) {
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
@@ -527,10 +518,29 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- dispatch receive
 
+// Largest number of 16-byte loads a lane holds for one unit of the dispatch receive.
+constexpr int kReceiveVecs = 4;
+
+// One unit of the dispatch receive, in registers: a piece of record (s, t) and the record's
+// pair headers (lane k: pair k's).
+struct ReceiveUnit {
+  uint64_t header;
+  int4 data[kReceiveVecs];
+  int4 scales;
+};
+
 // prefix: E + 1 ints of shared memory (over (local expert, source), expert-major).
+//
+// Work is dealt by record piece, not by output row: a warp loads a piece of record (s, t)
+// (vecs 16-byte loads per lane) and the record's K pair headers in one round, before the
+// counts' scan is done, then stores the piece into the row of every pair of the record kept
+// here. So the only loads after the scan are those of later units, and a record is read once
+// however many of its pairs this rank holds (before: counts, scan, index entry, record: three
+// dependent rounds, and a record read once per pair).
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
+  const int T = a.num_tokens, K = a.num_topk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
@@ -542,14 +552,51 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
   const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
-  const int32_t* table = reinterpret_cast<const int32_t*>(base + a.plan.table);
+  const uint64_t* headers = reinterpret_cast<const uint64_t*>(base + a.plan.headers);
+
+  // Units: (record, piece). A piece is `vecs` 16-byte loads per lane, as many as make one unit
+  // per warp of the grid (at most kReceiveVecs); unaligned rows: whole records, copied by
+  // copy_record.
+  const bool vec = ((a.row_bytes | a.plan.data_offset | a.plan.record_stride |
+                     reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0;
+  const int row_vecs = int(a.row_bytes / 16), chunks = (row_vecs + 31) / 32;
+  const int grid_warps = int(gridDim.x) * kWarps, records = R * T;
+  const int vecs = vec ? min(kReceiveVecs, max(1, (records * chunks + grid_warps - 1) / grid_warps))
+                       : 0;
+  const int pieces = vec ? (chunks + vecs - 1) / vecs : 1;
+  const int units = records * pieces;
+  // FP8 scales in one 16-byte load per lane with piece 0 (else copied after the data)
+  const bool scales_together =
+      a.out_scales != nullptr && vec && a.scale_bytes <= 16 * 32 &&
+      ((a.scale_bytes | a.plan.scale_offset | reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
+
+  auto load_unit = [&](int u, ReceiveUnit& x) {
+    const int record = u / pieces, piece = u % pieces;
+    const int s = record / T, t = record % T;
+    const size_t r = size_t(s) * M + t;
+    x.header = lane < K ? __ldcg(headers + r * K + lane) : 0;
+    if (!vec) return;
+    const char* rec = base + a.plan.records + r * a.plan.record_stride;
+    const int4* src = reinterpret_cast<const int4*>(rec + a.plan.data_offset);
+#pragma unroll
+    for (int j = 0; j < kReceiveVecs; ++j) {
+      const int i = (piece * vecs + j) * 32 + lane;
+      if (j < vecs && i < row_vecs) x.data[j] = __ldcg(src + i);
+    }
+    if (piece == 0 && scales_together && lane * 16 < int(a.scale_bytes))
+      x.scales = __ldcg(reinterpret_cast<const int4*>(rec + a.plan.scale_offset) + lane);
+  };
+
+  // the first unit's loads go out before the counts' (a load's first use stalls the thread)
+  int u = warp * int(gridDim.x) + int(blockIdx.x);  // units dealt block by block
+  ReceiveUnit x;
+  if (u < units) load_unit(u, x);
   for (int i = tid; i < E; i += blockDim.x) {
     const int l = i / R, s = i % R;
     prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
   }
   __syncthreads();
   block_exclusive_scan(prefix, E);
-  const int total = prefix[E];
 
   if (blockIdx.x == 0) {
     for (int l = tid; l < L; l += blockDim.x) a.recv_count[l] = prefix[(l + 1) * R] - prefix[l * R];
@@ -569,27 +616,67 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
   }
 
-  // one warp per received row: its index entry, then the whole record with every load in
-  // flight at once (rows are read from the local buffer; a token's record serves each of its
-  // experts here)
-  // rows dealt block by block (row r to block r % grid): every SM copies about total / grid
-  for (int r = warp * gridDim.x + blockIdx.x; r < total; r += gridDim.x * kWarps) {
-    const int j = last_not_above(prefix, E, r);
-    const int l = j / R, s = j % R, slot = r - prefix[j];
-    const size_t row = size_t(l) * RM + (r - prefix[l * R]);
-    const int entry = __ldcg(table + (size_t(l) * R + s) * M + slot);
-    const int t = entry >> kLLPairBits, k = entry & ((1 << kLLPairBits) - 1);
-    if (t < 0 || t >= M) continue;  // never read outside the records
-    const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
-    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
-                a.out_scales != nullptr
-                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
-                    : nullptr,
-                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
-    if (lane == 0 && a.src_rank != nullptr) {
+  // lane k: the output row of pair k of record (s, .) if it was kept here in this call (a
+  // header from an earlier call, or one naming rows outside the source's count, is skipped)
+  const uint32_t tag = uint32_t(n);
+  auto pair_row = [&](uint64_t header, int s) {
+    if (lane >= K || uint32_t(header >> 32) != tag) return -1;
+    const uint32_t pos = uint32_t(header);
+    const int l = int(pos / uint32_t(M)), slot = int(pos % uint32_t(M));
+    if (l >= L) return -1;
+    const int j = l * R + s;
+    return slot < prefix[j + 1] - prefix[j] ? l * RM + (prefix[j] - prefix[l * R]) + slot : -1;
+  };
+  auto mark_source = [&](int row, int s, int t) {
+    if (row >= 0 && a.src_rank != nullptr) {
       a.src_rank[row] = s;
       a.src_token[row] = t;
-      a.src_k[row] = k;
+      a.src_k[row] = lane;
+    }
+  };
+  if (!vec) {  // unaligned rows: whole records, one pair's row after another
+    for (; u < units; u += grid_warps) {
+      const int s = u / T, t = u % T;
+      const int row = pair_row(x.header, s);
+      mark_source(row, s, t);
+      const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
+      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs; pairs &= pairs - 1) {
+        const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
+        copy_record(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes,
+                    a.out_scales != nullptr
+                        ? reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes
+                        : nullptr,
+                    rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+      }
+      if (u + grid_warps < units) load_unit(u + grid_warps, x);
+    }
+  } else {
+    for (; u < units; u += grid_warps) {
+      const int record = u / pieces, piece = u % pieces;
+      const int s = record / T, t = record % T;
+      const int row = pair_row(x.header, s);
+      if (piece == 0) mark_source(row, s, t);
+      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs; pairs &= pairs - 1) {
+        const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
+        int4* out =
+            reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes);
+#pragma unroll
+        for (int j = 0; j < kReceiveVecs; ++j) {
+          const int i = (piece * vecs + j) * 32 + lane;
+          if (j < vecs && i < row_vecs) out[i] = x.data[j];
+        }
+        if (piece == 0 && a.out_scales != nullptr) {
+          char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes;
+          if (scales_together) {
+            if (lane * 16 < int(a.scale_bytes))
+              reinterpret_cast<int4*>(out_scales)[lane] = x.scales;
+          } else {
+            const char* rec = base + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
+            copy_row<true>(out_scales, rec + a.plan.scale_offset, a.scale_bytes, lane, 32);
+          }
+        }
+      }
+      if (u + grid_warps < units) load_unit(u + grid_warps, x);
     }
   }
 

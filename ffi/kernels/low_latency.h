@@ -4,15 +4,16 @@
 //
 //   dispatch send     every block numbers the pairs of its experts (several warps per
 //                     expert, ids staged in shared memory): each pair's per-(source, expert)
-//                     slot, the index table entry (local expert, me, slot) -> (token, k) and
-//                     the expert's count, written into its rank; then every block takes whole
+//                     slot, its header (me, token, k) -> (call, local expert, slot) and the
+//                     expert's count, written into its rank; meanwhile every block takes whole
 //                     tokens, reads a row once (quantising it
 //                     to FP8 in registers) and stores it with 16-byte stores into record
 //                     (me, token) of each distinct destination rank (once per rank, not per
 //                     expert); the last block raises arrived[me].
-//   dispatch receive  waits for every source, expands the records through the index table
-//                     into [L, R*M] blocks in (source, token, k) order, then raises
-//                     consumed[me] at every source.
+//   dispatch receive  waits for every source; each warp loads a piece of a record with its
+//                     pair headers while the counts are scanned, then stores the piece into
+//                     the row of each of the record's pairs ([L, R*M] blocks in (source,
+//                     token, k) order); then raises consumed[me] at every source.
 //   combine send      block 0 publishes this rank's gates (topk_idx, send_slot, weights); every
 //                     block then reads each owner's gates over NVLink and, per (owner,
 //                     token), sums its own experts' rows of that token in k order, weighted
@@ -36,7 +37,6 @@
 namespace jax_ep {
 
 constexpr int kLLMaxTopk = 32;
-constexpr int kLLPairBits = 5;  // index table entry: token << kLLPairBits | k (k < kLLMaxTopk)
 constexpr int kLLThreads = 512;
 
 enum class LLElement { kBF16, kF16, kF32, kRaw };
@@ -64,6 +64,7 @@ struct LLDispatchReceiveArgs {
   size_t area_begin, area_end;
   LLDispatchPlan plan;
   int num_experts, max_tokens;
+  int num_tokens, num_topk;   // T and K of every source (the program is the same on every rank)
   size_t row_bytes, scale_bytes;
   int num_blocks;
   const int32_t* call;
