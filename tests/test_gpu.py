@@ -58,8 +58,9 @@ def runtime():
     from jax_ep import runtime as rt
 
     R = jax.device_count()
-    ll_bytes = max(2 * jax_ep.low_latency_buffer_size_hint(LL_M, LL_H, LL_E_PER_RANK * R, LL_K, R,
-                                                           jnp.float32),
+    E = LL_E_PER_RANK * R
+    ll_bytes = max(2 * jax_ep.low_latency_buffer_size_hint(LL_M, LL_H, E, LL_K, R, jnp.float32),
+                   jax_ep.low_latency_buffer_size_hint(LL_WIDE_M, LL_WIDE_H, E, LL_K, R),
                    int(os.environ.get("JAX_EP_LL_BUFFER_BYTES", 0)))
     rt.initialize(int(os.environ.get("JAX_EP_BUFFER_BYTES", 1 << 30)), low_latency_bytes=ll_bytes)
     yield
@@ -68,6 +69,7 @@ def runtime():
 
 # Largest low-latency shapes of this suite (the low-latency buffer is sized for them).
 LL_M, LL_H, LL_E_PER_RANK, LL_K = 64, 512, 8, 8
+LL_WIDE_M, LL_WIDE_H = 48, 7168  # test_low_latency_wide_rows_match_reference (bf16)
 
 
 def num_ranks():
@@ -415,9 +417,8 @@ def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
 def test_low_latency_wide_rows_match_reference(fp8):
     """DeepSeek-V3's hidden size: the receive takes a record in several pieces of several
     16-byte loads per lane (rows of H = 256 are one piece of one load)."""
-    T = M = 48
-    H = 7168
-    x, idx, w, E = _ll_inputs(11, T, H, "random", 0.1)
+    T = M = LL_WIDE_M
+    x, idx, w, E = _ll_inputs(11, T, LL_WIDE_H, "random", 0.1)
 
     def fn(backend, x, idx, w):
         kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=fp8,

@@ -519,7 +519,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 // ----------------------------------------------------------------------------- dispatch receive
 
 // Largest number of 16-byte loads a lane holds for one unit of the dispatch receive.
-constexpr int kReceiveVecs = 4;
+constexpr int kReceiveVecs = 2;
 
 // One unit of the dispatch receive, in registers: a piece of record (s, t) and the record's
 // pair headers (lane k: pair k's).
