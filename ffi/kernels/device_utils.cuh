@@ -39,14 +39,6 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   return v;
 }
 
-// A flag load that orders nothing after it (no acquire): for flags whose only meaning is that
-// the peer's loads of a region have returned, before stores that depend on the flag anyway.
-__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ uint32_t load_acquire_u32(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

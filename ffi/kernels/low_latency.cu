@@ -96,9 +96,7 @@ __device__ inline void warp_wait_peers(const PeerContext& ctx, const uint64_t* f
 // The whole warp of a send kernel: the call number n (the op's count + 1), after checking the
 // rank and that every destination has consumed call n - 2 (same parity). The count, the
 // expected rank and both parities' consumed flags are loaded in one round (the parity is not
-// known before the count). The flags are loaded relaxed: consumed only says that a
-// destination's loads of the region have returned, and nothing this kernel loads depends on
-// it; an acquire load would also wait for the block's loads in flight (the token warps' rows).
+// known before the count).
 __device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const char* name) {
   const int lane = threadIdx.x & 31, R = ctx.num_ranks;
   LLControl* mine = ll_control(ctx, ctx.rank);
@@ -106,7 +104,7 @@ __device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const
   const int expected = *ctx.expected_rank;
   const bool both = 2 * R <= 32;  // lane p * R + d holds parity p's flag of d
   uint64_t guess = 0;
-  if (both && lane < 2 * R) guess = load_relaxed(&mine->consumed[op][lane / R][lane % R]);
+  if (both && lane < 2 * R) guess = load_acquire(&mine->consumed[op][lane / R][lane % R]);
   if (lane == 0 && expected != ctx.rank) check_rank(ctx, name);
   if (n <= 2) return n;
   const uint64_t want = n - 2;
@@ -255,42 +253,22 @@ __device__ __forceinline__ void unpack16(const int4 (&raw)[sizeof(T)], float (&v
 // e4m3 data and scales into every destination record; `thread` of `threads` (the token warps)
 // take part, with the loads of kRounds rounds in flight before any store. Bit-identical to
 // jax_ep.fp8 (finite inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
-// Int4 loads per thread per batch of a token's row: the first batch of a block's first token
-// is loaded before the region check, the rest as the row is stored.
-constexpr int kRowBatch = 4;
-struct RowBatch {
-  int4 v[kRowBatch];
-};
-
-// quantize_and_store's loads of chunks c0, c0 + threads, ... (16 channels each, raw).
-template <typename T>
-__device__ __forceinline__ void load_quantize_batch(const T* row, int chunks, int c0, int threads,
-                                                    RowBatch& out) {
-  constexpr int kVecs = sizeof(T) * 16 / 16, kRounds = kRowBatch / kVecs;
-#pragma unroll
-  for (int u = 0; u < kRounds; ++u) {
-    const int c = c0 + u * threads;
-    const int4* q = reinterpret_cast<const int4*>(row + size_t(c) * 16);
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i)
-      out.v[u * kVecs + i] = c < chunks ? __ldg(q + i) : int4{0, 0, 0, 0};
-  }
-}
-
 template <typename T>
 __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                   int num_dst, int thread, int threads,
-                                   const RowBatch* first = nullptr) {
-  constexpr int kPer = 16 / sizeof(T);  // elements per int4
-  constexpr int kRounds = kRowBatch / (16 / kPer);  // 2 for 16-bit rows, 1 for float rows
+                                   int num_dst, int thread, int threads) {
+  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
   const int H = a.hidden, chunks = H / 16;
   const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
+  constexpr int kPer = 16 / sizeof(T);  // elements per int4
   for (int c0 = thread; c0 - thread < chunks; c0 += kRounds * threads) {
-    RowBatch batch;  // the loads, kept raw: fewer registers than floats
-    if (first != nullptr && c0 == thread) batch = *first;
-    else load_quantize_batch<T>(row, chunks, c0, threads, batch);
-    const int4 (&raw)[kRounds][16 / kPer] =
-        *reinterpret_cast<const int4 (*)[kRounds][16 / kPer]>(batch.v);
+    int4 raw[kRounds][16 / kPer];  // the loads, kept raw: fewer registers than floats
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+      const int c = c0 + u * threads;
+      const int4* q = reinterpret_cast<const int4*>(row + size_t(c) * 16);
+#pragma unroll
+      for (int i = 0; i < 16 / kPer; ++i) raw[u][i] = c < chunks ? __ldg(q + i) : int4{0, 0, 0, 0};
+    }
 #pragma unroll
     for (int u = 0; u < kRounds; ++u) {
       const int c = c0 + u * threads;
@@ -333,34 +311,22 @@ __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* con
   }
 }
 
-__device__ __forceinline__ bool raw_rows_vectorised(const LLDispatchSendArgs& a) {
-  return ((reinterpret_cast<uintptr_t>(a.x) | a.row_bytes) & 15) == 0;
-}
-
-__device__ __forceinline__ void load_raw_batch(const int4* src, size_t n, size_t i0, int threads,
-                                               RowBatch& out) {
-#pragma unroll
-  for (int b = 0; b < kRowBatch; ++b) {
-    const size_t i = i0 + size_t(b) * threads;
-    if (i < n) out.v[b] = __ldg(src + i);
-  }
-}
-
-// Stores token t's raw row (row_bytes) into every destination record: loaded once, kRowBatch
+// Stores token t's raw row (row_bytes) into every destination record: loaded once, kBatch
 // loads of each thread in flight before its stores; `thread` of `threads` take part.
 __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                int num_dst, int thread, int threads,
-                                const RowBatch* first = nullptr) {
+                                int num_dst, int thread, int threads) {
   const char* row = static_cast<const char*>(a.x) + size_t(t) * a.row_bytes;
-  if (raw_rows_vectorised(a)) {
-    constexpr int kBatch = kRowBatch;
+  if (((reinterpret_cast<uintptr_t>(row) | a.row_bytes) & 15) == 0) {
+    constexpr int kBatch = 4;
     const int4* src = reinterpret_cast<const int4*>(row);
     const size_t n = a.row_bytes / 16;
     for (size_t i0 = thread; i0 < n; i0 += size_t(kBatch) * threads) {
-      RowBatch batch;
-      if (first != nullptr && i0 == size_t(thread)) batch = *first;
-      else load_raw_batch(src, n, i0, threads, batch);
-      const int4 (&v)[kBatch] = batch.v;
+      int4 v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const size_t i = i0 + size_t(b) * threads;
+        if (i < n) v[b] = __ldg(src + i);
+      }
       for (int d = 0; d < num_dst; ++d) {
         if (dst[d] == nullptr) continue;
         int4* out = reinterpret_cast<int4*>(dst[d] + a.plan.data_offset);
@@ -376,35 +342,6 @@ __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const*
       if (dst[d] != nullptr)
         copy_row(dst[d] + a.plan.data_offset, row, a.row_bytes, thread, threads);
   }
-}
-
-// Token t's first batch of loads (what quantize_and_store / copy_raw_to_all load first);
-// false where the row is copied unvectorised (nothing loaded).
-__device__ __forceinline__ bool prefetch_token(const LLDispatchSendArgs& a, int t, int thread,
-                                               int threads, RowBatch& out) {
-  if (a.use_fp8) {
-    const int H = a.hidden, chunks = H / 16;
-    switch (a.x_type) {
-      case LLElement::kBF16:
-        load_quantize_batch(static_cast<const __nv_bfloat16*>(a.x) + size_t(t) * H, chunks,
-                            thread, threads, out);
-        break;
-      case LLElement::kF16:
-        load_quantize_batch(static_cast<const __half*>(a.x) + size_t(t) * H, chunks, thread,
-                            threads, out);
-        break;
-      default:
-        load_quantize_batch(static_cast<const float*>(a.x) + size_t(t) * H, chunks, thread,
-                            threads, out);
-        break;
-    }
-    return true;
-  }
-  if (!raw_rows_vectorised(a)) return false;
-  load_raw_batch(reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
-                                               size_t(t) * a.row_bytes),
-                 a.row_bytes / 16, thread, threads, out);
-  return true;
 }
 
 // Experts whose pairs block b numbers: e = b + j * grid.
@@ -505,20 +442,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchSend, kEnter);
 
-  // Loads that need no region go out while warp 0 checks it: the slot warps stage the pairs'
-  // ids, the token warps load the first batch of their first token's row and warp 0 its
-  // experts (the check's flag loads are relaxed, so they do not wait for these).
-  RowBatch first_batch;
-  bool first_loaded = false;
-  int first_expert = -1;
-  if (!token_warp) {
+  if (!token_warp) {  // ids into shared memory while warp 0 checks the region
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
-  } else if (int(blockIdx.x) < T) {
-    first_loaded = prefetch_token(a, blockIdx.x, tid, kTokenThreads, first_batch);
-    if (warp == 0 && lane < K) first_expert = __ldg(a.topk_idx + blockIdx.x * K + lane);
-  }
-  if (warp == 0) {
+  } else if (warp == 0) {
     // The region of this parity at every destination must have been read (call n - 2).
     const uint64_t n = warp_enter_send(ctx, kOpDispatch, "low_latency_dispatch (send)");
     if (lane == 0) call_s = n;
@@ -530,12 +457,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
   if (token_warp) {
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-      const bool first = t == int(blockIdx.x);
-      const RowBatch* batch = first && first_loaded ? &first_batch : nullptr;
       if (warp == 0) {  // the distinct destination ranks of token t
         int r = -1;
         if (lane < K) {
-          const int p = t * K + lane, e = first ? first_expert : a.topk_idx[p];
+          const int p = t * K + lane, e = a.topk_idx[p];
           const bool sent = e >= 0 && e < E && (!a.cached || (a.slots_in[p] >= 0 &&
                                                               a.slots_in[p] < M));
           if (sent) r = e / L;
@@ -554,15 +479,15 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
       if (a.use_fp8) {
         switch (a.x_type) {
           case LLElement::kBF16:
-            quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst, tid, kTokenThreads, batch);
+            quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst, tid, kTokenThreads);
             break;
           case LLElement::kF16:
-            quantize_and_store<__half>(a, t, dst, num_dst, tid, kTokenThreads, batch);
+            quantize_and_store<__half>(a, t, dst, num_dst, tid, kTokenThreads);
             break;
-          default: quantize_and_store<float>(a, t, dst, num_dst, tid, kTokenThreads, batch); break;
+          default: quantize_and_store<float>(a, t, dst, num_dst, tid, kTokenThreads); break;
         }
       } else {
-        copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads, batch);
+        copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads);
       }
       group_sync(kTokenBarrier, kTokenThreads);  // dst[] is rewritten for the next token
     }
