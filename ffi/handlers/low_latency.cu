@@ -415,8 +415,6 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   a.hidden = static_cast<int>(dims[1]);
   a.num_blocks = blocks_or_default(num_blocks);
   a.call = call;
-  a.topk_idx = topk_idx.typed_data();
-  a.send_slot = send_slot.typed_data();
   a.out = out->untyped_data();
   return ffi::Error::Success();
 }

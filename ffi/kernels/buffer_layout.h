@@ -276,8 +276,10 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
 // bytes. A token is stored once per destination rank.
 // Combine region (at the token owner): the owner's gates (topk_idx, send_slot, weights, each
-// [M][K]), which the expert ranks read, then records [M][R]: record (token, r) = the partial
-// row expert rank r summed over its pairs of that token, padded to 16 bytes.
+// [M][K]), which the expert ranks read, tags [M][R] uint32 (tag (token, r) = the low 32 bits of
+// the number of the call whose partial row r wrote into record (token, r): the owner sums the
+// records tagged with its call, in rank order), then records [M][R]: record (token, r) = the
+// partial row expert rank r summed over its pairs of that token, padded to 16 bytes.
 
 namespace jax_ep {
 
@@ -329,6 +331,7 @@ struct LLCombinePlan {
   size_t gate_idx = 0;       // [M][K] int32: the owner's topk_idx, read by the expert ranks
   size_t gate_slot = 0;      // [M][K] int32: the owner's send_slot
   size_t gate_weight = 0;    // [M][K] float32: the owner's gates
+  size_t tags = 0;           // [M][R] uint32: call number (low bits) of record (token, r)
   size_t records = 0;        // [M][R] partial rows (token, expert rank)
   size_t record_stride = 0;
   size_t bytes = 0;
@@ -341,7 +344,8 @@ JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_t
   p.gate_idx = 0;
   p.gate_slot = align_up(gates, kRegionAlign);
   p.gate_weight = p.gate_slot + align_up(gates, kRegionAlign);
-  p.records = p.gate_weight + align_up(gates, kRegionAlign);
+  p.tags = p.gate_weight + align_up(gates, kRegionAlign);
+  p.records = p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
   p.record_stride = row_stride(row_bytes);
   p.bytes = align_up(p.records + p.record_stride * size_t(max_tokens) * num_ranks, kRegionAlign);
   return p;

@@ -910,8 +910,10 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     }
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
     const size_t q = u % pieces, off = q * piece, bytes = min(piece, a.row_bytes - off);
-    char* dst = ll_base(ctx, s) + region + a.plan.records +
-                (size_t(t) * R + me) * a.plan.record_stride + off;
+    char* owner = ll_base(ctx, s) + region;
+    char* dst = owner + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
+    if (q == 0 && lane == 0)  // the owner sums the records tagged with this call
+      reinterpret_cast<uint32_t*>(owner + a.plan.tags)[size_t(t) * R + me] = uint32_t(n);
     switch (a.dtype) {
       case LLElement::kBF16:
         partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
@@ -931,59 +933,102 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- combine receive
 
-// out[t] = the partials of the ranks holding a kept pair of t, added in rank order in float32,
-// rounded. lists: [T][K + 1] shared: count, then the ranks ascending.
+// out[t] = the partials tagged with call n (those of the ranks holding a kept pair of t), added
+// in rank order in float32, rounded. Up to kBatch ranks, every rank's tag and partial are loaded
+// in one round (an untagged record is stale data, read and ignored); with more ranks the tags
+// come first, then the tagged partials, kBatch at a time.
 template <typename T>
-__device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, const int* lists) {
-  const int K = a.num_topk, H = a.hidden;
+__device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, uint64_t n) {
+  const int H = a.hidden;
   const size_t threads = size_t(gridDim.x) * blockDim.x;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int R = a.ctx.num_ranks;
   constexpr int kVec = 16 / sizeof(T);
   T* out = static_cast<T*>(a.out);
   const char* records = base + a.plan.records;
+  const uint32_t* tags = reinterpret_cast<const uint32_t*>(base + a.plan.tags);
+  const uint32_t tag_now = uint32_t(n);
+  auto partial = [&](int t, int r) { return records + (size_t(t) * R + r) * a.plan.record_stride; };
   if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
     const int per_token = H / kVec;
     const size_t units = size_t(a.num_tokens) * per_token;
     // kUnits units per thread with their loads in flight together: with ~2 units a thread
     // (T = 128, H = 7168 on 132 SMs) that is one round of load latency, not two
     constexpr int kUnits = 2, kBatch = 4;  // partials of each unit loaded at once
+    const bool together = R <= kBatch;
     for (size_t u0 = first; u0 < units; u0 += kUnits * threads) {
-      int token[kUnits], column[kUnits], count[kUnits];
-      const int* list[kUnits];
-      int most = 0;
+      int token[kUnits], column[kUnits];
       float acc[kUnits][kVec];
 #pragma unroll
       for (int v = 0; v < kUnits; ++v) {
         const size_t u = u0 + v * threads;
         token[v] = u < units ? int(u / per_token) : 0;
         column[v] = int(u % per_token);
-        list[v] = lists + token[v] * (K + 1);
-        count[v] = u < units ? list[v][0] : 0;
-        most = max(most, count[v]);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) acc[v][j] = 0.f;
       }
-      for (int j0 = 0; j0 < most; j0 += kBatch) {
+      if (together) {
+        uint32_t tag[kUnits][kBatch];
         int4 raw[kUnits][kBatch];
 #pragma unroll
         for (int v = 0; v < kUnits; ++v)
 #pragma unroll
           for (int b = 0; b < kBatch; ++b)
-            if (j0 + b < count[v])
-              raw[v][b] = __ldcg(reinterpret_cast<const int4*>(
-                                     records + (size_t(token[v]) * R + list[v][1 + j0 + b]) *
-                                                   a.plan.record_stride) +
-                                 column[v]);
+            if (b < R && u0 + v * threads < units) {
+              tag[v][b] = __ldcg(tags + size_t(token[v]) * R + b);
+              raw[v][b] = __ldcg(reinterpret_cast<const int4*>(partial(token[v], b)) + column[v]);
+            }
 #pragma unroll
         for (int v = 0; v < kUnits; ++v)
 #pragma unroll
           for (int b = 0; b < kBatch; ++b) {
-            if (j0 + b >= count[v]) break;
+            if (b >= R || u0 + v * threads >= units) break;
+            if (tag[v][b] != tag_now) continue;
             const T* e = reinterpret_cast<const T*>(&raw[v][b]);
 #pragma unroll
             for (int j = 0; j < kVec; ++j) acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
           }
+      } else {
+        for (int r0 = 0; r0 < R; r0 += 32) {  // ranks r0 + bit of `left`, 32 at a time
+          unsigned left[kUnits];
+#pragma unroll
+          for (int v = 0; v < kUnits; ++v) {
+            left[v] = 0;
+            if (u0 + v * threads < units)
+              for (int r = r0; r < R && r < r0 + 32; ++r)
+                left[v] |= unsigned(__ldcg(tags + size_t(token[v]) * R + r) == tag_now) << (r - r0);
+          }
+          while (true) {
+            int4 raw[kUnits][kBatch];
+            int got[kUnits];
+            bool any = false;
+#pragma unroll
+            for (int v = 0; v < kUnits; ++v) {
+              got[v] = 0;
+#pragma unroll
+              for (int b = 0; b < kBatch; ++b) {
+                if (left[v] == 0) break;
+                const int r = r0 + __ffs(left[v]) - 1;
+                left[v] &= left[v] - 1;
+                raw[v][b] =
+                    __ldcg(reinterpret_cast<const int4*>(partial(token[v], r)) + column[v]);
+                got[v] = b + 1;
+              }
+              any = any || got[v] > 0;
+            }
+            if (!any) break;
+#pragma unroll
+            for (int v = 0; v < kUnits; ++v)
+#pragma unroll
+              for (int b = 0; b < kBatch; ++b) {
+                if (b >= got[v]) break;
+                const T* e = reinterpret_cast<const T*>(&raw[v][b]);
+#pragma unroll
+                for (int j = 0; j < kVec; ++j)
+                  acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
+              }
+          }
+        }
       }
 #pragma unroll
       for (int v = 0; v < kUnits; ++v) {
@@ -999,11 +1044,10 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, con
     const size_t units = size_t(a.num_tokens) * H;
     for (size_t u = first; u < units; u += threads) {
       const int t = int(u / H), h = int(u % H);
-      const int* list = lists + t * (K + 1);
       float acc = 0.f;
-      for (int j = 0; j < list[0]; ++j) {
-        const T v = __ldcg(reinterpret_cast<const T*>(
-            records + (size_t(t) * R + list[1 + j]) * a.plan.record_stride) + h);
+      for (int r = 0; r < R; ++r) {
+        if (__ldcg(tags + size_t(t) * R + r) != tag_now) continue;
+        const T v = __ldcg(reinterpret_cast<const T*>(partial(t, r)) + h);
         acc = __fadd_rn(acc, to_float<T>(v));
       }
       out[u] = from_float<T>(acc);
@@ -1011,36 +1055,11 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, con
   }
 }
 
-// smem: ll_combine_receive_smem() bytes: the lists, then the pairs' ids and slots staged.
-__device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64_t n) {
+__device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R;
-  const int n_pairs = a.num_tokens * K;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
   LLControl* mine = ll_control(ctx, ctx.rank);
-  int* lists = smem;                                 // [T][K + 1]
-  int* ids = lists + size_t(a.num_tokens) * (K + 1);  // [T*K]
-  int* slots = ids + n_pairs;                        // [T*K]
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
-  stage_ints(ids, a.topk_idx, n_pairs, slots, a.send_slot);  // not 2K dependent loads a token
-  __syncthreads();
-  // each token's ranks with a kept pair, ascending and distinct (insertion into its list)
-  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
-    int* list = lists + t * (K + 1);
-    int count = 0;
-    for (int k = 0; k < K; ++k) {
-      const int p = t * K + k, e = ids[p];
-      if (slots[p] < 0 || e < 0 || e >= E) continue;
-      const int r = e / L;
-      int j = count;
-      while (j > 0 && list[j] > r) --j;  // list[1..count] ascending
-      if (j > 0 && list[j] == r) continue;
-      for (int m = count; m > j; --m) list[m + 1] = list[m];
-      list[j + 1] = r;
-      ++count;
-    }
-    list[0] = count;
-  }
   if (threadIdx.x < 32)
     warp_wait_peers(ctx, mine->arrived[kOpCombine][n & 1], n, "low_latency_combine (receive)",
                     "partial rows sent back");
@@ -1048,9 +1067,9 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, int* smem, uint64
   profile_mark(ctx, kProfLLCombineReceive, kWaited);
   const char* base = ll_base(ctx, ctx.rank) + region;
   switch (a.dtype) {
-    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, base, lists); break;
-    case LLElement::kF16: combine_sum<__half>(a, base, lists); break;
-    default: combine_sum<float>(a, base, lists); break;
+    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, base, n); break;
+    case LLElement::kF16: combine_sum<__half>(a, base, n); break;
+    default: combine_sum<float>(a, base, n); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
     warp_signal_peers(ctx, &mine->consumed[kOpCombine][n & 1][ctx.rank], n);
@@ -1064,9 +1083,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
 }
 
 __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
-  extern __shared__ int smem[];
   wait_previous_kernel();
-  combine_receive(a, smem, read_call(a.call));
+  combine_receive(a, read_call(a.call));
 }
 
 // Both halves of a combine in one cooperative launch (see ll_dispatch_kernel).
@@ -1074,9 +1092,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  const uint64_t n = combine_send(send, smem);
-  __syncthreads();  // shared memory is reused
-  combine_receive(receive, smem, n);
+  combine_receive(receive, combine_send(send, smem));
 }
 
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
@@ -1181,10 +1197,6 @@ size_t combine_send_smem(const LLCombineSendArgs& a) {
   return ll_combine_send_smem(a.num_local_experts, a.ctx.num_ranks);
 }
 
-size_t combine_receive_smem(const LLCombineReceiveArgs& a) {
-  return ll_combine_receive_smem(a.num_tokens, a.num_topk);
-}
-
 }  // namespace
 
 cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stream) {
@@ -1195,22 +1207,16 @@ cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stre
 }
 
 cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
-  const size_t smem = combine_receive_smem(a);
-  const cudaError_t status =
-      allow_shared_memory(reinterpret_cast<const void*>(ll_combine_receive_kernel), smem);
-  if (status != cudaSuccess) return status;
-  return launch_after_previous(ll_combine_receive_kernel, a.num_blocks, kLLThreads, smem, stream,
-                               a);
+  return launch_after_previous(ll_combine_receive_kernel, a.num_blocks, kLLThreads, 0, stream, a);
 }
 
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
                               cudaStream_t stream) {
-  const size_t a = combine_send_smem(send), b = combine_receive_smem(receive);
   LLCombineSendArgs s = send;
   LLCombineReceiveArgs r = receive;
   void* args[] = {&s, &r};
   return launch_cooperative(reinterpret_cast<const void*>(ll_combine_kernel), receive.num_blocks,
-                            a > b ? a : b, args, stream);
+                            combine_send_smem(send), args, stream);
 }
 
 }  // namespace jax_ep

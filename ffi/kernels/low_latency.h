@@ -19,7 +19,9 @@
 //                     token), sums its own experts' rows of that token in k order, weighted
 //                     (float32, no FMA), and stores the partial, rounded to y's dtype, into
 //                     the owner's record [token][me]: one row per (token, rank), not per k.
-//   combine receive   adds a token's partials in rank order (float32) and rounds.
+//   combine receive   adds a token's partials in rank order (float32) and rounds: the
+//                     partials tagged with this call (each expert rank tags the records it
+//                     writes), so it needs no list of ranks built from the gates.
 //
 // Call numbers come from device-side counters in LLControl advanced by the send kernels; the
 // send returns its number and the receive takes it, so the two calls of one operation may be
@@ -104,19 +106,13 @@ struct LLCombineReceiveArgs {
   LLElement dtype;
   int num_blocks;
   const int32_t* call;
-  const int32_t* topk_idx;
-  const int32_t* send_slot;
   void* out;
 };
 
-// Dynamic shared memory of the combine kernels: the send's row offsets ([L] counts, one spare
-// int, [L][R] first rows), the receive's per-token lists of ranks ([T][K + 1]) and the pairs' ids
-// and slots it builds them from ([T*K] each).
+// Dynamic shared memory of the combine send: the row offsets ([L] counts, one spare int, [L][R]
+// first rows). The receive needs none.
 inline size_t ll_combine_send_smem(int num_local_experts, int num_ranks) {
   return sizeof(int32_t) * (size_t(num_local_experts) + 1 + size_t(num_local_experts) * num_ranks);
-}
-inline size_t ll_combine_receive_smem(int num_tokens, int num_topk) {
-  return sizeof(int32_t) * size_t(num_tokens) * (num_topk + 1 + 2 * num_topk);
 }
 
 // Dynamic shared memory of the dispatch send: the pairs' expert ids (and, cached, the
