@@ -743,9 +743,7 @@ __device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, cons
   GateEntry g{-1, 0.f};
   if (k >= K) return g;
   const size_t p = size_t(t) * K + k;
-  // the gate with the id and slot, one round of loads (for pairs not ours it goes unused)
   const int e = __ldcg(gates.idx + p), slot = __ldcg(gates.slot + p);
-  const float weight = __ldcg(gates.weight + p);
   if (e < 0 || e >= E || e / L != me || slot < 0 || slot >= M) return g;
   // source s's rows of block l: [first[l][s], first[l][s + 1]) (the last source's end at the
   // block's count); a handle from another call never sends us outside y
@@ -754,7 +752,7 @@ __device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, cons
   const int i = start + slot;
   if (start < 0 || i >= end || i >= count[l]) return g;
   g.row = l * a.rows_per_expert + i;
-  g.weight = weight;
+  g.weight = __ldcg(gates.weight + p);
   return g;
 }
 
