@@ -54,7 +54,7 @@ enum ProfileSlot {
   kProfLLDispatchReceive,
   kProfLLCombineSend,
   kProfLLCombineReceive,
-  kProfLLDispatchSlots,  // the dispatch send's slot warps: slots, index table, counts
+  kProfLLDispatchSlots,  // the dispatch send's slot warps: slots, pair headers, counts
   kProfNumSlots
 };
 static_assert(kProfNumSlots <= kProfileKernels, "Control::profile has a row per slot");
