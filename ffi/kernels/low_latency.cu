@@ -769,17 +769,15 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
   // the loops run warp-uniformly (the shuffles need every lane); `active` guards the accesses
   if (vec) {
     constexpr int kVec = 16 / sizeof(T);
-    // kChunks 16-byte columns per lane, each of every row of a batch loaded in one round
-    constexpr int kChunks = 2;
     const size_t chunks = bytes / 16;
-    for (size_t c0 = 0; c0 < chunks; c0 += 32 * kChunks) {
-      float acc[kChunks][kVec];
+    for (size_t c0 = 0; c0 < chunks; c0 += 32) {
+      const size_t c = c0 + lane;
+      const bool active = c < chunks;
+      float acc[kVec];
 #pragma unroll
-      for (int h = 0; h < kChunks; ++h)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[h][j] = 0.f;
+      for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
       for (unsigned m = mask; m != 0;) {
-        int4 raw[kBatch][kChunks];
+        int4 raw[kBatch];
         float w[kBatch];
         int n = 0;
 #pragma unroll
@@ -788,38 +786,28 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
           const int row = __shfl_sync(0xffffffffu, my_row, k);
           w[b] = __shfl_sync(0xffffffffu, my_weight, k);
           if (m != 0) {
-            const int4* src = reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off);
-#pragma unroll
-            for (int h = 0; h < kChunks; ++h) {
-              const size_t c = c0 + h * 32 + lane;
-              if (c < chunks) raw[b][h] = __ldg(src + c);
-            }
+            if (active)
+              raw[b] = __ldg(reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off) +
+                             c);
             m &= m - 1;
             ++n;
           }
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          if (b >= n) break;
+          if (b >= n || !active) break;
+          const T* v = reinterpret_cast<const T*>(&raw[b]);
 #pragma unroll
-          for (int h = 0; h < kChunks; ++h) {
-            const T* v = reinterpret_cast<const T*>(&raw[b][h]);
-#pragma unroll
-            for (int j = 0; j < kVec; ++j)
-              acc[h][j] = __fadd_rn(acc[h][j], __fmul_rn(w[b], to_float<T>(v[j])));
-          }
+          for (int j = 0; j < kVec; ++j)
+            acc[j] = __fadd_rn(acc[j], __fmul_rn(w[b], to_float<T>(v[j])));
         }
       }
+      if (!active) continue;
+      int4 packed;
+      T* o = reinterpret_cast<T*>(&packed);
 #pragma unroll
-      for (int h = 0; h < kChunks; ++h) {
-        const size_t c = c0 + h * 32 + lane;
-        if (c >= chunks) break;
-        int4 packed;
-        T* o = reinterpret_cast<T*>(&packed);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[h][j]);
-        reinterpret_cast<int4*>(dst)[c] = packed;
-      }
+      for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[j]);
+      reinterpret_cast<int4*>(dst)[c] = packed;
     }
   } else {
     const size_t elements = bytes / sizeof(T);
@@ -895,10 +883,7 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   // every warp has work: the time is the rounds of loads a warp issues one after another.
   const size_t warps = size_t(gridDim.x) * kWarps;
   const size_t rows = size_t(R) * T;
-  // rounded up: at most one unit per warp where kPiece allows (rounded down, 128 tokens of
-  // 14 KB made 3584 units of 512 B for 2112 warps: two rounds one after the other)
-  size_t piece = (a.row_bytes * rows + warps * kPieceQuantum - 1) / (warps * kPieceQuantum) *
-                 kPieceQuantum;
+  size_t piece = a.row_bytes * rows / warps / kPieceQuantum * kPieceQuantum;
   piece = piece < kPieceQuantum ? kPieceQuantum : piece > kPiece ? kPiece : piece;
   const size_t pieces = (a.row_bytes + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
