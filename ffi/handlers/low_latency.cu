@@ -395,6 +395,8 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   auto dims = out->dimensions();
   if (idx_dims.size() != 2 || dims.size() != 2 || dims[0] != idx_dims[0])
     return invalid(std::string(op) + ": topk_idx must be [T, K] and the result [T, H]");
+  // The kernel sums the records tagged with this call and reads neither array: the handle's
+  // topk_idx and send_slot give T and K here and tie the call to its handle.
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
   if (send_slot.element_count() != size_t(T) * K)
     return invalid(std::string(op) + ": send_slot must be [T, K]");

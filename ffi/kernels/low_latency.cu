@@ -634,7 +634,9 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       a.src_k[row] = lane;
     }
   };
-  if (!vec) {  // unaligned rows: whole records, one pair's row after another
+  // Unaligned rows: whole records, one pair's row after another. A loop of its own: with
+  // copy_record inside the vector loop the unit's registers stayed live and spilled.
+  if (!vec) {
     for (; u < units; u += grid_warps) {
       const int s = u / T, t = u % T;
       const int row = pair_row(x.header, s);
