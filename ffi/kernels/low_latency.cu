@@ -731,10 +731,12 @@ struct Gates {
 
 __device__ __forceinline__ Gates gates_of(const LLCombineSendArgs& a, int s, size_t region) {
   if (s == a.ctx.rank) return {a.topk_idx, a.send_slot, a.weights};
-  const char* owner = ll_base(a.ctx, s) + region;
-  return {reinterpret_cast<const int32_t*>(owner + a.plan.gate_idx),
-          reinterpret_cast<const int32_t*>(owner + a.plan.gate_slot),
-          reinterpret_cast<const float*>(owner + a.plan.gate_weight)};
+  // owner s wrote them into this PE's buffer: local reads
+  const size_t at = sizeof(int32_t) * size_t(s) * a.max_tokens * a.num_topk;
+  const char* base = ll_base(a.ctx, a.ctx.rank) + region + at;
+  return {reinterpret_cast<const int32_t*>(base + a.plan.gate_idx),
+          reinterpret_cast<const int32_t*>(base + a.plan.gate_slot),
+          reinterpret_cast<const float*>(base + a.plan.gate_weight)};
 }
 
 __device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, const Gates& gates,
@@ -856,15 +858,20 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
-  // block 0 publishes this rank's gates in its own buffer for the other expert ranks (this
-  // rank reads its own from the arguments)
+  // block 0 writes this rank's gates into every other rank's buffer (remote stores: the expert
+  // ranks' lookups then read local memory, not NVLink); this rank reads its own from the
+  // arguments
   if (blockIdx.x == 0) {
     if (R > 1) {
-      char* own = ll_base(ctx, me) + region;
-      for (int p = tid; p < T * K; p += blockDim.x) {
-        reinterpret_cast<int32_t*>(own + a.plan.gate_idx)[p] = a.topk_idx[p];
-        reinterpret_cast<int32_t*>(own + a.plan.gate_slot)[p] = a.send_slot[p];
-        reinterpret_cast<float*>(own + a.plan.gate_weight)[p] = a.weights[p];
+      const int pairs = T * K;
+      const size_t at = sizeof(int32_t) * size_t(me) * a.max_tokens * K;
+      for (int i = tid; i < R * pairs; i += blockDim.x) {
+        const int r = i / pairs, p = i % pairs;
+        if (r == me) continue;
+        char* peer = ll_base(ctx, r) + region + at;
+        reinterpret_cast<int32_t*>(peer + a.plan.gate_idx)[p] = a.topk_idx[p];
+        reinterpret_cast<int32_t*>(peer + a.plan.gate_slot)[p] = a.send_slot[p];
+        reinterpret_cast<float*>(peer + a.plan.gate_weight)[p] = a.weights[p];
       }
       __syncthreads();
       if (warp == 0) {
