@@ -123,7 +123,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
         h = o.handle
         return (jnp.where((h.src_rank >= 0)[..., None], o.x, 0), h.topk_idx, h.send_slot,
-                h.src_rank, h.src_token, h.src_k, h.recv_count, h.src_offset)
+                h.src_rank, h.src_token, h.src_k, h.recv_count, h.pair_row)
 
     try:
         arrays = jax.jit(smap(handle_arrays, in_specs=(P(AXIS),) * 2))(x, idx_d)

@@ -241,6 +241,7 @@ def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
     L, RM = config.num_local_experts, config.rows_per_expert
     i32 = jnp.int32
     src = (L, RM) if with_src else (0,)
+    pairs = (config.num_ranks, config.num_tokens, config.num_topk) if with_src else (0,)
     return (
         jax.ShapeDtypeStruct((L, RM, width), dtype),
         jax.ShapeDtypeStruct((L, RM, width // 128) if fp8 else (0,), jnp.float32),
@@ -248,7 +249,7 @@ def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
         jax.ShapeDtypeStruct(src, i32),
         jax.ShapeDtypeStruct(src, i32),
         jax.ShapeDtypeStruct(src, i32),
-        jax.ShapeDtypeStruct((L, config.num_ranks) if with_src else (0,), i32),
+        jax.ShapeDtypeStruct(pairs, i32),
     )
 
 
@@ -280,10 +281,10 @@ def low_latency_send(x, topk_idx, config: LowLatencyConfig):
 
 
 def _ll_output(config, topk_idx, send_slot, num_dropped, x, scales, recv_count, src_rank,
-               src_token, src_k, src_offset) -> LowLatencyOutput:
+               src_token, src_k, pair_row) -> LowLatencyOutput:
     handle = LowLatencyHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                               src_token=src_token, src_k=src_k, recv_count=recv_count,
-                              src_offset=src_offset, config=config)
+                              pair_row=pair_row, config=config)
     return LowLatencyOutput(x=x, x_scales=scales if config.use_fp8 else None,
                             recv_count=recv_count, num_dropped=num_dropped, handle=handle)
 
@@ -312,7 +313,7 @@ def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
 
 
 def _ll_combine_args(y, topk_weights, handle: LowLatencyHandle):
-    return (y, handle.recv_count, handle.src_offset, handle.topk_idx, handle.send_slot,
+    return (y, handle.recv_count, handle.pair_row, handle.topk_idx, handle.send_slot,
             topk_weights.astype(jnp.float32), _rank(handle.config.axis_name))
 
 

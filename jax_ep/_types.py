@@ -173,9 +173,9 @@ class LowLatencyHandle:
       src_token: [L, R*M] int32 source token of each received row (-1 = unused).
       src_k:     [L, R*M] int32 top-k slot of each received row (-1 = unused).
       recv_count: [L] int32 used rows per local expert (the used rows are a prefix).
-      src_offset: [L, R] int32 first row of source s's rows in block l: the rows of the
-                 earlier sources come before them (the combine finds a pair's row as
-                 src_offset[l, s] + its slot without scanning the counts).
+      pair_row:  [R, T, K] int32 the row (of the [L * R*M] received rows) that pair (source
+                 s, token t, k) became here, -1 if none: the combine's lookup, local at every
+                 expert rank (it needs no owner's routing).
     """
 
     topk_idx: jax.Array
@@ -184,12 +184,12 @@ class LowLatencyHandle:
     src_token: jax.Array
     src_k: jax.Array
     recv_count: jax.Array
-    src_offset: jax.Array
+    pair_row: jax.Array
     config: LowLatencyConfig
 
     def tree_flatten(self):
         return (self.topk_idx, self.send_slot, self.src_rank, self.src_token, self.src_k,
-                self.recv_count, self.src_offset), self.config
+                self.recv_count, self.pair_row), self.config
 
     @classmethod
     def tree_unflatten(cls, config, children):

@@ -275,10 +275,8 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
 
     x = sent["x"].reshape((R * T,) + sent["x"].shape[2:])[token_row]
     scales = sent["x_scales"]
-    # rows per (local expert, source), then each source's first row in its expert's block
-    per_source = jnp.zeros((L + 1, R), jnp.int32).at[
-        jnp.where(valid, expert, L), pair // (T * K)].add(1)[:L]
-    src_offset = (jnp.cumsum(per_source, axis=1) - per_source).astype(jnp.int32)
+    # the row each source pair became here (the combine's lookup)
+    pair_row = jnp.where(valid, target, -1).astype(jnp.int32).reshape(R, T, K)
     handle = LowLatencyHandle(
         topk_idx=sent["topk_idx"],
         send_slot=sent["send_slot"],
@@ -286,7 +284,7 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
         src_token=place((pair // K) % T, -1),
         src_k=place(pair % K, -1),
         recv_count=counts,
-        src_offset=src_offset,
+        pair_row=pair_row,
         config=config,
     )
     return LowLatencyOutput(

@@ -167,11 +167,12 @@ def low_latency_dispatch(x, topk_idx, num_experts, max_tokens):
                     o["x"][e, row] = x[s, t]
                     o["src_rank"][e, row], o["src_token"][e, row], o["src_k"][e, row] = s, t, k
                     o["recv_count"][e] += 1
-        # each source's first row in each expert's block (rows are in source order)
-        o["src_offset"] = np.zeros((L, R), np.int32)
+        # the row each source pair became here
+        o["pair_row"] = np.full((R, T, K), -1, np.int32)
         for e in range(L):
-            sources = o["src_rank"][e, : o["recv_count"][e]]
-            o["src_offset"][e] = [np.sum(sources < s) for s in range(R)]
+            for i in range(o["recv_count"][e]):
+                s, t, k = o["src_rank"][e, i], o["src_token"][e, i], o["src_k"][e, i]
+                o["pair_row"][s, t, k] = e * rows + i
         results.append(o)
     return results, send_slot
 

@@ -56,7 +56,7 @@ def test_low_latency_dispatch_matches_oracle(R, T, M, H, K, E, kind, mask, use_f
         np.testing.assert_array_equal(got_x[r], want[r]["x"], err_msg=f"rank {r} x")
         for name in ("recv_count", "num_dropped"):
             np.testing.assert_array_equal(getattr(out, name)[r], want[r][name])
-        for name in ("src_rank", "src_token", "src_k", "src_offset"):
+        for name in ("src_rank", "src_token", "src_k", "pair_row"):
             np.testing.assert_array_equal(getattr(out.handle, name)[r], want[r][name])
         if use_fp8:
             want_scales, _ = oracle.low_latency_dispatch(np.asarray(scales), idx, E, M)

@@ -202,7 +202,7 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
                                  ffi::ResultBuffer<ffi::S32> src_rank,
                                  ffi::ResultBuffer<ffi::S32> src_token,
                                  ffi::ResultBuffer<ffi::S32> src_k,
-                                 ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
+                                 ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
                                  int64_t num_blocks, LLDispatchReceiveArgs& a) {
   const char* op = "low_latency_dispatch (receive)";
@@ -233,9 +233,9 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   if (recv_count->element_count() != size_t(L) ||
       (want_src && (src_rank->element_count() != rows || src_token->element_count() != rows ||
                     src_k->element_count() != rows ||
-                    src_offset->element_count() != size_t(L) * R)))
-    return invalid(std::string(op) + ": recv_count must be [L], src_* [L, R*M] and src_offset "
-                   "[L, R] (or empty)");
+                    pair_row->element_count() != size_t(R) * num_tokens * num_topk)))
+    return invalid(std::string(op) + ": recv_count must be [L], src_* [L, R*M] and pair_row "
+                   "[R, T, K] (or empty)");
   if (num_tokens < 0 || num_tokens > max_tokens)
     return invalid(std::string(op) + ": num_tokens must be in [0, max_tokens_per_rank]");
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
@@ -256,7 +256,7 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   a.src_rank = want_src ? src_rank->typed_data() : nullptr;
   a.src_token = want_src ? src_token->typed_data() : nullptr;
   a.src_k = want_src ? src_k->typed_data() : nullptr;
-  a.src_offset = want_src ? src_offset->typed_data() : nullptr;
+  a.pair_row = want_src ? pair_row->typed_data() : nullptr;
   return ffi::Error::Success();
 }
 
@@ -267,14 +267,14 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call
                                  ffi::ResultBuffer<ffi::S32> src_rank,
                                  ffi::ResultBuffer<ffi::S32> src_token,
                                  ffi::ResultBuffer<ffi::S32> src_k,
-                                 ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
+                                 ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
                                  int64_t num_blocks) {
   if (call.element_count() != 2)
     return invalid("low_latency_dispatch (receive): call must be [2] int32");
   LLDispatchReceiveArgs a;
   if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
-                                       src_rank, src_token, src_k, src_offset, num_experts,
+                                       src_rank, src_token, src_k, pair_row, num_experts,
                                        max_tokens, num_tokens, num_topk, num_blocks, a);
       err.failure())
     return err;
@@ -291,7 +291,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> recv_count,
                          ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_token,
                          ffi::ResultBuffer<ffi::S32> src_k,
-                         ffi::ResultBuffer<ffi::S32> src_offset, int64_t num_experts,
+                         ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                          int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
                          int64_t num_blocks) {
   LLDispatchSendArgs send;
@@ -302,7 +302,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return err;
   LLDispatchReceiveArgs receive;
   if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
-                                       src_rank, src_token, src_k, src_offset, num_experts,
+                                       src_rank, src_token, src_k, pair_row, num_experts,
                                        max_tokens, send.num_tokens, send.num_topk, num_blocks,
                                        receive);
       err.failure())
@@ -313,10 +313,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
 }
 
-// The gates (topk_idx, send_slot, weights [T, K]) are this rank's, as owner: the send
-// publishes them for the expert ranks.
+// The weights [T, K] are this rank's, as owner: the send publishes them for the expert ranks.
+// topk_idx and send_slot (the handle's) give T and K and tie the call to its handle; the rows
+// of each pair here come from the handle's pair_row.
 ffi::Error make_combine_send(ffi::AnyBuffer y,
-                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> pair_row,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
@@ -341,9 +342,10 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   LLElement dtype;
   if (!float_type(y.element_type(), &dtype))
     return invalid(std::string(op) + ": y must be bf16, f16 or f32");
-  if (recv_count.element_count() != size_t(L) || src_offset.element_count() != size_t(L) * R ||
-      call->element_count() != 2)
-    return invalid(std::string(op) + ": the handle's arrays do not match [L] / [L, R]");
+  if (recv_count.element_count() != size_t(L) ||
+      pair_row.element_count() != size_t(R) * T * K || call->element_count() != 2)
+    return invalid(std::string(op) + ": the handle's recv_count / pair_row do not match [L] / "
+                   "[R, T, K]");
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
@@ -362,22 +364,20 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   a.num_blocks = blocks_or_default(num_blocks);
   a.y = y.untyped_data();
   a.recv_count = recv_count.typed_data();
-  a.src_offset = src_offset.typed_data();
-  a.topk_idx = topk_idx.typed_data();
-  a.send_slot = send_slot.typed_data();
+  a.pair_row = pair_row.typed_data();
   a.weights = weights.typed_data();
   a.call_out = call->typed_data();
   return ffi::Error::Success();
 }
 
 ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y,
-                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
+                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> pair_row,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                              int64_t num_experts, int64_t max_tokens, int64_t num_blocks) {
   LLCombineSendArgs a;
-  if (auto err = make_combine_send(y, recv_count, src_offset, topk_idx,
+  if (auto err = make_combine_send(y, recv_count, pair_row, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
                                    num_blocks, a);
       err.failure())
@@ -437,7 +437,7 @@ ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
 
 // Send and receive in one custom call (the fused combine).
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
-                        ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> src_offset,
+                        ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> pair_row,
                         ffi::Buffer<ffi::S32> topk_idx,
                         ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
@@ -446,7 +446,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
   if (out->element_type() != y.element_type())
     return invalid("low_latency_combine: the result must have y's dtype");
   LLCombineSendArgs send;
-  if (auto err = make_combine_send(y, recv_count, src_offset, topk_idx,
+  if (auto err = make_combine_send(y, recv_count, pair_row, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
                                    num_blocks, send);
       err.failure())

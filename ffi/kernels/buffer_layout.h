@@ -275,9 +275,10 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // from an earlier call, or never written, does not carry this call's number), then records
 // [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
 // bytes. A token is stored once per destination rank.
-// Combine region (at every PE): the gates of every owner s (topk_idx, send_slot, weights, each
-// [R][M][K]; entry (s, token, k) written by owner s into the expert ranks' buffers, so that
-// their lookups are local reads, not NVLink round trips), tags [M][R] uint32 (tag (token, r) = the low 32 bits of
+// Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
+// owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of
+// the pair's float32 weight; a word carries its own call number, so the expert rank reads it
+// with neither a flag nor a fence), tags [M][R] uint32 (tag (token, r) = the low 32 bits of
 // the number of the call whose partial row r wrote into record (token, r): the owner sums the
 // records tagged with its call, in rank order), then records [M][R]: record (token, r) = the
 // partial row expert rank r summed over its pairs of that token, padded to 16 bytes.
@@ -294,8 +295,6 @@ struct LLControl {
   uint64_t arrived[kLLOps][2][kMaxRanks];
   // consumed[op][parity][d] = n: PE d has finished reading what this PE sent it in call n
   uint64_t consumed[kLLOps][2][kMaxRanks];
-  // gates[parity][s] = n: PE s has written its gates of combine call n into this buffer
-  uint64_t gates[2][kMaxRanks];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
@@ -329,9 +328,7 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
 }
 
 struct LLCombinePlan {
-  size_t gate_idx = 0;       // [R][M][K] int32: each owner's topk_idx, written by the owner
-  size_t gate_slot = 0;      // [R][M][K] int32: each owner's send_slot
-  size_t gate_weight = 0;    // [R][M][K] float32: each owner's gates
+  size_t gate_words = 0;     // [R][M][K] uint64: call << 32 | weight bits, written by the owner
   size_t tags = 0;           // [M][R] uint32: call number (low bits) of record (token, r)
   size_t records = 0;        // [M][R] partial rows (token, expert rank)
   size_t record_stride = 0;
@@ -341,11 +338,8 @@ struct LLCombinePlan {
 JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_tokens,
                                                         int num_topk, size_t row_bytes) {
   LLCombinePlan p;
-  const size_t gates = sizeof(int32_t) * size_t(num_ranks) * max_tokens * num_topk;
-  p.gate_idx = 0;
-  p.gate_slot = align_up(gates, kRegionAlign);
-  p.gate_weight = p.gate_slot + align_up(gates, kRegionAlign);
-  p.tags = p.gate_weight + align_up(gates, kRegionAlign);
+  p.gate_words = 0;
+  p.tags = align_up(sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk, kRegionAlign);
   p.records = p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
   p.record_stride = row_stride(row_bytes);
   p.bytes = align_up(p.records + p.record_stride * size_t(max_tokens) * num_ranks, kRegionAlign);

@@ -598,11 +598,8 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   __syncthreads();
   block_exclusive_scan(prefix, E);
 
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == 0)
     for (int l = tid; l < L; l += blockDim.x) a.recv_count[l] = prefix[(l + 1) * R] - prefix[l * R];
-    if (a.src_offset != nullptr)  // for the combine: no scan of the counts there
-      for (int i = tid; i < E; i += blockDim.x) a.src_offset[i] = prefix[i] - prefix[i / R * R];
-  }
   if (a.src_rank != nullptr) {
     const size_t rows = size_t(L) * RM;
     for (size_t row = size_t(blockIdx.x) * blockDim.x + tid; row < rows;
@@ -627,12 +624,16 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     const int j = l * R + s;
     return slot < prefix[j + 1] - prefix[j] ? l * RM + (prefix[j] - prefix[l * R]) + slot : -1;
   };
+  // the handle: each row's source pair, and each source pair's row (for the combine: no
+  // lookup of the owner's routing there); every record's unit with piece 0 writes its K entries
   auto mark_source = [&](int row, int s, int t) {
-    if (row >= 0 && a.src_rank != nullptr) {
+    if (a.src_rank == nullptr) return;
+    if (row >= 0) {
       a.src_rank[row] = s;
       a.src_token[row] = t;
       a.src_k[row] = lane;
     }
+    if (lane < K) a.pair_row[(size_t(s) * T + t) * K + lane] = row;
   };
   // Unaligned rows: whole records, one pair's row after another. A loop of its own: with
   // copy_record inside the vector loop the unit's registers stayed live and spilled.
@@ -715,49 +716,59 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
 
 // ----------------------------------------------------------------------------- combine send
 
-// Lane k < K of the calling warp: whether pair (t, k) of owner s is ours, its row in y and
-// its gate. The row is bounds-checked against the receive counts (never read outside y).
+// Lane k < K of the calling warp: pair k of (owner s, token t) if this rank holds it: its row in
+// y, from the handle's pair_row and bounded by the used rows (a handle from another call never
+// sends us outside y), and its weight once resolved.
 struct GateEntry {
   int row;  // -1: not a pair of this rank
   float weight;
 };
 
-// An owner's gates: this rank's own arguments, or what a peer published in its buffer.
-struct Gates {
-  const int32_t* idx;
-  const int32_t* slot;
-  const float* weight;
-};
-
-__device__ __forceinline__ Gates gates_of(const LLCombineSendArgs& a, int s, size_t region) {
-  if (s == a.ctx.rank) return {a.topk_idx, a.send_slot, a.weights};
-  // owner s wrote them into this PE's buffer: local reads
-  const size_t at = sizeof(int32_t) * size_t(s) * a.max_tokens * a.num_topk;
-  const char* base = ll_base(a.ctx, a.ctx.rank) + region + at;
-  return {reinterpret_cast<const int32_t*>(base + a.plan.gate_idx),
-          reinterpret_cast<const int32_t*>(base + a.plan.gate_slot),
-          reinterpret_cast<const float*>(base + a.plan.gate_weight)};
+__device__ __forceinline__ int pair_row_of(const LLCombineSendArgs& a, const int* count, int s,
+                                           int t, int k) {
+  if (k >= a.num_topk) return -1;
+  const int row = __ldg(a.pair_row + (size_t(s) * a.num_tokens + t) * a.num_topk + k);
+  const int RM = a.rows_per_expert;
+  if (row < 0 || row >= a.num_local_experts * RM || row % RM >= count[row / RM]) return -1;
+  return row;
 }
 
-__device__ __forceinline__ GateEntry gate_entry(const LLCombineSendArgs& a, const Gates& gates,
-                                                const int* count, const int* first, int t,
-                                                int s, int k) {
-  const int L = a.num_local_experts, E = a.num_experts, K = a.num_topk, M = a.max_tokens;
-  const int me = a.ctx.rank, R = a.ctx.num_ranks;
-  GateEntry g{-1, 0.f};
-  if (k >= K) return g;
-  const size_t p = size_t(t) * K + k;
-  const int e = __ldcg(gates.idx + p), slot = __ldcg(gates.slot + p);
-  if (e < 0 || e >= E || e / L != me || slot < 0 || slot >= M) return g;
-  // source s's rows of block l: [first[l][s], first[l][s + 1]) (the last source's end at the
-  // block's count); a handle from another call never sends us outside y
-  const int l = e % L, start = first[l * R + s];
-  const int end = s + 1 < R ? first[l * R + s + 1] : count[l];
-  const int i = start + slot;
-  if (start < 0 || i >= end || i >= count[l]) return g;
-  g.row = l * a.rows_per_expert + i;
-  g.weight = __ldcg(gates.weight + p);
-  return g;
+__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Spins until the word at p carries `tag` in its high half and returns its low half; after
+// ctx.timeout_ns reports the peer and traps (as wait_flag).
+__device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p, uint32_t tag,
+                                       const char* op, const char* what, int peer) {
+  uint64_t v = load_relaxed(p);
+  if (uint32_t(v >> 32) == tag) return uint32_t(v);
+  const uint64_t start = global_timer_ns();
+  while (uint32_t((v = load_relaxed(p)) >> 32) != tag) {
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      report_timeout(ctx, op, what, peer, tag, v >> 32);
+      trap_after_report();
+    }
+  }
+  return uint32_t(v);
+}
+
+// Lane k's weight of pair (s, t, k): this rank's own argument, or owner s's gate word in this
+// PE's buffer (waited for until it carries call n's number).
+__device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t region,
+                                             uint64_t n, int s, int t, int k) {
+  if (s == a.ctx.rank) return __ldg(a.weights + size_t(t) * a.num_topk + k);
+  const uint64_t* words =
+      reinterpret_cast<const uint64_t*>(ll_base(a.ctx, a.ctx.rank) + region + a.plan.gate_words);
+  return __uint_as_float(wait_tagged(a.ctx, words + (size_t(s) * a.max_tokens + t) * a.num_topk + k,
+                                     uint32_t(n), "low_latency_combine (send)",
+                                     "gate words of the owner", s));
 }
 
 // The partial row of one (owner, token) for bytes [off, off + bytes) of the row: the sum over
@@ -773,15 +784,18 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
   // the loops run warp-uniformly (the shuffles need every lane); `active` guards the accesses
   if (vec) {
     constexpr int kVec = 16 / sizeof(T);
+    // kChunks 16-byte columns per lane, each of every row of a batch loaded in one round: a
+    // piece of 1 KB is one round of loads (NOTES item 52)
+    constexpr int kChunks = 2;
     const size_t chunks = bytes / 16;
-    for (size_t c0 = 0; c0 < chunks; c0 += 32) {
-      const size_t c = c0 + lane;
-      const bool active = c < chunks;
-      float acc[kVec];
+    for (size_t c0 = 0; c0 < chunks; c0 += 32 * kChunks) {
+      float acc[kChunks][kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
+      for (int h = 0; h < kChunks; ++h)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[h][j] = 0.f;
       for (unsigned m = mask; m != 0;) {
-        int4 raw[kBatch];
+        int4 raw[kBatch][kChunks];
         float w[kBatch];
         int n = 0;
 #pragma unroll
@@ -790,28 +804,38 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
           const int row = __shfl_sync(0xffffffffu, my_row, k);
           w[b] = __shfl_sync(0xffffffffu, my_weight, k);
           if (m != 0) {
-            if (active)
-              raw[b] = __ldg(reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off) +
-                             c);
+            const int4* src = reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off);
+#pragma unroll
+            for (int h = 0; h < kChunks; ++h) {
+              const size_t c = c0 + h * 32 + lane;
+              if (c < chunks) raw[b][h] = __ldg(src + c);
+            }
             m &= m - 1;
             ++n;
           }
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          if (b >= n || !active) break;
-          const T* v = reinterpret_cast<const T*>(&raw[b]);
+          if (b >= n) break;
 #pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            acc[j] = __fadd_rn(acc[j], __fmul_rn(w[b], to_float<T>(v[j])));
+          for (int h = 0; h < kChunks; ++h) {
+            const T* v = reinterpret_cast<const T*>(&raw[b][h]);
+#pragma unroll
+            for (int j = 0; j < kVec; ++j)
+              acc[h][j] = __fadd_rn(acc[h][j], __fmul_rn(w[b], to_float<T>(v[j])));
+          }
         }
       }
-      if (!active) continue;
-      int4 packed;
-      T* o = reinterpret_cast<T*>(&packed);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[j]);
-      reinterpret_cast<int4*>(dst)[c] = packed;
+      for (int h = 0; h < kChunks; ++h) {
+        const size_t c = c0 + h * 32 + lane;
+        if (c >= chunks) break;
+        int4 packed;
+        T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[h][j]);
+        reinterpret_cast<int4*>(dst)[c] = packed;
+      }
     }
   } else {
     const size_t elements = bytes / sizeof(T);
@@ -834,14 +858,14 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
 }
 
 // Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
-// block resident (a cooperative launch): the blocks wait for block 0's publication.
+// block resident (a cooperative launch): a peer's blocks wait for the gate words that this
+// rank's first blocks write.
 __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_local_experts, RM = a.rows_per_expert, K = a.num_topk, T = a.num_tokens;
   const int R = ctx.num_ranks, me = ctx.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int* count = smem;           // [L]: used rows per local expert
-  int* first = count + L + 1;  // [L][R]: first row of source s in block l (the handle's)
+  int* count = smem;  // [L]: used rows per local expert
   __shared__ uint64_t call_s;
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLCombineSend, kEnter);
@@ -849,72 +873,58 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     const uint64_t n = warp_enter_send(ctx, kOpCombine, "low_latency_combine (send)");
     if (lane == 0) call_s = n;
   } else {
-    // meanwhile the rows of each expert and where each source's start (one round of loads)
-    const int stride = blockDim.x - 32, i0 = tid - 32;
-    for (int l = i0; l < L; l += stride) count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
-    for (int i = i0; i < L * R; i += stride) first[i] = __ldg(a.src_offset + i);
+    for (int l = tid - 32; l < L; l += blockDim.x - 32)
+      count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
   }
   __syncthreads();
   const uint64_t n = call_s;
   const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
 
-  // block 0 writes this rank's gates into every other rank's buffer (remote stores: the expert
-  // ranks' lookups then read local memory, not NVLink); this rank reads its own from the
-  // arguments
-  if (blockIdx.x == 0) {
-    if (R > 1) {
-      const int pairs = T * K;
-      const size_t at = sizeof(int32_t) * size_t(me) * a.max_tokens * K;
-      for (int i = tid; i < R * pairs; i += blockDim.x) {
-        const int r = i / pairs, p = i % pairs;
-        if (r == me) continue;
-        char* peer = ll_base(ctx, r) + region + at;
-        reinterpret_cast<int32_t*>(peer + a.plan.gate_idx)[p] = a.topk_idx[p];
-        reinterpret_cast<int32_t*>(peer + a.plan.gate_slot)[p] = a.send_slot[p];
-        reinterpret_cast<float*>(peer + a.plan.gate_weight)[p] = a.weights[p];
-      }
-      __syncthreads();
-      if (warp == 0) {
-        if (lane == 0) __threadfence_system();
-        __syncwarp();
-        warp_signal_peers(ctx, &mine->gates[n & 1][me], n);
-      }
+  // This rank's weights, as tagged words, into every other rank's buffer (the first blocks'
+  // threads, one 8-byte store each): the expert ranks read them locally, and a word carries
+  // its call number, so no fence and no flag stand between the stores and their use.
+  if (R > 1) {
+    const int pairs = T * K, total = (R - 1) * pairs;
+    const uint64_t tag = uint64_t(uint32_t(n)) << 32;
+    const size_t at = region + a.plan.gate_words + sizeof(uint64_t) * size_t(me) * a.max_tokens * K;
+    for (int i = int(blockIdx.x) * blockDim.x + tid; i < total; i += gridDim.x * blockDim.x) {
+      const int r = (me + 1 + i / pairs) % R, p = i % pairs;
+      store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + at) + p,
+                    tag | __float_as_uint(__ldg(a.weights + p)));
     }
-    if (tid == 0) {
-      a.call_out[0] = int32_t(uint32_t(n));
-      a.call_out[1] = int32_t(uint32_t(n >> 32));
-    }
+  }
+  if (blockIdx.x == 0 && tid == 0) {
+    a.call_out[0] = int32_t(uint32_t(n));
+    a.call_out[1] = int32_t(uint32_t(n >> 32));
   }
   profile_mark(ctx, kProfLLCombineSend, kWaited);
 
-  // One unit: a piece of the partial row of one (owner, token). Each warp takes a contiguous
-  // run of units (mostly pieces of one token: one gate lookup), and pieces are sized so that
-  // every warp has work: the time is the rounds of loads a warp issues one after another.
+  // One unit: a piece of the partial row of one (owner, token), owners after this rank first
+  // (their rows cross NVLink: sent first, they overlap the local ones) and this rank last. Each
+  // warp takes a contiguous run of units (pieces of one token mostly: one lookup); pieces are
+  // rounded up so that each warp has at most one unit where kPiece allows (rounded down, 128
+  // tokens of 14 KB made 3584 units of 512 B for 2112 warps: two rounds one after the other).
   const size_t warps = size_t(gridDim.x) * kWarps;
   const size_t rows = size_t(R) * T;
-  size_t piece = a.row_bytes * rows / warps / kPieceQuantum * kPieceQuantum;
+  size_t piece = (a.row_bytes * rows + warps * kPieceQuantum - 1) / (warps * kPieceQuantum) *
+                 kPieceQuantum;
   piece = piece < kPieceQuantum ? kPieceQuantum : piece > kPiece ? kPiece : piece;
   const size_t pieces = (a.row_bytes + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
   const size_t u_begin = (size_t(blockIdx.x) * kWarps + warp) * per_warp;
   const size_t u_end = min(units, u_begin + per_warp);
   size_t current = ~size_t(0);
-  int waited = -1;  // the last peer whose gates this warp waited for
   GateEntry g{-1, 0.f};
   unsigned mask = 0;
+  int s = me, t = 0;
   for (size_t u = u_begin; u < u_end; ++u) {
     const size_t token = u / pieces;
-    const int s = int(token / T), t = int(token % T);
     if (token != current) {
       current = token;
-      if (s != me && s != waited) {  // the owner's gates are published (peers only)
-        if (lane == 0)
-          wait_flag(ctx, &mine->gates[n & 1][s], n, "low_latency_combine (send)",
-                    "gates published", s);
-        __syncwarp();
-        waited = s;
-      }
-      g = gate_entry(a, gates_of(a, s, region), count, first, t, s, lane);
+      s = (me + 1 + int(token / T)) % R;
+      t = int(token % T);
+      g = GateEntry{pair_row_of(a, count, s, t, lane), 0.f};
+      if (g.row >= 0) g.weight = pair_weight(a, region, n, s, t, lane);
       mask = __ballot_sync(0xffffffffu, g.row >= 0);
     }
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
@@ -1189,7 +1199,8 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                            dim3(grid), dim3(kLLThreads), smem, stream, args);
 }
 
-// The combine kernels wait for block 0's publication of the gates: always cooperative.
+// The combine kernels need every block resident (a peer's blocks wait for the gate words that
+// this rank's first blocks write; the fused receive waits for its own send): always cooperative.
 namespace {
 
 cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void** args,
@@ -1203,7 +1214,7 @@ cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void
 }
 
 size_t combine_send_smem(const LLCombineSendArgs& a) {
-  return ll_combine_send_smem(a.num_local_experts, a.ctx.num_ranks);
+  return ll_combine_send_smem(a.num_local_experts);
 }
 
 }  // namespace

@@ -13,12 +13,16 @@
 //   dispatch receive  waits for every source; each warp loads a piece of a record with its
 //                     pair headers while the counts are scanned, then stores the piece into
 //                     the row of each of the record's pairs ([L, R*M] blocks in (source,
-//                     token, k) order); then raises consumed[me] at every source.
-//   combine send      block 0 publishes this rank's gates (topk_idx, send_slot, weights); every
-//                     block then reads each owner's gates over NVLink and, per (owner,
-//                     token), sums its own experts' rows of that token in k order, weighted
-//                     (float32, no FMA), and stores the partial, rounded to y's dtype, into
-//                     the owner's record [token][me]: one row per (token, rank), not per k.
+//                     token, k) order), and records each pair's row in the handle's
+//                     pair_row [R][T][K]; then raises consumed[me] at every source.
+//   combine send      the blocks write this rank's weights as tagged gate words into every
+//                     other rank's buffer; each warp takes (owner, token) pieces (other
+//                     owners first), finds the rows of the pair in the handle's pair_row
+//                     (local), issues their loads, takes the weights (its own, or the
+//                     owner's words once they carry this call's number), sums its experts'
+//                     rows of that token in k order, weighted (float32, no FMA), and stores
+//                     the partial, rounded to y's dtype, into the owner's record [token][me]:
+//                     one row per (token, rank), not per k.
 //   combine receive   adds a token's partials in rank order (float32) and rounds: the
 //                     partials tagged with this call (each expert rank tags the records it
 //                     writes), so it needs no list of ranks built from the gates.
@@ -76,7 +80,7 @@ struct LLDispatchReceiveArgs {
   int32_t* src_rank;          // [L, R*M] (all three nullptr: not wanted)
   int32_t* src_token;
   int32_t* src_k;
-  int32_t* src_offset;        // [L, R]: first row of each source in each expert's block
+  int32_t* pair_row;          // [R, T, K]: the row of each source pair held here, else -1
 };
 
 struct LLCombineSendArgs {
@@ -91,10 +95,8 @@ struct LLCombineSendArgs {
   int num_blocks;
   const void* y;              // [L, R*M] rows of row_bytes
   const int32_t* recv_count;  // [L]
-  const int32_t* src_offset;  // [L, R]: first row of each source in each expert's block
-  const int32_t* topk_idx;    // this rank's gates, published for the expert ranks: [T, K]
-  const int32_t* send_slot;
-  const float* weights;
+  const int32_t* pair_row;    // [R, T, K]: the handle's row of each (owner, token, k) pair here
+  const float* weights;       // [T, K] this rank's gates, published for the expert ranks
   int32_t* call_out;
 };
 
@@ -109,10 +111,10 @@ struct LLCombineReceiveArgs {
   void* out;
 };
 
-// Dynamic shared memory of the combine send: the row offsets ([L] counts, one spare int, [L][R]
-// first rows). The receive needs none.
-inline size_t ll_combine_send_smem(int num_local_experts, int num_ranks) {
-  return sizeof(int32_t) * (size_t(num_local_experts) + 1 + size_t(num_local_experts) * num_ranks);
+// Dynamic shared memory of the combine send: the [L] used rows (the bound of pair_row's rows).
+// The receive needs none.
+inline size_t ll_combine_send_smem(int num_local_experts) {
+  return sizeof(int32_t) * size_t(num_local_experts);
 }
 
 // Dynamic shared memory of the dispatch send: the pairs' expert ids (and, cached, the
