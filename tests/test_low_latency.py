@@ -187,8 +187,9 @@ def test_ue8m0_scales_are_exact_powers_of_two():
 def test_low_latency_buffer_hint_covers_both_parities():
     """The hint (the handlers' own formula) holds two dispatch regions in half of the buffer
     (per-expert counts, a pair header per (source, token, k), one record per (source, token) of
-    the widest row) and two combine regions in the other half (the owner's gates, three
-    [M, K] arrays, and one partial row per (token, rank)). Needs the extension, not a GPU."""
+    the widest row) and two combine regions in the other half (every owner's gate words, an
+    8-byte word per (owner, token, k), a tag and one partial row per (token, rank)). Needs the
+    extension, not a GPU."""
     from jax_ep import _native
 
     if _native.load()[0] is None:
@@ -197,7 +198,7 @@ def test_low_latency_buffer_hint_covers_both_parities():
         got = jax_ep.low_latency_buffer_size_hint(M, H, E, K, R)
         row = H * 2  # a bf16 row (wider than FP8 data + scales)
         dispatch = 2 * (4 * E + 8 * R * M * K + R * M * row)
-        combine = 2 * (3 * 4 * M * K + R * M * row)
+        combine = 2 * (8 * R * M * K + 4 * M * R + R * M * row)
         assert got >= dispatch * 2 and got >= combine * 2
         assert got <= 1.02 * max(dispatch * 2, combine * 2) + (1 << 20)
         assert jax_ep.low_latency_buffer_size_hint(M, H, E, K, R, jnp.float32) > got
