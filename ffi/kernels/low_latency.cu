@@ -604,6 +604,34 @@ __device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchRe
   }
 }
 
+// The separate receive kernel, before it waits: the same copy as copy_local_pairs, dealt over
+// the grid's warps (one pair a warp), with no wait: the send kernel of this call has finished
+// (the receive takes its call number), so this rank's records and headers are complete; a
+// header without this call's number is a pair that was not sent here.
+__device__ void copy_own_records(const LLDispatchReceiveArgs& a, uint64_t n) {
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
+  const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
+  const int lane = threadIdx.x & 31;
+  const char* base = ll_base(ctx, me) + region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  const uint64_t* headers = reinterpret_cast<const uint64_t*>(base + a.plan.headers) +
+                            size_t(me) * M * K;
+  const int warps = int(gridDim.x) * kWarps;
+  for (int p = (threadIdx.x >> 5) * int(gridDim.x) + int(blockIdx.x); p < T * K; p += warps) {
+    const uint64_t header = __ldcg(headers + p);
+    const uint32_t pos = uint32_t(header);
+    if (uint32_t(header >> 32) != uint32_t(n) || pos == kNoPosition || int(pos / uint32_t(M)) >= L)
+      continue;
+    const size_t row = size_t(pos / uint32_t(M)) * RM + pos % uint32_t(M);
+    const char* rec = base + a.plan.records + (size_t(me) * M + p / K) * a.plan.record_stride;
+    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
+                a.out_scales != nullptr
+                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
+                    : nullptr,
+                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+  }
+}
+
 // prefix: E + 1 ints of shared memory (over (local expert, source position), expert-major).
 //
 // Work is dealt by record piece, not by output row: a warp loads a piece of record (s, t)
@@ -611,9 +639,9 @@ __device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchRe
 // counts' scan is done, then stores the piece into the row of every pair of the record kept
 // here. So the only loads after the scan are those of later units, and a record is read once
 // however many of its pairs this rank holds (before: counts, scan, index entry, record: three
-// dependent rounds, and a record read once per pair). local_done (the fused dispatch): this
-// rank's own records were copied by copy_local_pairs; their units only write the handle.
-template <bool local_done>
+// dependent rounds, and a record read once per pair). This rank's own records were copied
+// before the wait (copy_local_pairs in the fused dispatch, copy_own_records in the separate
+// receive): their units only write the handle.
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
@@ -631,16 +659,14 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
   const uint64_t* headers = reinterpret_cast<const uint64_t*>(base + a.plan.headers);
 
-  // Units: the local source's header-only units (local_done: T of them, the handle's entries
-  // only), then (record, piece) of the records whose data this receive copies, by source
-  // position. A piece is `vecs` 16-byte loads per lane, as many as make one unit per warp of
+  // Units: the local source's header-only units (T of them, the handle's entries only), then
+  // (record, piece) of the peers' records, by source position. A piece is `vecs` 16-byte loads per lane, as many as make one unit per warp of
   // the grid (at most kReceiveVecs); unaligned rows: whole records, copied by copy_record.
   const bool vec = ((a.row_bytes | a.plan.data_offset | a.plan.record_stride |
                      reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0;
   const int row_vecs = int(a.row_bytes / 16), chunks = (row_vecs + 31) / 32;
   const int grid_warps = int(gridDim.x) * kWarps;
-  const int header_units = local_done ? T : 0, first_q = local_done ? 1 : 0;
-  const int records = (R - first_q) * T;  // records whose data is copied here
+  const int header_units = T, records = (R - 1) * T;  // records whose data is copied here
   const int vecs = vec ? min(kReceiveVecs, max(1, (records * chunks + grid_warps - 1) / grid_warps))
                        : 0;
   const int pieces = vec ? (chunks + vecs - 1) / vecs : 1;
@@ -658,7 +684,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     if (u < header_units) return Unit{me, u, 0, false};
     u -= header_units;
     const int record = u / pieces;
-    return Unit{source_at(first_q + record / T, me, R), record % T, u % pieces, true};
+    return Unit{source_at(1 + record / T, me, R), record % T, u % pieces, true};
   };
   auto load_unit = [&](int u, ReceiveUnit& x) {
     const Unit w = unit_at(u);
@@ -793,7 +819,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_receive</*local_done=*/false>(a, smem, read_call(a.call));
+  const uint64_t n = read_call(a.call);
+  copy_own_records(a, n);
+  dispatch_receive(a, smem, n);
 }
 
 // Send and receive in one cooperative launch (every block resident: the receive half waits
@@ -805,7 +833,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
   const uint64_t n = dispatch_send(send, smem);
   __syncthreads();  // shared memory is reused; this block's records are written
   copy_local_pairs(send, receive, n);
-  dispatch_receive</*local_done=*/true>(receive, smem, n);
+  dispatch_receive(receive, smem, n);
 }
 
 // ----------------------------------------------------------------------------- combine send
