@@ -45,10 +45,11 @@ __device__ __forceinline__ LLControl* ll_control(const PeerContext& ctx, int pe)
   return reinterpret_cast<LLControl*>(ctx.peers[pe]);
 }
 
-// Offset of the region of call n's parity inside [begin, end): parity 0 at the start,
-// parity 1 ending at the end.
-__device__ __forceinline__ size_t region_of(uint64_t n, size_t begin, size_t end, size_t bytes) {
-  return (n & 1) ? end - bytes : begin;
+// Call n's sections of an op's area (see ll_sections).
+template <typename Plan>
+__device__ __forceinline__ LLSections sections_of(uint64_t n, size_t begin, size_t end,
+                                                  const Plan& plan) {
+  return ll_sections(n, begin, end, plan.words_bytes, plan.bytes);
 }
 
 __device__ __forceinline__ uint64_t read_call(const int32_t* call) {
@@ -396,7 +397,7 @@ __device__ void stage_pair_ids(const LLDispatchSendArgs& a, int* smem, int threa
 // of every pair of these experts, the pair headers (me, token, k) -> (call n, local expert,
 // slot) and each expert's count at its rank, and adds the pairs past max_tokens to
 // `dropped`. Pairs with an out-of-range id are left to the token pass (send_slot -1).
-__device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size_t region,
+__device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size_t words,
                                    const int* smem, unsigned* dropped, int warp) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, K = a.num_topk, M = a.max_tokens, n_pairs = a.num_tokens * K;
@@ -431,7 +432,7 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
       int seen = 0;  // e's pairs before this segment (the dropped ones included)
       for (int w = j * per; w < warp; ++w) seen += segment_count[w];
       const int r = e / L, l = e % L;
-      char* dest = ll_base(ctx, r) + region;
+      char* dest = ll_base(ctx, r) + words;
       uint64_t* headers = reinterpret_cast<uint64_t*>(dest + a.plan.headers) + size_t(me) * M * K;
       const uint64_t tag = uint64_t(uint32_t(n)) << 32;
       for (int base = begin; base < end; base += 32) {
@@ -444,7 +445,7 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
           a.send_slot[p] = kept ? s : -1;
           // p = token * K + k; a dropped pair's header says so (the fused dispatch's local
           // copy waits for the header of every pair it sent to this rank)
-          headers[p] = tag | (kept ? uint32_t(l * M + s) : kNoPosition);
+          store_relaxed(headers + p, tag | (kept ? uint32_t(l * M + s) : kNoPosition));
         }
         seen += __popc(match);
       }
@@ -485,7 +486,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
   const uint64_t n = call_s;
-  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   if (token_warp) {
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -503,7 +504,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         const unsigned leaders = __ballot_sync(0xffffffffu, leader);
         if (leader)
           dst[__popc(leaders & ((1u << lane) - 1u))] =
-              ll_base(ctx, r) + region + a.plan.records +
+              ll_base(ctx, r) + at.data + a.plan.records +
               (size_t(me) * M + t) * a.plan.record_stride;
         if (lane == 0) num_dst = __popc(leaders);
       }
@@ -525,7 +526,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     }
   } else {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
-    block_expert_slots(a, n, region, smem, &mine->dropped_pairs, warp - kTokenWarps);
+    block_expert_slots(a, n, at.words, smem, &mine->dropped_pairs, warp - kTokenWarps);
     if (warp == kTokenWarps) {
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
@@ -579,9 +580,11 @@ __device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchRe
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const char* base = ll_base(ctx, me) + region_of(n, a.area_begin, a.area_end, a.plan.bytes);
-  const uint64_t* headers = reinterpret_cast<const uint64_t*>(base + a.plan.headers) +
-                            size_t(me) * M * K;
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
+  const char* data = ll_base(ctx, me) + at.data;
+  const uint64_t* headers =
+      reinterpret_cast<const uint64_t*>(ll_base(ctx, me) + at.words + a.plan.headers) +
+      size_t(me) * M * K;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {  // the tokens this block sent
     for (int k = warp; k < K; k += kWarps) {
       const int p = t * K + k, e = __ldg(s.topk_idx + p);
@@ -594,7 +597,7 @@ __device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchRe
       pos = __shfl_sync(0xffffffffu, pos, 0);
       if (pos == kNoPosition || int(pos / uint32_t(M)) >= L) continue;  // dropped
       const size_t row = size_t(pos / uint32_t(M)) * RM + pos % uint32_t(M);
-      const char* rec = base + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
+      const char* rec = data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
       copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
                   a.out_scales != nullptr
                       ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
@@ -613,9 +616,11 @@ __device__ void copy_own_records(const LLDispatchReceiveArgs& a, uint64_t n) {
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
   const int lane = threadIdx.x & 31;
-  const char* base = ll_base(ctx, me) + region_of(n, a.area_begin, a.area_end, a.plan.bytes);
-  const uint64_t* headers = reinterpret_cast<const uint64_t*>(base + a.plan.headers) +
-                            size_t(me) * M * K;
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
+  const char* data = ll_base(ctx, me) + at.data;
+  const uint64_t* headers =
+      reinterpret_cast<const uint64_t*>(ll_base(ctx, me) + at.words + a.plan.headers) +
+      size_t(me) * M * K;
   const int warps = int(gridDim.x) * kWarps;
   for (int p = (threadIdx.x >> 5) * int(gridDim.x) + int(blockIdx.x); p < T * K; p += warps) {
     const uint64_t header = __ldcg(headers + p);
@@ -623,7 +628,7 @@ __device__ void copy_own_records(const LLDispatchReceiveArgs& a, uint64_t n) {
     if (uint32_t(header >> 32) != uint32_t(n) || pos == kNoPosition || int(pos / uint32_t(M)) >= L)
       continue;
     const size_t row = size_t(pos / uint32_t(M)) * RM + pos % uint32_t(M);
-    const char* rec = base + a.plan.records + (size_t(me) * M + p / K) * a.plan.record_stride;
+    const char* rec = data + a.plan.records + (size_t(me) * M + p / K) * a.plan.record_stride;
     copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
                 a.out_scales != nullptr
                     ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
@@ -647,7 +652,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
   if (warp == 0)
@@ -655,9 +660,10 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
                     "rows sent");
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
-  const char* base = ll_base(ctx, me) + region;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(base + a.plan.counts);
-  const uint64_t* headers = reinterpret_cast<const uint64_t*>(base + a.plan.headers);
+  const char* words = ll_base(ctx, me) + at.words;
+  const char* data = ll_base(ctx, me) + at.data;
+  const int32_t* counts = reinterpret_cast<const int32_t*>(words + a.plan.counts);
+  const uint64_t* headers = reinterpret_cast<const uint64_t*>(words + a.plan.headers);
 
   // Units: the local source's header-only units (T of them, the handle's entries only), then
   // (record, piece) of the peers' records, by source position. A piece is `vecs` 16-byte loads per lane, as many as make one unit per warp of
@@ -691,7 +697,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     const size_t r = size_t(w.s) * M + w.t;
     x.header = lane < K ? __ldcg(headers + r * K + lane) : 0;
     if (!vec || !w.data) return;
-    const char* rec = base + a.plan.records + r * a.plan.record_stride;
+    const char* rec = data + a.plan.records + r * a.plan.record_stride;
     const int4* src = reinterpret_cast<const int4*>(rec + a.plan.data_offset);
 #pragma unroll
     for (int j = 0; j < kReceiveVecs; ++j) {
@@ -759,7 +765,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       const Unit w = unit_at(u);
       const int row = pair_row(x.header, w.s);
       mark_source(row, w.s, w.t);
-      const char* rec = base + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
+      const char* rec = data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
       for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0 && w.data); pairs;
            pairs &= pairs - 1) {
         const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
@@ -793,7 +799,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
               reinterpret_cast<int4*>(out_scales)[lane] = x.scales;
           } else {
             const char* rec =
-                base + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
+                data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
             copy_row<true>(out_scales, rec + a.plan.scale_offset, a.scale_bytes, lane, 32);
           }
         }
@@ -857,12 +863,12 @@ __device__ __forceinline__ int pair_row_of(const LLCombineSendArgs& a, const int
 
 // Lane k's weight of pair (s, t, k): this rank's own argument, or owner s's gate word in this
 // PE's buffer (waited for until it carries call n's number).
-__device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t region,
+__device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t words,
                                              uint64_t n, int s, int t, int k) {
   if (s == a.ctx.rank) return __ldg(a.weights + size_t(t) * a.num_topk + k);
-  const uint64_t* words =
-      reinterpret_cast<const uint64_t*>(ll_base(a.ctx, a.ctx.rank) + region + a.plan.gate_words);
-  return __uint_as_float(wait_tagged(a.ctx, words + (size_t(s) * a.max_tokens + t) * a.num_topk + k,
+  const uint64_t* gate_words =
+      reinterpret_cast<const uint64_t*>(ll_base(a.ctx, a.ctx.rank) + words + a.plan.gate_words);
+  return __uint_as_float(wait_tagged(a.ctx, gate_words + (size_t(s) * a.max_tokens + t) * a.num_topk + k,
                                      uint32_t(n), "low_latency_combine (send)",
                                      "gate words of the owner", s));
 }
@@ -974,7 +980,7 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   }
   __syncthreads();
   const uint64_t n = call_s;
-  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   // This rank's weights, as tagged words, into every other rank's buffer (the first blocks'
   // threads, one 8-byte store each): the expert ranks read them locally, and a word carries
@@ -982,10 +988,10 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   if (R > 1) {
     const int pairs = T * K, total = (R - 1) * pairs;
     const uint64_t tag = uint64_t(uint32_t(n)) << 32;
-    const size_t at = region + a.plan.gate_words + sizeof(uint64_t) * size_t(me) * a.max_tokens * K;
+    const size_t mine_at = at.words + a.plan.gate_words + sizeof(uint64_t) * size_t(me) * a.max_tokens * K;
     for (int i = int(blockIdx.x) * blockDim.x + tid; i < total; i += gridDim.x * blockDim.x) {
       const int r = (me + 1 + i / pairs) % R, p = i % pairs;
-      store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + at) + p,
+      store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + mine_at) + p,
                     tag | __float_as_uint(__ldg(a.weights + p)));
     }
   }
@@ -1020,15 +1026,15 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       s = (me + 1 + int(token / T)) % R;
       t = int(token % T);
       g = GateEntry{pair_row_of(a, count, s, t, lane), 0.f};
-      if (g.row >= 0) g.weight = pair_weight(a, region, n, s, t, lane);
+      if (g.row >= 0) g.weight = pair_weight(a, at.words, n, s, t, lane);
       mask = __ballot_sync(0xffffffffu, g.row >= 0);
     }
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
     const size_t q = u % pieces, off = q * piece, bytes = min(piece, a.row_bytes - off);
-    char* owner = ll_base(ctx, s) + region;
-    char* dst = owner + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
+    char* owner = ll_base(ctx, s);
+    char* dst = owner + at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
     if (q == 0 && lane == 0)  // the owner sums the records tagged with this call
-      reinterpret_cast<uint32_t*>(owner + a.plan.tags)[size_t(t) * R + me] = uint32_t(n);
+      reinterpret_cast<uint32_t*>(owner + at.words + a.plan.tags)[size_t(t) * R + me] = uint32_t(n);
     switch (a.dtype) {
       case LLElement::kBF16:
         partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
@@ -1053,15 +1059,16 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
 // in one round (an untagged record is stale data, read and ignored); with more ranks the tags
 // come first, then the tagged partials, kBatch at a time.
 template <typename T>
-__device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, uint64_t n) {
+__device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, const char* data,
+                            uint64_t n) {
   const int H = a.hidden;
   const size_t threads = size_t(gridDim.x) * blockDim.x;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int R = a.ctx.num_ranks;
   constexpr int kVec = 16 / sizeof(T);
   T* out = static_cast<T*>(a.out);
-  const char* records = base + a.plan.records;
-  const uint32_t* tags = reinterpret_cast<const uint32_t*>(base + a.plan.tags);
+  const char* records = data + a.plan.records;
+  const uint32_t* tags = reinterpret_cast<const uint32_t*>(words + a.plan.tags);
   const uint32_t tag_now = uint32_t(n);
   auto partial = [&](int t, int r) { return records + (size_t(t) * R + r) * a.plan.record_stride; };
   if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
@@ -1172,7 +1179,7 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* base, uin
 
 __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   const PeerContext& ctx = a.ctx;
-  const size_t region = region_of(n, a.area_begin, a.area_end, a.plan.bytes);
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
   LLControl* mine = ll_control(ctx, ctx.rank);
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
   if (threadIdx.x < 32)
@@ -1180,11 +1187,12 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
                     "partial rows sent back");
   __syncthreads();
   profile_mark(ctx, kProfLLCombineReceive, kWaited);
-  const char* base = ll_base(ctx, ctx.rank) + region;
+  const char* words = ll_base(ctx, ctx.rank) + at.words;
+  const char* data = ll_base(ctx, ctx.rank) + at.data;
   switch (a.dtype) {
-    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, base, n); break;
-    case LLElement::kF16: combine_sum<__half>(a, base, n); break;
-    default: combine_sum<float>(a, base, n); break;
+    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, words, data, n); break;
+    case LLElement::kF16: combine_sum<__half>(a, words, data, n); break;
+    default: combine_sum<float>(a, words, data, n); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
     warp_signal_peers(ctx, &mine->consumed[kOpCombine][n & 1][ctx.rank], n);
