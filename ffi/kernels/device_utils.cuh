@@ -49,6 +49,18 @@ __device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Words that carry their own call number (its low 32 bits in the high half) need no flag or
+// fence between their store and their use: relaxed accesses, each one single-copy atomic.
+__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -160,6 +172,22 @@ __device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, u
       trap_after_report();
     }
   }
+}
+
+// Spins until the word at p carries `tag` in its high half and returns its low half; after
+// ctx.timeout_ns reports the peer and traps (as wait_flag).
+__device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p, uint32_t tag,
+                                       const char* op, const char* what, int peer) {
+  uint64_t v = load_relaxed(p);
+  if (uint32_t(v >> 32) == tag) return uint32_t(v);
+  const uint64_t start = global_timer_ns();
+  while (uint32_t((v = load_relaxed(p)) >> 32) != tag) {
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      report_timeout(ctx, op, what, peer, tag, v >> 32);
+      trap_after_report();
+    }
+  }
+  return uint32_t(v);
 }
 
 // Thread 0 of every block: the program's EP rank must be this PE, and every peer must have

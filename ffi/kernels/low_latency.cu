@@ -718,7 +718,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
 
 // Lane k < K of the calling warp: pair k of (owner s, token t) if this rank holds it: its row in
 // y, from the handle's pair_row and bounded by the used rows (a handle from another call never
-// sends us outside y), and its weight once resolved.
+// sends us outside y), and its weight.
 struct GateEntry {
   int row;  // -1: not a pair of this rank
   float weight;
@@ -731,32 +731,6 @@ __device__ __forceinline__ int pair_row_of(const LLCombineSendArgs& a, const int
   const int RM = a.rows_per_expert;
   if (row < 0 || row >= a.num_local_experts * RM || row % RM >= count[row / RM]) return -1;
   return row;
-}
-
-__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Spins until the word at p carries `tag` in its high half and returns its low half; after
-// ctx.timeout_ns reports the peer and traps (as wait_flag).
-__device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p, uint32_t tag,
-                                       const char* op, const char* what, int peer) {
-  uint64_t v = load_relaxed(p);
-  if (uint32_t(v >> 32) == tag) return uint32_t(v);
-  const uint64_t start = global_timer_ns();
-  while (uint32_t((v = load_relaxed(p)) >> 32) != tag) {
-    if (global_timer_ns() - start > ctx.timeout_ns) {
-      report_timeout(ctx, op, what, peer, tag, v >> 32);
-      trap_after_report();
-    }
-  }
-  return uint32_t(v);
 }
 
 // Lane k's weight of pair (s, t, k): this rank's own argument, or owner s's gate word in this
