@@ -267,20 +267,23 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // regions R*M partial rows of the combine dtype). Call n of an operation uses the region of
 // parity n % 2; the two parities grow from opposite ends of their area, so two calls in
 // flight never overlap whatever their shapes, as long as each fits in half of its area
-// (what the handlers check).
+// (what the handlers check). A region is a words section (counts, headers, gate words, tags:
+// what is read by its call number or rewritten in full every call) and a data section
+// (records); parity 0 puts its words first, parity 1 last, so that the words sections of calls
+// of the same R, E, M and K always coincide (see LLDispatchPlan).
 //
 // Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
-// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written when that
-// pair is kept here: the call number's low 32 bits << 32 | local expert * M + slot; an entry
-// from an earlier call, or never written, does not carry this call's number), then records
-// [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
+// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for each pair
+// sent here: the call number's low 32 bits << 32 | local expert * M + slot, or 0xffffffff for
+// a pair dropped at its source; an entry from an earlier call, or never written, does not
+// carry this call's number); data: records [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
 // bytes. A token is stored once per destination rank.
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
 // owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of
 // the pair's float32 weight; a word carries its own call number, so the expert rank reads it
 // with neither a flag nor a fence), tags [M][R] uint32 (tag (token, r) = the low 32 bits of
 // the number of the call whose partial row r wrote into record (token, r): the owner sums the
-// records tagged with its call, in rank order), then records [M][R]: record (token, r) = the
+// records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
 // partial row expert rank r summed over its pairs of that token, padded to 16 bytes.
 
 namespace jax_ep {
@@ -301,10 +304,17 @@ JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
   return align_up(sizeof(LLControl), kRegionAlign);
 }
 
+// A region holds a words section (the arrays read by their tags or written in full every
+// call) and a data section (records). Call n's region of parity 0 puts its words section
+// first, at the start of its area, parity 1 last, at the area's end (ll_sections): so the
+// words of every call with the same ranks, experts, max tokens and top-k sit at the same place
+// whatever the size of its rows, and a stale word there is always an older call's word, never
+// bytes of a record that could happen to show this call's number.
 struct LLDispatchPlan {
-  size_t counts = 0;         // [R][L] int32, relative to the region
-  size_t headers = 0;        // [R][M][K] uint64 pair headers: call << 32 | l * M + slot
-  size_t records = 0;        // [R][M] records (source, token)
+  size_t counts = 0;         // words section: [R][L] int32
+  size_t headers = 0;        // words section: [R][M][K] uint64 pair headers: call << 32 | l * M + slot
+  size_t words_bytes = 0;    // the words section
+  size_t records = 0;        // data section: [R][M] records (source, token)
   size_t record_stride = 0;
   size_t data_offset = 0;    // inside a record
   size_t scale_offset = 0;   // inside a record
@@ -317,20 +327,22 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
   LLDispatchPlan p;
   p.counts = 0;
   p.headers = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
-  p.records = align_up(p.headers + sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk,
-                       kRegionAlign);
+  p.words_bytes = align_up(
+      p.headers + sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk, kRegionAlign);
+  p.records = 0;
   p.data_offset = 0;
   p.scale_offset = row_stride(row_bytes);
   p.record_stride = p.scale_offset + row_stride(scale_bytes);
-  p.bytes = align_up(p.records + p.record_stride * size_t(num_ranks) * max_tokens,
+  p.bytes = align_up(p.words_bytes + p.record_stride * size_t(num_ranks) * max_tokens,
                      kRegionAlign);
   return p;
 }
 
 struct LLCombinePlan {
-  size_t gate_words = 0;     // [R][M][K] uint64: call << 32 | weight bits, written by the owner
-  size_t tags = 0;           // [M][R] uint32: call number (low bits) of record (token, r)
-  size_t records = 0;        // [M][R] partial rows (token, expert rank)
+  size_t gate_words = 0;     // words section: [R][M][K] uint64: call << 32 | weight bits
+  size_t tags = 0;           // words section: [M][R] uint32: call number (low bits) of record (token, r)
+  size_t words_bytes = 0;    // the words section
+  size_t records = 0;        // data section: [M][R] partial rows (token, expert rank)
   size_t record_stride = 0;
   size_t bytes = 0;
 };
@@ -340,10 +352,24 @@ JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_t
   LLCombinePlan p;
   p.gate_words = 0;
   p.tags = align_up(sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk, kRegionAlign);
-  p.records = p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
+  p.words_bytes = p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
+  p.records = 0;
   p.record_stride = row_stride(row_bytes);
-  p.bytes = align_up(p.records + p.record_stride * size_t(max_tokens) * num_ranks, kRegionAlign);
+  p.bytes =
+      align_up(p.words_bytes + p.record_stride * size_t(max_tokens) * num_ranks, kRegionAlign);
   return p;
+}
+
+// Byte offsets (in the buffer) of call n's words and data sections inside the area [begin,
+// end): parity 0 from begin (words, then data), parity 1 ending at end (data, then words).
+struct LLSections {
+  size_t words = 0, data = 0;
+};
+
+JAX_EP_HOST_DEVICE inline LLSections ll_sections(uint64_t n, size_t begin, size_t end,
+                                                 size_t words_bytes, size_t bytes) {
+  if (n & 1) return {end - words_bytes, end - bytes};
+  return {begin, begin + words_bytes};
 }
 
 struct LLAreas {
