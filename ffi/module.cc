@@ -225,4 +225,28 @@ NB_MODULE(_C, m) {
         nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("num_experts"), nb::arg("num_topk"),
         nb::arg("num_ranks"), nb::arg("elem_bytes"),
         "Low-latency buffer bytes that a low-latency dispatch + combine of these shapes needs");
+  m.def(
+      "low_latency_sections",
+      [](size_t buffer_bytes, bool combine, uint64_t call, int num_ranks, int num_experts,
+         int max_tokens, int num_topk, size_t row_bytes, size_t scale_bytes) {
+        const jax_ep::LLAreas areas = jax_ep::ll_areas(buffer_bytes);
+        size_t words_bytes, bytes, begin, end;
+        if (combine) {
+          const auto plan = jax_ep::plan_ll_combine(num_ranks, max_tokens, num_topk, row_bytes);
+          words_bytes = plan.words_bytes, bytes = plan.bytes;
+          begin = areas.combine_begin, end = areas.combine_end;
+        } else {
+          const auto plan = jax_ep::plan_ll_dispatch(num_ranks, num_experts, max_tokens,
+                                                     num_topk, row_bytes, scale_bytes);
+          words_bytes = plan.words_bytes, bytes = plan.bytes;
+          begin = areas.dispatch_begin, end = areas.dispatch_end;
+        }
+        const jax_ep::LLSections at = jax_ep::ll_sections(call, begin, end, words_bytes, bytes);
+        return nb::make_tuple(at.words, words_bytes, at.data, bytes - words_bytes, begin, end);
+      },
+      nb::arg("buffer_bytes"), nb::arg("combine"), nb::arg("call"), nb::arg("num_ranks"),
+      nb::arg("num_experts"), nb::arg("max_tokens"), nb::arg("num_topk"), nb::arg("row_bytes"),
+      nb::arg("scale_bytes") = 0,
+      "(words offset, words bytes, data offset, data bytes, area begin, area end) of call "
+      "`call`'s low-latency region in a buffer of buffer_bytes (the layout's own arithmetic)");
 }

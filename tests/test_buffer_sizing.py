@@ -74,3 +74,28 @@ def test_copy_engine_areas_count_only_when_selected(variable, monkeypatch):
     assert need <= hint(**kw) and plain <= hint(**kw)
     if variable == "JAX_EP_COMBINE":  # larger than every other path's area here
         assert plain < need
+
+
+@pytest.mark.parametrize("combine", [False, True])
+def test_low_latency_tagged_words_never_sit_on_another_calls_records(combine):
+    # Tagged words (pair headers, gate words, tags) are valid once they show the call's number:
+    # a stale word must be an older call's word, never record bytes of a call with another row
+    # size that could happen to show that number. So for either parity the words section is at
+    # the same place whatever the row size, and it overlaps no record of either parity.
+    H = 7168
+    shapes = ([(2 * H, 0)] if combine else [(H, 4 * (H // 128)), (2 * H, 0), (4 * 8, 0)])
+    shapes += [(4 * 2048, 0)]  # another hidden size, float32 rows
+    R, E, M, K = 2, 256, 128, 8
+    need = max(module.required_low_latency_bytes(M, H, E, K, R, 4),
+               module.required_low_latency_bytes(M, 2048, E, K, R, 4))
+    for buffer_bytes in (need, need + 12345 * 16, 2 * need):
+        sections = {(call, shape): module.low_latency_sections(buffer_bytes, combine, call, R, E,
+                                                                M, K, *shape)
+                    for call in (6, 7) for shape in shapes}
+        for call in (6, 7):
+            words = {sections[call, shape][:2] for shape in shapes}
+            assert len(words) == 1, (call, words)  # the same place for every row size
+        for (call, shape), (w, wb, d, db, begin, end) in sections.items():
+            assert begin <= min(w, d) and max(w + wb, d + db) <= end
+            for (other_call, other), (_, _, d2, db2, _, _) in sections.items():
+                assert w + wb <= d2 or d2 + db2 <= w, (call, shape, other_call, other)
