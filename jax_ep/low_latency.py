@@ -2,7 +2,8 @@
 
 Every rank sends at most ``max_tokens_per_rank`` (M) tokens per step. Each (token, k) pair
 becomes one row in the block of its expert: ``x`` is ``[L, R*M, H]`` with the first
-``recv_count[l]`` rows of block l in use, ordered by (source rank, source token, k). Combine
+``recv_count[l]`` rows of block l in use, ordered by source — this rank first, then the next
+ranks in order, wrapping around (me, me + 1, ..., me - 1) — then by (source token, k). Combine
 weights each returned row with the source's gate and sums the K rows of a token in k order.
 
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so

@@ -257,30 +257,35 @@ def low_latency_send(x, topk_idx, config: LowLatencyConfig):
 
 
 def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
-    """Block l holds the kept pairs for local expert l in (source rank, source token, k)
-    order: row = sum of the earlier sources' counts for l + the pair's slot at its source."""
+    """Block l holds the kept pairs for local expert l by source, in the order me, me + 1, ...,
+    me - 1 (this rank's own pairs first), then by (source token, k): row = the counts for l of
+    the sources before the pair's + the pair's slot at its source."""
     R, T, K, L = config.num_ranks, config.num_tokens, config.num_topk, config.num_local_experts
     rows = config.rows_per_expert
     n = R * T * K
-    expert = sent["local"].reshape(n)  # pairs in (src, token, k) order
+    me = jax.lax.axis_index(config.axis_name)
+    order = (jnp.arange(R, dtype=jnp.int32) + me) % R  # position q -> source
+    expert = sent["local"][order].reshape(n)  # pairs in (source position, token, k) order
     valid = expert >= 0
     rank, counts = _group_positions(jnp.where(valid, expert, L), L)
     target = jnp.where(valid, expert * rows + rank, L * rows)  # rank < R*M: nothing to drop
     pair = jnp.arange(n, dtype=jnp.int32)
     token_row = pair // K
+    source = order[pair // (T * K)]
 
     def place(values, fill):
         flat = _scatter_rows(values, target, L * rows, fill)
         return flat.reshape((L, rows) + values.shape[1:])
 
-    x = sent["x"].reshape((R * T,) + sent["x"].shape[2:])[token_row]
+    x = sent["x"][order].reshape((R * T,) + sent["x"].shape[2:])[token_row]
     scales = sent["x_scales"]
-    # the row each source pair became here (the combine's lookup)
-    pair_row = jnp.where(valid, target, -1).astype(jnp.int32).reshape(R, T, K)
+    # the row each source pair became here (the combine's lookup), by source
+    pair_row = jnp.zeros((R, T, K), jnp.int32).at[order].set(
+        jnp.where(valid, target, -1).astype(jnp.int32).reshape(R, T, K))
     handle = LowLatencyHandle(
         topk_idx=sent["topk_idx"],
         send_slot=sent["send_slot"],
-        src_rank=place(pair // (T * K), -1),
+        src_rank=place(source, -1),
         src_token=place((pair // K) % T, -1),
         src_k=place(pair % K, -1),
         recv_count=counts,
@@ -289,7 +294,7 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
     )
     return LowLatencyOutput(
         x=place(x, 0),
-        x_scales=None if scales is None else place(scales.reshape(R * T, -1)[token_row], 0),
+        x_scales=None if scales is None else place(scales[order].reshape(R * T, -1)[token_row], 0),
         recv_count=counts,
         num_dropped=sent["num_dropped"],
         handle=handle,

@@ -157,7 +157,7 @@ def low_latency_dispatch(x, topk_idx, num_experts, max_tokens):
                  src_token=np.full((L, rows), -1, np.int32),
                  src_k=np.full((L, rows), -1, np.int32),
                  recv_count=np.zeros(L, np.int32), num_dropped=dropped[me])
-        for s in range(R):
+        for s in [(me + q) % R for q in range(R)]:  # this rank's own pairs first
             for t in range(T):
                 for k in range(K):
                     if dest[s, t, k] != me or send_slot[s, t, k] < 0:

@@ -273,10 +273,10 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // of the same R, E, M and K always coincide (see LLDispatchPlan).
 //
 // Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
-// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written when that
-// pair is kept here: the call number's low 32 bits << 32 | local expert * M + slot; an entry
-// from an earlier call, or never written, does not carry this call's number); data: records
-// [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
+// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for each pair
+// sent here: the call number's low 32 bits << 32 | local expert * M + slot, or 0xffffffff for
+// a pair dropped at its source; an entry from an earlier call, or never written, does not
+// carry this call's number); data: records [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
 // bytes. A token is stored once per destination rank.
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
 // owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of

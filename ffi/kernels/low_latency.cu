@@ -31,6 +31,8 @@ __device__ __forceinline__ void group_sync(int barrier, int threads) {
 // kPieceQuantum (one 16-byte load per lane of a warp).
 constexpr size_t kPiece = 4096, kPieceQuantum = 512;
 constexpr int kOpDispatch = 0, kOpCombine = 1;
+// A pair header's position for a pair dropped at its source (slot >= M): names no row
+constexpr uint32_t kNoPosition = 0xffffffffu;
 // block_counter slots of LLControl
 constexpr int kCounterDispatchSend = 0, kCounterDispatchReceive = 1, kCounterCombineSend = 2,
               kCounterCombineReceive = 3;
@@ -413,7 +415,9 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
           const int s = a.cached ? given[p] : seen + __popc(match & before);
           const bool kept = s < M;
           a.send_slot[p] = kept ? s : -1;
-          if (kept) headers[p] = tag | uint32_t(l * M + s);  // p = token * K + k
+          // p = token * K + k; a dropped pair's header says so (the fused dispatch's local
+          // copy waits for the header of every pair it sent to this rank)
+          store_relaxed(headers + p, tag | (kept ? uint32_t(l * M + s) : kNoPosition));
         }
         seen += __popc(match);
       }
@@ -530,62 +534,151 @@ struct ReceiveUnit {
   int4 scales;
 };
 
-// prefix: E + 1 ints of shared memory (over (local expert, source), expert-major).
+// Sources in every expert's block in the order me, me + 1, ..., me - 1 (position q of source
+// (me + q) % R): this rank's own pairs start each block, at rows known without any count, so
+// the fused dispatch copies them before the peers' records arrive (copy_local_pairs).
+__device__ __forceinline__ int source_at(int q, int me, int R) { return q + me < R ? q + me : q + me - R; }
+__device__ __forceinline__ int position_of(int s, int me, int R) { return s >= me ? s - me : s - me + R; }
+
+// The fused dispatch, between its send and its receive: each pair that this block's tokens
+// have on this rank, copied from the token's local record (written by this block's token
+// warps) into its row l * R*M + slot (the first rows of block l are this rank's own), one warp
+// a pair; the slot comes from the pair's header (this rank's slot warps write it, with this
+// call's number). Meanwhile the peers' records are in flight; the receive then copies only
+// theirs.
+__device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchReceiveArgs& a,
+                                 uint64_t n) {
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
+  const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
+  const char* data = ll_base(ctx, me) + at.data;
+  const uint64_t* headers =
+      reinterpret_cast<const uint64_t*>(ll_base(ctx, me) + at.words + a.plan.headers) +
+      size_t(me) * M * K;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {  // the tokens this block sent
+    for (int k = warp; k < K; k += kWarps) {
+      const int p = t * K + k, e = __ldg(s.topk_idx + p);
+      if (e < 0 || e >= E || e / L != me) continue;
+      if (s.cached && (s.slots_in[p] < 0 || s.slots_in[p] >= M)) continue;  // not sent
+      uint32_t pos = 0;
+      if (lane == 0)
+        pos = wait_tagged(ctx, headers + p, uint32_t(n), "low_latency_dispatch",
+                          "this rank's pair header", me);
+      pos = __shfl_sync(0xffffffffu, pos, 0);
+      if (pos == kNoPosition || int(pos / uint32_t(M)) >= L) continue;  // dropped
+      const size_t row = size_t(pos / uint32_t(M)) * RM + pos % uint32_t(M);
+      const char* rec = data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
+      copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
+                  a.out_scales != nullptr
+                      ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
+                      : nullptr,
+                  rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+    }
+  }
+}
+
+// The separate receive kernel, before it waits: the same copy as copy_local_pairs, dealt over
+// the grid's warps (one pair a warp), with no wait: the send kernel of this call has finished
+// (the receive takes its call number), so this rank's records and headers are complete; a
+// header without this call's number is a pair that was not sent here.
+__device__ void copy_own_records(const LLDispatchReceiveArgs& a, uint64_t n) {
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
+  const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
+  const int lane = threadIdx.x & 31;
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
+  const char* data = ll_base(ctx, me) + at.data;
+  const uint64_t* headers =
+      reinterpret_cast<const uint64_t*>(ll_base(ctx, me) + at.words + a.plan.headers) +
+      size_t(me) * M * K;
+  const int warps = int(gridDim.x) * kWarps;
+  for (int p = (threadIdx.x >> 5) * int(gridDim.x) + int(blockIdx.x); p < T * K; p += warps) {
+    const uint64_t header = __ldcg(headers + p);
+    const uint32_t pos = uint32_t(header);
+    if (uint32_t(header >> 32) != uint32_t(n) || pos == kNoPosition || int(pos / uint32_t(M)) >= L)
+      continue;
+    const size_t row = size_t(pos / uint32_t(M)) * RM + pos % uint32_t(M);
+    const char* rec = data + a.plan.records + (size_t(me) * M + p / K) * a.plan.record_stride;
+    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
+                a.out_scales != nullptr
+                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
+                    : nullptr,
+                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+  }
+}
+
+// prefix: E + 1 ints of shared memory (over (local expert, source position), expert-major).
 //
 // Work is dealt by record piece, not by output row: a warp loads a piece of record (s, t)
 // (vecs 16-byte loads per lane) and the record's K pair headers in one round, before the
 // counts' scan is done, then stores the piece into the row of every pair of the record kept
 // here. So the only loads after the scan are those of later units, and a record is read once
 // however many of its pairs this rank holds (before: counts, scan, index entry, record: three
-// dependent rounds, and a record read once per pair).
+// dependent rounds, and a record read once per pair). With local_first this rank's own records
+// were copied before the wait (copy_local_pairs in the fused dispatch, copy_own_records in the
+// separate receive): their units only write the handle.
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
-  const int T = a.num_tokens, K = a.num_topk;
+  const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
-  LLControl* mine = ll_control(ctx, ctx.rank);
+  LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
   if (warp == 0)
     warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, "low_latency_dispatch (receive)",
                     "rows sent");
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
-  const char* words = ll_base(ctx, ctx.rank) + at.words;
-  const char* data = ll_base(ctx, ctx.rank) + at.data;
+  const char* words = ll_base(ctx, me) + at.words;
+  const char* data = ll_base(ctx, me) + at.data;
   const int32_t* counts = reinterpret_cast<const int32_t*>(words + a.plan.counts);
   const uint64_t* headers = reinterpret_cast<const uint64_t*>(words + a.plan.headers);
 
-  // Units: (record, piece). A piece is `vecs` 16-byte loads per lane, as many as make one unit
-  // per warp of the grid (at most kReceiveVecs); unaligned rows: whole records, copied by
-  // copy_record.
+  // Units: with local_first the local source's header-only units (T of them, the handle's
+  // entries only), then (record, piece) of the other records, by source position. A piece is
+  // `vecs` 16-byte loads per lane, as many as make one unit per warp of the grid (at most
+  // kReceiveVecs); unaligned rows: whole records, copied by copy_record.
   const bool vec = ((a.row_bytes | a.plan.data_offset | a.plan.record_stride |
                      reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0;
   const int row_vecs = int(a.row_bytes / 16), chunks = (row_vecs + 31) / 32;
-  const int grid_warps = int(gridDim.x) * kWarps, records = R * T;
+  const int grid_warps = int(gridDim.x) * kWarps;
+  // local_first: the local source's data was copied before the wait
+  const int header_units = a.local_first ? T : 0, records = R * T - header_units;
   const int vecs = vec ? min(kReceiveVecs, max(1, (records * chunks + grid_warps - 1) / grid_warps))
                        : 0;
   const int pieces = vec ? (chunks + vecs - 1) / vecs : 1;
-  const int units = records * pieces;
+  const int units = header_units + records * pieces;
   // FP8 scales in one 16-byte load per lane with piece 0 (else copied after the data)
   const bool scales_together =
       a.out_scales != nullptr && vec && a.scale_bytes <= 16 * 32 &&
       ((a.scale_bytes | a.plan.scale_offset | reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
 
+  struct Unit {
+    int s, t, piece;
+    bool data;  // false: a header-only unit
+  };
+  auto unit_at = [&](int u) {
+    if (u < header_units) return Unit{me, u, 0, false};
+    u -= header_units;
+    const int record = u / pieces;
+    return Unit{source_at(record / T + (header_units > 0), me, R), record % T, u % pieces, true};
+  };
   auto load_unit = [&](int u, ReceiveUnit& x) {
-    const int record = u / pieces, piece = u % pieces;
-    const int s = record / T, t = record % T;
-    const size_t r = size_t(s) * M + t;
+    const Unit w = unit_at(u);
+    const size_t r = size_t(w.s) * M + w.t;
     x.header = lane < K ? __ldcg(headers + r * K + lane) : 0;
-    if (!vec) return;
+    if (!vec || !w.data) return;
     const char* rec = data + a.plan.records + r * a.plan.record_stride;
     const int4* src = reinterpret_cast<const int4*>(rec + a.plan.data_offset);
 #pragma unroll
     for (int j = 0; j < kReceiveVecs; ++j) {
-      const int i = (piece * vecs + j) * 32 + lane;
+      const int i = (w.piece * vecs + j) * 32 + lane;
       if (j < vecs && i < row_vecs) x.data[j] = __ldcg(src + i);
     }
-    if (piece == 0 && scales_together && lane * 16 < int(a.scale_bytes))
+    if (w.piece == 0 && scales_together && lane * 16 < int(a.scale_bytes))
       x.scales = __ldcg(reinterpret_cast<const int4*>(rec + a.plan.scale_offset) + lane);
   };
 
@@ -594,7 +687,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   ReceiveUnit x;
   if (u < units) load_unit(u, x);
   for (int i = tid; i < E; i += blockDim.x) {
-    const int l = i / R, s = i % R;
+    const int l = i / R, s = source_at(i % R, me, R);
     prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
   }
   __syncthreads();
@@ -621,10 +714,12 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   auto pair_row = [&](uint64_t header, int s) {
     if (lane >= K || uint32_t(header >> 32) != tag) return -1;
     const uint32_t pos = uint32_t(header);
-    const int l = int(pos / uint32_t(M)), slot = int(pos % uint32_t(M));
-    if (l >= L) return -1;
-    const int j = l * R + s;
-    return slot < prefix[j + 1] - prefix[j] ? l * RM + (prefix[j] - prefix[l * R]) + slot : -1;
+    const uint32_t l = pos / uint32_t(M);
+    const int slot = int(pos % uint32_t(M));
+    if (l >= uint32_t(L)) return -1;
+    const int j = int(l) * R + position_of(s, me, R);
+    return slot < prefix[j + 1] - prefix[j] ? int(l) * RM + (prefix[j] - prefix[l * R]) + slot
+                                            : -1;
   };
   // the handle: each row's source pair, and each source pair's row (for the combine: no
   // lookup of the owner's routing there); every record's unit with piece 0 writes its K entries
@@ -641,11 +736,12 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   // copy_record inside the vector loop the unit's registers stayed live and spilled.
   if (!vec) {
     for (; u < units; u += grid_warps) {
-      const int s = u / T, t = u % T;
-      const int row = pair_row(x.header, s);
-      mark_source(row, s, t);
-      const char* rec = data + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs; pairs &= pairs - 1) {
+      const Unit w = unit_at(u);
+      const int row = pair_row(x.header, w.s);
+      mark_source(row, w.s, w.t);
+      const char* rec = data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
+      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0 && w.data); pairs;
+           pairs &= pairs - 1) {
         const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         copy_record(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes,
                     a.out_scales != nullptr
@@ -657,26 +753,27 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
   } else {
     for (; u < units; u += grid_warps) {
-      const int record = u / pieces, piece = u % pieces;
-      const int s = record / T, t = record % T;
-      const int row = pair_row(x.header, s);
-      if (piece == 0) mark_source(row, s, t);
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs; pairs &= pairs - 1) {
+      const Unit w = unit_at(u);
+      const int row = pair_row(x.header, w.s);
+      if (w.piece == 0) mark_source(row, w.s, w.t);
+      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0 && w.data); pairs;
+           pairs &= pairs - 1) {
         const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         int4* out =
             reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes);
 #pragma unroll
         for (int j = 0; j < kReceiveVecs; ++j) {
-          const int i = (piece * vecs + j) * 32 + lane;
+          const int i = (w.piece * vecs + j) * 32 + lane;
           if (j < vecs && i < row_vecs) out[i] = x.data[j];
         }
-        if (piece == 0 && a.out_scales != nullptr) {
+        if (w.piece == 0 && a.out_scales != nullptr) {
           char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes;
           if (scales_together) {
             if (lane * 16 < int(a.scale_bytes))
               reinterpret_cast<int4*>(out_scales)[lane] = x.scales;
           } else {
-            const char* rec = data + a.plan.records + (size_t(s) * M + t) * a.plan.record_stride;
+            const char* rec =
+                data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
             copy_row<true>(out_scales, rec + a.plan.scale_offset, a.scale_bytes, lane, 32);
           }
         }
@@ -687,7 +784,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
 
   // every CTA has read what it needed: tell every source its region may be reused
   if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0)
-    warp_signal_peers(ctx, &mine->consumed[kOpDispatch][n & 1][ctx.rank], n);
+    warp_signal_peers(ctx, &mine->consumed[kOpDispatch][n & 1][me], n);
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
@@ -702,7 +799,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_receive(a, smem, read_call(a.call));
+  const uint64_t n = read_call(a.call);
+  if (a.local_first) copy_own_records(a, n);
+  dispatch_receive(a, smem, n);
 }
 
 // Send and receive in one cooperative launch (every block resident: the receive half waits
@@ -712,7 +811,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
   extern __shared__ int smem[];
   wait_previous_kernel();
   const uint64_t n = dispatch_send(send, smem);
-  __syncthreads();  // shared memory is reused
+  __syncthreads();  // shared memory is reused; this block's records are written
+  if (receive.local_first) copy_local_pairs(send, receive, n);
   dispatch_receive(receive, smem, n);
 }
 
