@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,lltest,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -48,6 +48,13 @@ if [[ $WHAT == *lltest* ]]; then  # the low-latency part of the suite only
   timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     -k "low_latency or runs_once" 2>&1 | tee "$OUT/gpu_suite_ll_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -12
+  status=${PIPESTATUS[0]}
+fi
+if [[ $WHAT == *localfirst* ]]; then  # the low-latency tests with the opt-in local copy
+  step "low-latency GPU tests with JAX_EP_LL_LOCAL_FIRST=1 on $N GPUs"
+  JAX_EP_LL_LOCAL_FIRST=1 timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q \
+    -p no:cacheprovider tests/test_gpu.py -k "low_latency or runs_once" 2>&1 |
+    tee "$OUT/gpu_suite_ll_local_first_$N.log" | grep -E "passed|failed|FAILED|Error|timed out" | tail -12
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *bench* ]]; then
