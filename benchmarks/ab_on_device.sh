@@ -5,6 +5,7 @@
 # Logs in $OUT/ab/<name>.
 #   bash benchmarks/ab_on_device.sh [gpus] [bench_intranode args, or none] [ll]
 # AB_PASSES=p runs the benchmarks of all trees p times over (interleaved: drift shows).
+# AB_ENVS="VAR=value ..." adds runs of the checkout under each setting (see below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-2}
@@ -27,18 +28,24 @@ for tree in "${trees[@]}"; do
     touch "$log/built") &
 done
 wait
+# AB_ENVS="VAR=value ...": the checkout runs again under each setting (a runtime switch timed
+# against the same build), as run "checkout+VAR=value".
+runs=("${trees[@]}")
+for setting in ${AB_ENVS:-}; do runs+=(".+$setting"); done
 for pass in $(seq "${AB_PASSES:-1}"); do
-for tree in "${trees[@]}"; do
-  name=$(name_of "$tree"); log=$OUT/ab/$name
+for run in "${runs[@]}"; do
+  tree=${run%%+*}; setting=; [[ $run == *+* ]] && setting=${run#*+}
+  name=$(name_of "$tree")${setting:++$setting}; log=$OUT/ab/$name; built=$OUT/ab/$(name_of "$tree")
+  mkdir -p "$log"
   echo; echo "=== $name, pass $pass ($(date +%T))"
-  [[ -f $log/built ]] || { echo "build failed"; tail -20 "$log/build.log"; continue; }
+  [[ -f $built/built ]] || { echo "build failed"; tail -20 "$built/build.log"; continue; }
   if [[ $ARGS != none ]]; then
-    (cd "$tree" && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
+    (cd "$tree" && export ${setting:-AB_UNSET=} && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
       benchmarks/bench_intranode.py --profile $ARGS 2>&1 | tee "$log/bench_intranode_$pass.log" |
       grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|.*FAILED)" | sed 's/^\[rank 0\] //')
   fi
   if [[ -n $LL ]]; then
-    (cd "$tree" && PYTHONPATH=$PWD timeout 200 $PY -m jax_ep.launch -n "$N" \
+    (cd "$tree" && export ${setting:-AB_UNSET=} && PYTHONPATH=$PWD timeout 200 $PY -m jax_ep.launch -n "$N" \
       benchmarks/bench_low_latency.py --profile 2>&1 | tee "$log/bench_low_latency_$pass.log" |
       grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|    ll_.*/|.*FAILED)" | sed 's/^\[rank 0\] //')
   fi
