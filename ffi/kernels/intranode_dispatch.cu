@@ -407,69 +407,19 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
 // Unused rows get -1 / 0 metadata; their data is zeroed too, except in the fixed-block
 // (low-latency) layout, whose blocks are mostly empty: there it is left as it was (DeepEP's
 // contract too), which keeps a decode step from writing R*M*L rows of zeros.
-__device__ __forceinline__ void zero_unused_data(const DispatchArgs& a, int i, int lane) {
-  if (a.block != 0) return;
-  zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
-  if (a.scales != nullptr)
-    zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
-             a.scale_row_bytes, lane, 32);
-}
-
-// The metadata of unused row i, by threads first, first + step, ... (a warp, or one thread).
-__device__ __forceinline__ void write_unused_metadata(const DispatchArgs& a, int i, int out_k,
-                                                      int first, int step) {
-  for (int j = first; j < out_k; j += step) {
+__device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, int out_k,
+                                                 int lane) {
+  if (a.block == 0) {
+    zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
+    if (a.scales != nullptr)
+      zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+               a.scale_row_bytes, lane, 32);
+  }
+  for (int j = lane; j < out_k; j += 32) {
     a.out_topk_idx[size_t(i) * out_k + j] = -1;
     a.out_topk_weights[size_t(i) * out_k + j] = 0.f;
   }
-  if (first == 0) a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
-}
-
-__device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, int out_k,
-                                                 int lane) {
-  zero_unused_data(a, i, lane);
-  write_unused_metadata(a, i, out_k, lane, 32);
-}
-
-// The metadata of row i (pair k of source s's token t; expert_major: of local expert `local`),
-// by one thread. rank_major: this PE's experts among the token's top-k ids with their weights,
-// counted per local expert. The ids and weights are the source's (over NVLink for a peer):
-// read kLoads at a time, so that one round trip serves them.
-template <bool kExpertMajor>
-__device__ __forceinline__ void write_row_metadata(const DispatchArgs& a, int i, int s, int t,
-                                                   int k, int local) {
-  const PeerContext& ctx = a.ctx;
-  const int K = a.num_topk, E = a.num_experts, L = E / ctx.num_ranks, me = ctx.rank;
-  const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
-  const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
-  if (kExpertMajor) {
-    a.out_topk_idx[i] = local;
-    a.out_topk_weights[i] = weights[k];
-  } else {
-    constexpr int kLoads = 8;
-    for (int k0 = 0; k0 < K; k0 += kLoads) {
-      int e[kLoads];
-      float w[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (k0 + u < K) {
-          e[u] = ids[k0 + u];
-          w[u] = weights[k0 + u];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (k0 + u >= K) break;
-        const bool here = valid_expert(e[u], E) && e[u] / L == me;
-        a.out_topk_idx[size_t(i) * K + k0 + u] = here ? e[u] % L : -1;
-        a.out_topk_weights[size_t(i) * K + k0 + u] = here ? w[u] : 0.f;
-        if (here) atomicAdd(&a.tokens_per_expert[e[u] % L], 1);
-      }
-    }
-  }
-  a.src_rank[i] = s;
-  a.src_token[i] = t;
-  a.src_k[i] = k;
+  if (lane == 0) a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
 }
 
 template <bool kExpertMajor>
@@ -487,10 +437,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, me, a.plan.matrix), tables, tb);
 
   // Rows of the output: warp w takes rows w, w + warps, ... (so that the grid goes through the
-  // rows in order, as the copy engines land them), 32 at a time: lane r resolves the r-th (its
-  // source and token, and the metadata it writes), so the list entries, ids and weights of 32
-  // rows are read in one round. They are the sources' (over NVLink for a peer): read row by
-  // row they put two dependent round trips in front of every copy. Then the warp copies them.
+  // rows in order, as the copy engines land them), 32 at a time: lane r finds the r-th row's
+  // source and token, so that the list entries of 32 rows (the sources', over NVLink for a
+  // peer) take one round trip, not one in front of every copy. Each row's ids and weights
+  // (the source's too) are loaded before its copy, so their round trip overlaps the copy.
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps;
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
@@ -501,42 +451,46 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   const int rotate = a.copy_engine && !kExpertMajor && C > 0 ? tb.src_offset[me] % C : 0;
   for (int j0 = warp; j0 < C; j0 += 32 * warps) {
     const int j = j0 + lane * warps;
-    int i = -1, s = -1, t = -1;
+    int my_i = -1, my_s = -1, my_t = -1, my_k = -1, my_local = -1;
     if (j < C) {
-      i = j + rotate < C ? j + rotate : j + rotate - C;
-      int position = 0, local = -1, k = -1;
-      s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
-      if (s < 0) {
-        write_unused_metadata(a, i, out_k, 0, 1);
-      } else {
-        if (kExpertMajor) {
-          const int pair = region<int32_t>(ctx, s, a.plan.lists)[size_t(me * L + local) *
-                                                                  a.plan.list_len + position];
-          t = pair / K;
-          k = pair % K;
-        } else {
-          t = region<int32_t>(ctx, s, a.plan.lists)[size_t(me) * a.plan.list_len + position];
-        }
-        write_row_metadata<kExpertMajor>(a, i, s, t, k, local);
+      my_i = j + rotate < C ? j + rotate : j + rotate - C;
+      int position = 0;
+      my_s = source_of_row<kExpertMajor>(tb, my_i, R, L, a.block, &position, &my_local);
+      if (my_s >= 0 && kExpertMajor) {
+        const int pair = region<int32_t>(ctx, my_s, a.plan.lists)[size_t(me * L + my_local) *
+                                                                   a.plan.list_len + position];
+        my_t = pair / K;
+        my_k = pair % K;
+      } else if (my_s >= 0) {
+        my_t = region<int32_t>(ctx, my_s, a.plan.lists)[size_t(me) * a.plan.list_len + position];
       }
     }
     for (int r = 0; r < 32; ++r) {
-      const int ri = __shfl_sync(0xffffffffu, i, r);
-      if (ri < 0) break;  // past the capacity, and so are the later lanes' rows
-      const int rs = __shfl_sync(0xffffffffu, s, r), rt = __shfl_sync(0xffffffffu, t, r);
-      if (rs < 0) {
-        zero_unused_data(a, ri, lane);
+      const int i = __shfl_sync(0xffffffffu, my_i, r);
+      if (i < 0) break;  // past the capacity, and so are the later lanes' rows
+      const int s = __shfl_sync(0xffffffffu, my_s, r);
+      if (s < 0) {
+        write_unused_row(a, i, out_k, lane);
         continue;
       }
-      char* out_row = static_cast<char*>(a.out_x) + size_t(ri) * a.x_row_bytes;
-      char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(ri) * a.scale_row_bytes;
+      const int t = __shfl_sync(0xffffffffu, my_t, r), k = __shfl_sync(0xffffffffu, my_k, r);
+      const int local = __shfl_sync(0xffffffffu, my_local, r);
+      const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
+      const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
+      // lane j's id and weight (expert_major: lane 0's weight of pair k), used after the copy
+      const int first = kExpertMajor ? k : lane;
+      const bool loads = kExpertMajor ? lane == 0 : lane < K;
+      const int e = loads ? ids[first] : -1;
+      const float w = loads ? weights[first] : 0.f;
+      char* out_row = static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes;
+      char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes;
       if (a.copy_engine) {
-        const char* row = static_cast<const char*>(a.x) + size_t(rt) * a.x_row_bytes;
+        const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
         const char* row_scales = reinterpret_cast<const char*>(a.scales) +
-                                 size_t(rt) * a.scale_row_bytes;
-        if (rs != me) {  // in our landing area once its chunk is flagged
-          wait_landed(ctx, rs, rt / a.copy_chunk_rows, lane, "dispatch");
-          const size_t landed = size_t(rs) * T + rt;
+                                 size_t(t) * a.scale_row_bytes;
+        if (s != me) {  // in our landing area once its chunk is flagged
+          wait_landed(ctx, s, t / a.copy_chunk_rows, lane, "dispatch");
+          const size_t landed = size_t(s) * T + t;
           row = region<char>(ctx, me, a.plan.rows) + landed * a.x_row_bytes;
           row_scales = region<char>(ctx, me, a.plan.scales) + landed * a.scale_row_bytes;
         }
@@ -545,11 +499,29 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
         if (a.scales != nullptr)
           copy_row<true>(out_scales, row_scales, a.scale_row_bytes, lane, 32);
       } else {
-        copy_row(out_row, region<char>(ctx, rs, a.plan.rows) + rt * stride, a.x_row_bytes, lane,
-                 32);
+        copy_row(out_row, region<char>(ctx, s, a.plan.rows) + t * stride, a.x_row_bytes, lane, 32);
         if (a.scales != nullptr)
-          copy_row(out_scales, region<char>(ctx, rs, a.plan.scales) + rt * scale_stride,
+          copy_row(out_scales, region<char>(ctx, s, a.plan.scales) + t * scale_stride,
                    a.scale_row_bytes, lane, 32);
+      }
+      if (kExpertMajor) {
+        if (lane == 0) {
+          a.out_topk_idx[i] = local;
+          a.out_topk_weights[i] = w;
+        }
+      } else {
+        for (int jk = lane; jk < K; jk += 32) {  // beyond 32 ids: loaded here
+          const int id = jk == lane ? e : ids[jk];
+          const bool here = valid_expert(id, E) && id / L == me;
+          a.out_topk_idx[size_t(i) * K + jk] = here ? id % L : -1;
+          a.out_topk_weights[size_t(i) * K + jk] = here ? (jk == lane ? w : weights[jk]) : 0.f;
+          if (here) atomicAdd(&a.tokens_per_expert[id % L], 1);
+        }
+      }
+      if (lane == 0) {
+        a.src_rank[i] = s;
+        a.src_token[i] = t;
+        a.src_k[i] = k;
       }
     }
   }
