@@ -34,12 +34,6 @@ __device__ __forceinline__ void barrier_init(uint64_t* bar) {
   JAX_EP_BULK_ASM("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Orders this thread's earlier generic-proxy accesses (an acquire of a flag that says data
-// landed) before its later bulk copies, which read through the async proxy.
-__device__ __forceinline__ void fence_async_global() {
-  JAX_EP_BULK_ASM("fence.proxy.async.global;" ::: "memory");
-}
-
 // Loads `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` into
 // shared `dst`; `bar` completes the current phase when they have landed.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,

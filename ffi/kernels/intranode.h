@@ -32,13 +32,6 @@ constexpr int kMaxSources = 16;
 constexpr size_t kBulkBarrierBytes = 256;
 constexpr size_t kMaxBulkSharedBytes = 200 * 1024;
 
-// Bulk copy-engine gather: per warp kGatherSlots barriers, a list of its 32 rows of the moment
-// (output row, source, token) and kGatherSlots piece buffers, after the gather's tables.
-constexpr int kGatherSlots = 4;
-constexpr int kGatherWarps = 16;  // the dispatch kernels' warps per CTA
-constexpr size_t kGatherBarrierBytes = kGatherWarps * kGatherSlots * sizeof(uint64_t);
-constexpr size_t kGatherListBytes = kGatherWarps * 32 * 3 * sizeof(int32_t);
-
 struct DispatchArgs {
   PeerContext ctx;
   RegionPlan plan;  // pull mode
@@ -48,7 +41,6 @@ struct DispatchArgs {
   bool bulk;       // push mode with bulk (TMA) copies of the rows where they fit
   int bulk_pipes;  // set by the launcher: bulk pipelines (warps) per CTA, 0 = plain stores
   size_t bulk_offset;  // set by the launcher: start of the bulk area in dynamic shared memory
-  size_t gather_piece;  // set by the launcher: bulk copy-engine gather's piece bytes, 0 = plain
   int chunk_rows;  // fused: output rows per arrival counter
   int num_tokens, num_topk, num_experts, capacity, alignment;
   int block;  // expert_major with fixed blocks of this many rows per expert (low latency); 0: off

@@ -422,191 +422,6 @@ __device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, i
   if (lane == 0) a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
 }
 
-// The metadata of unused row i, by one thread.
-__device__ __forceinline__ void write_unused_metadata(const DispatchArgs& a, int i, int out_k) {
-  for (int j = 0; j < out_k; ++j) {
-    a.out_topk_idx[size_t(i) * out_k + j] = -1;
-    a.out_topk_weights[size_t(i) * out_k + j] = 0.f;
-  }
-  a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
-}
-
-// The metadata of row i (pair k of source s's token t; expert_major: of local expert `local`),
-// by one thread: rank_major, this PE's experts among the token's top-k ids with their weights,
-// counted per local expert. The ids and weights are the source's (over NVLink for a peer),
-// loaded kLoads at a time so that one round trip serves them.
-template <bool kExpertMajor>
-__device__ __forceinline__ void write_row_metadata(const DispatchArgs& a, int i, int s, int t,
-                                                   int k, int local) {
-  const PeerContext& ctx = a.ctx;
-  const int K = a.num_topk, E = a.num_experts, L = E / ctx.num_ranks, me = ctx.rank;
-  const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
-  const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
-  if (kExpertMajor) {
-    a.out_topk_idx[i] = local;
-    a.out_topk_weights[i] = weights[k];
-  } else {
-    constexpr int kLoads = 8;
-    for (int k0 = 0; k0 < K; k0 += kLoads) {
-      int e[kLoads];
-      float w[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        e[u] = k0 + u < K ? ids[k0 + u] : -1;
-        w[u] = k0 + u < K ? weights[k0 + u] : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (k0 + u >= K) break;
-        const bool here = valid_expert(e[u], E) && e[u] / L == me;
-        a.out_topk_idx[size_t(i) * K + k0 + u] = here ? e[u] % L : -1;
-        a.out_topk_weights[size_t(i) * K + k0 + u] = here ? w[u] : 0.f;
-        if (here) atomicAdd(&a.tokens_per_expert[e[u] % L], 1);
-      }
-    }
-  }
-  a.src_rank[i] = s;
-  a.src_token[i] = t;
-  a.src_k[i] = k;
-}
-
-// A short row (FP8 scales) copied by one thread, bypassing L1 (the copy engine wrote it).
-__device__ __forceinline__ void copy_short_row(char* dst, const char* src, size_t bytes) {
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
-    constexpr int kLoads = 8;
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    const size_t n = bytes / 16;
-    for (size_t c0 = 0; c0 < n; c0 += kLoads) {
-      int4 v[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u)
-        if (c0 + u < n) v[u] = __ldcg(s + c0 + u);
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u)
-        if (c0 + u < n) d[c0 + u] = v[u];
-    }
-  } else {
-    for (size_t b = 0; b < bytes; ++b) dst[b] = __ldcg(src + b);
-  }
-}
-
-// The copy-engine gather with bulk copies (sm_90; the launcher sets a.gather_piece where rows
-// are 16-byte multiples): lane 0 of each warp runs a pipeline of kGatherSlots shared buffers,
-// loading a piece of a row while the pieces before it are stored, so one thread keeps ~10 KB
-// in flight without a register (a warp's plain copy stalls on its loads every 8 KB). Rows as
-// in the plain loop, warp w taking w, w + warps, ..., 32 at a time; lane r finds the r-th
-// row's source and token and writes its metadata and scales (one round trip for 32 rows).
-template <bool kExpertMajor>
-__device__ void gather_rows_bulk(const DispatchArgs& a, const GatherTables& tb, int rotate,
-                                 char* area) {
-#if JAX_EP_BULK_COPY
-  const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
-  const int L = a.num_experts / R, C = a.capacity, out_k = kExpertMajor ? 1 : K;
-  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * kWarps + w, warps = gridDim.x * kWarps;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(area) + w * kGatherSlots;
-  int32_t* list = reinterpret_cast<int32_t*>(area + kGatherBarrierBytes) + w * 3 * 32;
-  const size_t piece = a.gather_piece, row_bytes = a.x_row_bytes;
-  char* slots = area + kGatherBarrierBytes + kGatherListBytes + size_t(w) * kGatherSlots * piece;
-  const int pieces = static_cast<int>((row_bytes + piece - 1) / piece);
-  if (lane == 0)
-    for (int b = 0; b < kGatherSlots; ++b) barrier_init(&bars[b]);
-  __syncwarp();
-  uint32_t loaded = 0;  // pieces this warp has loaded: the slot and phase of the next
-  for (int j0 = warp; j0 < C; j0 += 32 * warps) {
-    const int j = j0 + lane * warps;
-    int i = -1, s = -1, t = -1;
-    if (j < C) {
-      i = j + rotate < C ? j + rotate : j + rotate - C;
-      int position = 0, local = -1, k = -1;
-      s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
-      if (s >= 0 && kExpertMajor) {
-        const int pair = region<int32_t>(ctx, s, a.plan.lists)[size_t(me * L + local) *
-                                                                a.plan.list_len + position];
-        t = pair / K;
-        k = pair % K;
-      } else if (s >= 0) {
-        t = region<int32_t>(ctx, s, a.plan.lists)[size_t(me) * a.plan.list_len + position];
-      }
-      if (s >= 0) write_row_metadata<kExpertMajor>(a, i, s, t, k, local);
-      else write_unused_metadata(a, i, out_k);
-    }
-    const unsigned used = __ballot_sync(0xffffffffu, s >= 0);
-    if (s >= 0) {
-      const int at = __popc(used & ((1u << lane) - 1));
-      list[3 * at] = i;
-      list[3 * at + 1] = s;
-      list[3 * at + 2] = t;
-    }
-    __syncwarp();
-    const int units = __popc(used) * pieces;
-    if (lane == 0 && units > 0) {
-      // unit v: piece v % pieces of the (v / pieces)-th used row, in slot (loaded + v) % S
-      auto bytes_of = [&](int v) {
-        const size_t off = size_t(v % pieces) * piece;
-        return static_cast<uint32_t>(min(piece, row_bytes - off));
-      };
-      auto load = [&](int v) {
-        const int r = v / pieces, q = v % pieces;
-        const int rs = list[3 * r + 1], rt = list[3 * r + 2];
-        const char* src = static_cast<const char*>(a.x) + size_t(rt) * row_bytes;
-        if (rs != me) {
-          if (q == 0) {  // the row's chunk must have landed
-            wait_flag(ctx, &control_of(ctx, me)->landed[rs][rt / a.copy_chunk_rows], 1,
-                      "dispatch", "rows landed (copy engine)", rs);
-            fence_async_global();
-          }
-          src = region<char>(ctx, me, a.plan.rows) + (size_t(rs) * T + rt) * row_bytes;
-        }
-        const uint32_t slot = (loaded + v) % kGatherSlots;
-        bulk_load(slots + slot * piece, src + size_t(q) * piece, bytes_of(v), &bars[slot]);
-      };
-      for (int v = 0; v < kGatherSlots - 1 && v < units; ++v) load(v);
-      for (int v = 0; v < units; ++v) {
-        if (v + kGatherSlots - 1 < units) {
-          bulk_wait_read<0>();  // the slot's last store (piece v - 1) has read it
-          load(v + kGatherSlots - 1);
-        }
-        const uint32_t slot = (loaded + v) % kGatherSlots;
-        barrier_wait(&bars[slot], ((loaded + v) / kGatherSlots) & 1);
-        const int r = v / pieces, q = v % pieces;
-        bulk_store(static_cast<char*>(a.out_x) + size_t(list[3 * r]) * row_bytes +
-                       size_t(q) * piece,
-                   slots + slot * piece, bytes_of(v));
-        bulk_commit();
-      }
-      bulk_wait_read<0>();  // every slot free for the next rows
-      loaded += units;
-    }
-    __syncwarp();  // after lane 0's waits, every used row has landed
-    if (s >= 0 && a.scales != nullptr) {
-      const char* src = s == me ? reinterpret_cast<const char*>(a.scales) +
-                                      size_t(t) * a.scale_row_bytes
-                                : region<char>(ctx, me, a.plan.scales) +
-                                      (size_t(s) * T + t) * a.scale_row_bytes;
-      copy_short_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes, src,
-                     a.scale_row_bytes);
-    }
-    // unused rows' data (zeroed except in fixed blocks, as write_unused_row)
-    const unsigned unused = __ballot_sync(0xffffffffu, i >= 0 && s < 0);
-    for (unsigned m = a.block == 0 ? unused : 0u; m != 0; m &= m - 1) {
-      const int ri = __shfl_sync(0xffffffffu, i, __ffs(m) - 1);
-      zero_row(static_cast<char*>(a.out_x) + size_t(ri) * row_bytes, row_bytes, lane, 32);
-      if (a.scales != nullptr)
-        zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(ri) * a.scale_row_bytes,
-                 a.scale_row_bytes, lane, 32);
-    }
-    __syncwarp();  // the list is rewritten next
-  }
-  if (lane == 0) bulk_wait_all();  // every row written before the kernel's end
-  __syncwarp();
-#else
-  (void)a, (void)tb, (void)rotate, (void)area;
-#endif
-}
-
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   wait_previous_kernel();  // launched to overlap the previous kernel's drain
@@ -634,11 +449,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   // chunks land; the rotation keeps every output row visited once (our rows may all lie past
   // the capacity).
   const int rotate = a.copy_engine && !kExpertMajor && C > 0 ? tb.src_offset[me] % C : 0;
-  // bulk copies where the launcher made room for them and this code has them (sm_90)
-  const bool bulk = JAX_EP_BULK_COPY && a.gather_piece > 0;
-  if (bulk)
-    gather_rows_bulk<kExpertMajor>(a, tb, rotate, reinterpret_cast<char*>(tables) + a.bulk_offset);
-  for (int j0 = warp; j0 < C && !bulk; j0 += 32 * warps) {
+  for (int j0 = warp; j0 < C; j0 += 32 * warps) {
     const int j = j0 + lane * warps;
     int my_i = -1, my_s = -1, my_t = -1, my_k = -1, my_local = -1;
     if (j < C) {
@@ -1214,32 +1025,6 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
 
 // kSources: destinations of one token (ranks, or top-k slots) rounded up, so that the push's
 // per-destination arrays stay in registers (sized kMaxSources, they spilled).
-// The copy-engine gather's bulk area (gather_rows_bulk) after the tables, where the device has
-// bulk copies (sm_90) and rows and buffers are 16-byte aligned: sets g.bulk_offset and
-// g.gather_piece (pieces balanced over a row, the slots filling kMaxBulkSharedBytes) and
-// returns the dynamic shared memory; otherwise the tables' bytes (plain copies).
-size_t with_bulk_gather(DispatchArgs& g, size_t tables) {
-  g.gather_piece = 0;
-  static const bool hopper = [] {
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    return major >= 9;
-  }();
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(g.x) | reinterpret_cast<uintptr_t>(g.out_x) |
-                         g.x_row_bytes;
-  if (!g.copy_engine || !hopper || g.x_row_bytes == 0 || (bits & 15) != 0 || kWarps != kGatherWarps)
-    return tables;
-  g.bulk_offset = align_up(tables, 128);
-  const size_t fixed = g.bulk_offset + kGatherBarrierBytes + kGatherListBytes;
-  if (fixed >= kMaxBulkSharedBytes) return tables;
-  const size_t most = (kMaxBulkSharedBytes - fixed) / (kWarps * kGatherSlots) / 16 * 16;
-  if (most < 16) return tables;
-  const size_t pieces = (g.x_row_bytes + most - 1) / most;
-  g.gather_piece = align_up((g.x_row_bytes + pieces - 1) / pieces, 16);
-  return fixed + kWarps * kGatherSlots * g.gather_piece;
-}
-
 template <bool kExpertMajor, int kSources>
 cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStream_t stream) {
   cudaError_t status = cudaSuccess;
@@ -1279,11 +1064,9 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
     if (a.copy_engine && (status = enqueue_dispatch_copies(a, stream)) != cudaSuccess)
       return status;
     if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
-    DispatchArgs g = a;
-    const size_t smem = with_bulk_gather(g, tables);
-    if (!allow_tables(dispatch_gather<kExpertMajor>, smem)) return status;
-    status = launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, smem,
-                                   stream, g);
+    if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
+    status = launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
+                                   stream, a);
     if (status == cudaSuccess && a.copy_engine) status = copy_engine_join(a.ctx, stream);
     return status;
   }
