@@ -786,6 +786,15 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
     write_unused_row(a, i, out_k, lane);
     return;
   }
+  // The row's metadata record, loaded before the copy so that its round trip overlaps it
+  // (bypassing L1 like the row: a peer may have written it during this kernel).
+  const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
+  const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 2;
+  const float* weights = reinterpret_cast<const float*>(ids + K);
+  const int id = lane < out_k ? __ldcg(ids + lane) : -1;
+  const float weight = lane < out_k ? __ldcg(weights + lane) : 0.f;
+  const int token = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta)) : -1;
+  const int k = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta) + 1) : -1;
   if (s != me) {  // rows a peer wrote (in the fused kernel, during this kernel): bypass L1
     copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
                    region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane,
@@ -795,18 +804,16 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
                region<char>(ctx, me, a.push.scales) + size_t(i) * scale_stride,
                a.scale_row_bytes, lane, 32);
   }
-  const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
-  const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 2;
-  const float* weights = reinterpret_cast<const float*>(ids + K);
-  for (int j = lane; j < out_k; j += 32) {
-    a.out_topk_idx[size_t(i) * out_k + j] = ids[j];
-    a.out_topk_weights[size_t(i) * out_k + j] = weights[j];
-    if (!kExpertMajor && ids[j] >= 0) atomicAdd(&a.tokens_per_expert[ids[j]], 1);
+  for (int j = lane; j < out_k; j += 32) {  // ids past the 32nd are loaded here
+    const int e = j == lane ? id : __ldcg(ids + j);
+    a.out_topk_idx[size_t(i) * out_k + j] = e;
+    a.out_topk_weights[size_t(i) * out_k + j] = j == lane ? weight : __ldcg(weights + j);
+    if (!kExpertMajor && e >= 0) atomicAdd(&a.tokens_per_expert[e], 1);
   }
   if (lane == 0) {
     a.src_rank[i] = s;
-    a.src_token[i] = reinterpret_cast<const int32_t*>(meta)[0];
-    a.src_k[i] = reinterpret_cast<const int32_t*>(meta)[1];
+    a.src_token[i] = token;
+    a.src_k[i] = k;
   }
 }
 
