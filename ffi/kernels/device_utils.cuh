@@ -218,17 +218,15 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
 }
 
 // True in exactly one block: the last to arrive at `counter` (an arrival counter in this PE's
-// control block), after every block's writes are visible system-wide; the last block resets it.
-// fence_reset: a system fence after the reset. Only a later kernel of this PE uses the counter
-// again, and the kernel boundary orders the reset before it: the low-latency kernels, whose
-// critical path ends here, leave the fence out.
+// control block), after every block's writes are visible system-wide; the last block resets it,
+// with no fence: only a later kernel of this PE uses the counter again, and the kernel boundary
+// orders the reset before it (a fence there sat on every kernel's critical path).
 // fence_writes: the system fence before the arrival. A block whose writes need not reach
 // another PE before the last block's signal (the low-latency receives: their signal says only
 // that the region has been read, and every load has returned once the stores it feeds are
 // issued) leaves it out rather than wait for its output stores to drain; the kernel's end
 // makes those visible to the next kernel.
-__device__ inline bool last_block_on(unsigned* counter, bool fence_reset = true,
-                                     bool fence_writes = true) {
+__device__ inline bool last_block_on(unsigned* counter, bool fence_writes = true) {
   __shared__ bool is_last;
   allow_next_kernel();  // this block has no more work but the closing fences
   // The barrier orders the block's writes before thread 0's fence, which is cumulative: one
@@ -238,10 +236,7 @@ __device__ inline bool last_block_on(unsigned* counter, bool fence_reset = true,
     if (fence_writes) __threadfence_system();
     unsigned arrived = atomicAdd(counter, 1u);
     is_last = arrived == gridDim.x - 1;
-    if (is_last) {
-      *counter = 0;
-      if (fence_reset) __threadfence_system();
-    }
+    if (is_last) *counter = 0;
   }
   __syncthreads();
   return is_last;

@@ -69,7 +69,7 @@ __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
 // last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
 // signal (consumed) only says that the region has been read.
 __device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true) {
-  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], false, fence_writes);
+  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], fence_writes);
 }
 
 // Flags of every peer in one round of loads: each lane of the calling warp loads its own
