@@ -276,8 +276,8 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for each pair
 // sent here: the call number's low 32 bits << 32 | local expert * M + slot, or 0xffffffff for
 // a pair dropped at its source; an entry from an earlier call, or never written, does not
-// carry this call's number); data: records [R][M]: record (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16
-// bytes. A token is stored once per destination rank.
+// carry this call's number); data: records [R][M]: record (s, token) = the row (data) padded
+// to 16 bytes, the FP8 scales padded to 16 bytes. A token is stored once per destination rank.
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
 // owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of
 // the pair's float32 weight; a word carries its own call number, so the expert rank reads it
@@ -312,7 +312,7 @@ JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
 // bytes of a record that could happen to show this call's number.
 struct LLDispatchPlan {
   size_t counts = 0;         // words section: [R][L] int32
-  size_t headers = 0;        // words section: [R][M][K] uint64 pair headers: call << 32 | l * M + slot
+  size_t headers = 0;        // words section: [R][M][K] uint64: call << 32 | l * M + slot
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [R][M] records (source, token)
   size_t record_stride = 0;
@@ -340,7 +340,7 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
 
 struct LLCombinePlan {
   size_t gate_words = 0;     // words section: [R][M][K] uint64: call << 32 | weight bits
-  size_t tags = 0;           // words section: [M][R] uint32: call number (low bits) of record (token, r)
+  size_t tags = 0;           // words section: [M][R] uint32: call (low bits) of record (t, r)
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [M][R] partial rows (token, expert rank)
   size_t record_stride = 0;
@@ -352,7 +352,8 @@ JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_t
   LLCombinePlan p;
   p.gate_words = 0;
   p.tags = align_up(sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk, kRegionAlign);
-  p.words_bytes = p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
+  p.words_bytes =
+      p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
   p.records = 0;
   p.record_stride = row_stride(row_bytes);
   p.bytes =

@@ -491,10 +491,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
       const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
       const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
       // lane j's id and weight (expert_major: lane 0's weight of pair k), used after the copy
-      const int first = kExpertMajor ? k : lane;
-      const bool loads = kExpertMajor ? lane == 0 : lane < K;
-      const int e = loads ? ids[first] : -1;
-      const float w = loads ? weights[first] : 0.f;
+      const int e = !kExpertMajor && lane < K ? ids[lane] : -1;
+      const bool weighs = kExpertMajor ? lane == 0 : lane < K;
+      const float w = weighs ? weights[kExpertMajor ? k : lane] : 0.f;
       char* out_row = static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes;
       char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes;
       if (a.copy_engine) {

@@ -537,8 +537,40 @@ struct ReceiveUnit {
 // Sources in every expert's block in the order me, me + 1, ..., me - 1 (position q of source
 // (me + q) % R): this rank's own pairs start each block, at rows known without any count, so
 // the fused dispatch copies them before the peers' records arrive (copy_local_pairs).
-__device__ __forceinline__ int source_at(int q, int me, int R) { return q + me < R ? q + me : q + me - R; }
-__device__ __forceinline__ int position_of(int s, int me, int R) { return s >= me ? s - me : s - me + R; }
+__device__ __forceinline__ int source_at(int q, int me, int R) {
+  return q + me < R ? q + me : q + me - R;
+}
+__device__ __forceinline__ int position_of(int s, int me, int R) {
+  return s >= me ? s - me : s - me + R;
+}
+
+// This rank's pair headers and records for call n, in its own buffer.
+struct OwnPairs {
+  const uint64_t* headers;  // [T][K] of source me
+  const char* data;         // the data section
+};
+__device__ __forceinline__ OwnPairs own_pairs(const LLDispatchReceiveArgs& a, uint64_t n) {
+  const int me = a.ctx.rank;
+  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
+  return {reinterpret_cast<const uint64_t*>(ll_base(a.ctx, me) + at.words + a.plan.headers) +
+              size_t(me) * a.max_tokens * a.num_topk,
+          ll_base(a.ctx, me) + at.data};
+}
+
+// Record (me, t) copied by the warp into the row that header position `pos` names (local
+// expert * M + slot); a dropped pair's kNoPosition, like any local expert >= L, names none.
+__device__ __forceinline__ void copy_own_pair(const LLDispatchReceiveArgs& a, const OwnPairs& own,
+                                              uint32_t pos, int t, int lane) {
+  const int L = a.num_experts / a.ctx.num_ranks, M = a.max_tokens;
+  if (pos / uint32_t(M) >= uint32_t(L)) return;
+  const size_t row = size_t(pos / uint32_t(M)) * a.ctx.num_ranks * M + pos % uint32_t(M);
+  const char* rec =
+      own.data + a.plan.records + (size_t(a.ctx.rank) * M + t) * a.plan.record_stride;
+  copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
+              a.out_scales != nullptr ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
+                                      : nullptr,
+              rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+}
 
 // The fused dispatch, between its send and its receive: each pair that this block's tokens
 // have on this rank, copied from the token's local record (written by this block's token
@@ -548,15 +580,10 @@ __device__ __forceinline__ int position_of(int s, int me, int R) { return s >= m
 // theirs.
 __device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchReceiveArgs& a,
                                  uint64_t n) {
-  const PeerContext& ctx = a.ctx;
-  const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
-  const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
+  const int E = a.num_experts, L = E / a.ctx.num_ranks, M = a.max_tokens;
+  const int T = a.num_tokens, K = a.num_topk, me = a.ctx.rank;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
-  const char* data = ll_base(ctx, me) + at.data;
-  const uint64_t* headers =
-      reinterpret_cast<const uint64_t*>(ll_base(ctx, me) + at.words + a.plan.headers) +
-      size_t(me) * M * K;
+  const OwnPairs own = own_pairs(a, n);
   for (int t = blockIdx.x; t < T; t += gridDim.x) {  // the tokens this block sent
     for (int k = warp; k < K; k += kWarps) {
       const int p = t * K + k, e = __ldg(s.topk_idx + p);
@@ -564,17 +591,9 @@ __device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchRe
       if (s.cached && (s.slots_in[p] < 0 || s.slots_in[p] >= M)) continue;  // not sent
       uint32_t pos = 0;
       if (lane == 0)
-        pos = wait_tagged(ctx, headers + p, uint32_t(n), "low_latency_dispatch",
+        pos = wait_tagged(a.ctx, own.headers + p, uint32_t(n), "low_latency_dispatch",
                           "this rank's pair header", me);
-      pos = __shfl_sync(0xffffffffu, pos, 0);
-      if (pos == kNoPosition || int(pos / uint32_t(M)) >= L) continue;  // dropped
-      const size_t row = size_t(pos / uint32_t(M)) * RM + pos % uint32_t(M);
-      const char* rec = data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
-      copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
-                  a.out_scales != nullptr
-                      ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
-                      : nullptr,
-                  rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+      copy_own_pair(a, own, __shfl_sync(0xffffffffu, pos, 0), t, lane);
     }
   }
 }
@@ -584,28 +603,13 @@ __device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchRe
 // (the receive takes its call number), so this rank's records and headers are complete; a
 // header without this call's number is a pair that was not sent here.
 __device__ void copy_own_records(const LLDispatchReceiveArgs& a, uint64_t n) {
-  const PeerContext& ctx = a.ctx;
-  const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
-  const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
-  const int lane = threadIdx.x & 31;
-  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
-  const char* data = ll_base(ctx, me) + at.data;
-  const uint64_t* headers =
-      reinterpret_cast<const uint64_t*>(ll_base(ctx, me) + at.words + a.plan.headers) +
-      size_t(me) * M * K;
+  const int T = a.num_tokens, K = a.num_topk;
+  const OwnPairs own = own_pairs(a, n);
   const int warps = int(gridDim.x) * kWarps;
   for (int p = (threadIdx.x >> 5) * int(gridDim.x) + int(blockIdx.x); p < T * K; p += warps) {
-    const uint64_t header = __ldcg(headers + p);
-    const uint32_t pos = uint32_t(header);
-    if (uint32_t(header >> 32) != uint32_t(n) || pos == kNoPosition || int(pos / uint32_t(M)) >= L)
-      continue;
-    const size_t row = size_t(pos / uint32_t(M)) * RM + pos % uint32_t(M);
-    const char* rec = data + a.plan.records + (size_t(me) * M + p / K) * a.plan.record_stride;
-    copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
-                a.out_scales != nullptr
-                    ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
-                    : nullptr,
-                rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+    const uint64_t header = __ldcg(own.headers + p);
+    if (uint32_t(header >> 32) == uint32_t(n))
+      copy_own_pair(a, own, uint32_t(header), p / K, threadIdx.x & 31);
   }
 }
 
@@ -842,9 +846,9 @@ __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t 
   if (s == a.ctx.rank) return __ldg(a.weights + size_t(t) * a.num_topk + k);
   const uint64_t* gate_words =
       reinterpret_cast<const uint64_t*>(ll_base(a.ctx, a.ctx.rank) + words + a.plan.gate_words);
-  return __uint_as_float(wait_tagged(a.ctx, gate_words + (size_t(s) * a.max_tokens + t) * a.num_topk + k,
-                                     uint32_t(n), "low_latency_combine (send)",
-                                     "gate words of the owner", s));
+  const size_t word = (size_t(s) * a.max_tokens + t) * a.num_topk + k;
+  return __uint_as_float(wait_tagged(a.ctx, gate_words + word, uint32_t(n),
+                                     "low_latency_combine (send)", "gate words of the owner", s));
 }
 
 // The partial row of one (owner, token) for bytes [off, off + bytes) of the row: the sum over
@@ -962,7 +966,8 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   if (R > 1) {
     const int pairs = T * K, total = (R - 1) * pairs;
     const uint64_t tag = uint64_t(uint32_t(n)) << 32;
-    const size_t mine_at = at.words + a.plan.gate_words + sizeof(uint64_t) * size_t(me) * a.max_tokens * K;
+    const size_t mine_at =
+        at.words + a.plan.gate_words + sizeof(uint64_t) * size_t(me) * a.max_tokens * K;
     for (int i = int(blockIdx.x) * blockDim.x + tid; i < total; i += gridDim.x * blockDim.x) {
       const int r = (me + 1 + i / pairs) % R, p = i % pairs;
       store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + mine_at) + p,
@@ -1006,9 +1011,11 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
     const size_t q = u % pieces, off = q * piece, bytes = min(piece, a.row_bytes - off);
     char* owner = ll_base(ctx, s);
-    char* dst = owner + at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
+    char* dst =
+        owner + at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
     if (q == 0 && lane == 0)  // the owner sums the records tagged with this call
-      reinterpret_cast<uint32_t*>(owner + at.words + a.plan.tags)[size_t(t) * R + me] = uint32_t(n);
+      reinterpret_cast<uint32_t*>(owner + at.words + a.plan.tags)[size_t(t) * R + me] =
+          uint32_t(n);
     switch (a.dtype) {
       case LLElement::kBF16:
         partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
