@@ -34,8 +34,9 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")
-    p.add_argument("--modes", default="pull,push,fused,bulk,copy",
-                   help="dispatch modes to time (JAX_EP_DISPATCH values), comma-separated")
+    p.add_argument("--modes", default="pull,push,fused,bulk,copy,slots",
+                   help="dispatch modes to time (JAX_EP_DISPATCH values, and slots: the "
+                   "source_slots layout, its combine in every --combine-modes), comma-separated")
     p.add_argument("--combine-modes", default="pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
@@ -175,13 +176,16 @@ def main():
                               layout=layout, backend=backend)
         return out.num_received.astype(jnp.float32)
 
-    @jax.jit
-    @partial(smap, in_specs=(P(AXIS),) * 3)
-    def dispatch_for_combine(x, idx, w):
-        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
-                              backend=backend)
-        return out.x, jnp.ones((1, capacity), jnp.float32), jax.tree.map(
-            lambda a: a[None], out.handle)
+    def dispatch_for_combine(layout="rank_major", cap=capacity):
+        @jax.jit
+        @partial(smap, in_specs=(P(AXIS),) * 3)
+        def run(x, idx, w):
+            out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=cap,
+                                  layout=layout, backend=backend)
+            return out.x, jnp.ones((1, cap), jnp.float32), jax.tree.map(
+                lambda a: a[None], out.handle)
+
+        return run
 
     def combine(y, row_weights, handle):
         out = jax_ep.combine(y, jax.tree.map(lambda a: a[0], handle), weights=row_weights[0])
@@ -194,7 +198,14 @@ def main():
     pairs_bytes = float(np.mean(np.bincount(dest.reshape(-1), minlength=R))) * H * 2
     record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0,
            marker=None)
-    for mode in args.modes.split(","):  # JAX_EP_DISPATCH, read when the call is traced
+    modes = args.modes.split(",")
+    for mode in modes:  # JAX_EP_DISPATCH, read when the call is traced
+        if mode == "slots":  # the source_slots layout: copy engines whatever JAX_EP_DISPATCH
+            slots = partial(dispatch, layout="source_slots", cap=R * T)
+            record("jax_ep dispatch BF16 source_slots", slots, x, idx_d, w, chained=2)
+            record("jax_ep dispatch FP8 source_slots, quantize included",
+                   partial(slots, fp8=True), x, idx_d, w, chained=2, nbytes=bytes_fp8)
+            continue
         os.environ["JAX_EP_DISPATCH"] = mode
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
         record(f"jax_ep dispatch FP8, quantize included [{mode}]", partial(dispatch, fp8=True),
@@ -206,11 +217,17 @@ def main():
             # is updated in place (its host time); the time includes an add over x
             record("jax_ep dispatch BF16, new x every call [copy]", dispatch, x, idx_d, w,
                    chained=0)
-    os.environ.pop("JAX_EP_DISPATCH")
-    combine_inputs = dispatch_for_combine(x, idx_d, w)
+    os.environ.pop("JAX_EP_DISPATCH", None)
+    combine_inputs = dispatch_for_combine()(x, idx_d, w)
     for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
         os.environ["JAX_EP_COMBINE"] = mode
         record(f"jax_ep combine BF16 [{mode}]", combine, *combine_inputs, chained=1)
+    if "slots" in modes:
+        slots_inputs = dispatch_for_combine("source_slots", R * T)(x, idx_d, w)
+        for mode in args.combine_modes.split(","):
+            os.environ["JAX_EP_COMBINE"] = mode
+            record(f"jax_ep combine BF16 source_slots [{mode}]", combine, *slots_inputs,
+                   chained=1)
     os.environ.pop("JAX_EP_COMBINE", None)
 
     # ------------------------------------------------------------------ baselines

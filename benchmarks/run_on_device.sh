@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,slotstest,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -40,6 +40,13 @@ if [[ $WHAT == *copytest* ]]; then  # the copy-engine paths' part of the suite o
   step "copy-engine GPU tests on $N ranks"
   timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py -k "copy" 2>&1 | tee "$OUT/gpu_suite_copy_$N.log" |
+    grep -E "passed|failed|FAILED|Error|timed out" | tail -20
+  status=${PIPESTATUS[0]}
+fi
+if [[ $WHAT == *slotstest* ]]; then  # the source_slots layout and the copy-engine paths
+  step "source_slots and copy-engine GPU tests on $N ranks"
+  timeout 300 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
+    tests/test_gpu.py -k "source_slots or copy" 2>&1 | tee "$OUT/gpu_suite_slots_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -20
   status=${PIPESTATUS[0]}
 fi

@@ -11,6 +11,7 @@ from jax_ep import moe
 from jax_ep._types import (
     EXPERT_MAJOR,
     RANK_MAJOR,
+    SOURCE_SLOTS,
     DispatchConfig,
     DispatchHandle,
     DispatchLayout,
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EXPERT_MAJOR",
     "RANK_MAJOR",
+    "SOURCE_SLOTS",
     "DispatchConfig",
     "DispatchHandle",
     "DispatchLayout",

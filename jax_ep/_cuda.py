@@ -16,6 +16,7 @@ import numpy as np
 from jax_ep import _native
 from jax_ep._types import (
     EXPERT_MAJOR,
+    SOURCE_SLOTS,
     DispatchConfig,
     DispatchHandle,
     DispatchLayout,
@@ -73,7 +74,8 @@ def _push_dispatch(num_ranks=1, num_topk=1, num_experts=1, layout=None) -> np.in
     (every sender's copy engines send all of its rows to every peer, the receivers' CTAs only
     copy locally: for few ranks, where a peer needs nearly every token; at most 32 ranks).
     auto: copy for rank_major where a peer is expected to need >= 85 % of the tokens, else
-    fused. Measurements: benchmarks/RESULTS.md."""
+    fused. The source_slots layout always moves its rows by the copy engines. Measurements:
+    benchmarks/RESULTS.md."""
     mode = os.environ.get("JAX_EP_DISPATCH", "fused")
     if mode == "auto":
         mode = "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "fused"
@@ -90,8 +92,10 @@ def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
     """JAX_EP_COMBINE selects the combine's data path: pull (default: the token owners load
     the expert ranks' staged rows over NVLink), copy (rank_major only, expert_major keeps
     pull: the expert ranks' copy engines send each owner its rows, staged per owner, and the
-    owners' CTAs sum locally) or auto (copy where JAX_EP_DISPATCH=auto would pick it)."""
-    mode = os.environ.get("JAX_EP_COMBINE", "pull")
+    owners' CTAs sum locally) or auto (copy where JAX_EP_DISPATCH=auto would pick it).
+    source_slots defaults to copy (an owner's rows are one block of y: sent unstaged)."""
+    default = "copy" if layout == SOURCE_SLOTS else "pull"
+    mode = os.environ.get("JAX_EP_COMBINE", default)
     if mode not in _COMBINE_MODES:
         raise ValueError(f"JAX_EP_COMBINE must be one of {list(_COMBINE_MODES)}, got {mode!r}")
     if mode == "auto":
@@ -101,7 +105,8 @@ def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
 
 def _copy_engine_selected(num_ranks, num_topk, num_experts, layout) -> bool:
     """Whether either copy-engine path is selected (their buffer areas count in the hint)."""
-    return bool(_push_dispatch(num_ranks, num_topk, num_experts, layout) == _DISPATCH_MODES["copy"]
+    copy_dispatch = _push_dispatch(num_ranks, num_topk, num_experts, layout)
+    return bool(layout == SOURCE_SLOTS or copy_dispatch == _DISPATCH_MODES["copy"]
                 or _copy_combine(num_ranks, num_topk, num_experts, layout))
 
 
@@ -154,7 +159,7 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
-                   expert_major, alignment, axis_name, block=0):
+                   expert_major, alignment, axis_name, block=0, source_slots=False):
     """The jax_ep_dispatch custom call; returns its 12 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
@@ -182,7 +187,7 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         expert_major=np.int64(expert_major), alignment=np.int64(alignment),
         has_scales=np.int64(has_scales), num_blocks=_num_blocks(),
         push=_push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None),
-        block=np.int64(block))
+        block=np.int64(block), source_slots=np.int64(source_slots))
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
@@ -191,7 +196,7 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
         x, x_scales, topk_idx, topk_weights, num_experts=config.num_experts,
         num_ranks=config.num_ranks, capacity=config.capacity,
         expert_major=config.layout == EXPERT_MAJOR, alignment=config.alignment,
-        axis_name=config.axis_name)
+        axis_name=config.axis_name, source_slots=config.layout == SOURCE_SLOTS)
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
                             config=config)
@@ -219,7 +224,8 @@ def combine(y, weights, handle: DispatchHandle):
                  num_experts=np.int64(config.num_experts),
                  expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks(),
                  copy_engine=_copy_combine(config.num_ranks, config.num_topk,
-                                           config.num_experts, config.layout))
+                                           config.num_experts, config.layout),
+                 source_slots=np.int64(config.layout == SOURCE_SLOTS))
 
 
 # ----------------------------------------------------------------------------- low latency
@@ -359,7 +365,8 @@ def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capac
                      dtype=jnp.bfloat16, layout="rank_major", fp8=False, alignment=1) -> int:
     """Symmetric-buffer bytes that every call of a dispatch / combine of these per-GPU shapes
     needs (forward and backward, in every path; the copy-engine paths' larger areas only when
-    JAX_EP_DISPATCH or JAX_EP_COMBINE selects them); the kernels' own formula."""
+    JAX_EP_DISPATCH or JAX_EP_COMBINE selects them, or the layout is source_slots); the
+    kernels' own formula."""
     module, why = _native.load()
     if module is None:
         raise RuntimeError(why)

@@ -12,13 +12,20 @@ with T local tokens, top-k K, E experts, L = E // R local experts, C = capacity:
   ``start[e] = sum_{e' < e} round_up(n[e'], alignment)`` (n = pairs for e, all sources),
   and inside a group rows are ordered by (source rank, source token, k). Pairs whose
   position is >= C are dropped and counted.
+* ``source_slots`` (rank_major rows, not packed): exactly C = R*T rows; row ``s*T + t``
+  belongs to source rank s's token t, so each source's rows are one contiguous block that
+  a copy engine can move whole. The row is used when the token has an expert here and then
+  holds what the token's rank_major row holds; otherwise it is unused. Nothing is dropped;
+  num_received is the largest used row index + 1. With few ranks a peer needs nearly every
+  token (top-8 of 256: 99.6 % on 2 ranks, 90 % on 4), so few rows stay unused; not for
+  many ranks (a third of the rows would be unused on 8).
 
-Unused rows (padding, past the received count) have zero data, topk_idx -1, weight 0,
-and -1 in every handle array.
+Unused rows (padding, past the received count, source_slots' rows of tokens with no expert
+here) have zero data, topk_idx -1, weight 0, and -1 in every handle array.
 
 Combine (sum in float32, fixed order, then cast to y's dtype):
-* rank_major:   out[t] = sum over ranks r ascending of w_row * y_row(t, r)
-* expert_major: out[t] = sum over k ascending of w_row * y_row(t, k)
+* rank_major, source_slots: out[t] = sum over ranks r ascending of w_row * y_row(t, r)
+* expert_major:             out[t] = sum over k ascending of w_row * y_row(t, k)
 where w_row is the optional per-row weight (1 when not given) and dropped rows add zero.
 """
 
@@ -31,7 +38,8 @@ import jax
 
 RANK_MAJOR = "rank_major"
 EXPERT_MAJOR = "expert_major"
-LAYOUTS = (RANK_MAJOR, EXPERT_MAJOR)
+SOURCE_SLOTS = "source_slots"
+LAYOUTS = (RANK_MAJOR, EXPERT_MAJOR, SOURCE_SLOTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +69,14 @@ class DispatchHandle:
 
     Arrays (per device):
       topk_idx:   [T, K] int32  the source's global expert ids (-1 = none).
-      send_slot:  rank_major [T, R] / expert_major [T, K] int32: row index at the
-                  destination where this (token, rank) / (token, k) pair landed;
-                  -1 when nothing was sent or the row was dropped.
+      send_slot:  rank_major, source_slots [T, R] / expert_major [T, K] int32: row index at
+                  the destination where this (token, rank) / (token, k) pair landed;
+                  -1 when nothing was sent or the row was dropped (source_slots: me*T + t,
+                  me = this rank, wherever token t has an expert on rank r; no exchange).
       src_rank:   [C] int32  source rank of each received row (-1 = unused row).
       src_token:  [C] int32  source token index of each received row (-1 = unused).
-      src_k:      [C] int32  expert_major: top-k slot of each row; rank_major: all -1.
-      num_received: [] int32 rows used (the largest used row index + 1).
+      src_k:      [C] int32  expert_major: top-k slot of each row; otherwise all -1.
+      num_received: [] int32 DispatchOutput.num_received: no row at or past it is used.
     """
 
     topk_idx: jax.Array
@@ -93,15 +102,21 @@ class DispatchOutput(NamedTuple):
 
     x:            [C, H] received rows (bf16/f32), or FP8 e4m3 data when dispatching FP8.
     x_scales:     [C, H // 128] float32 block scales for FP8, else None.
-    topk_idx:     rank_major [C, K] local expert ids (-1 = expert not here / unused row);
-                  expert_major [C] local expert id of each row (-1 = padding / unused).
+    topk_idx:     rank_major, source_slots [C, K] local expert ids (-1 = expert not here /
+                  unused row); expert_major [C] local expert id of each row (-1 = padding /
+                  unused).
     topk_weights: same shape as topk_idx, float32 (0 where the id is -1).
     tokens_per_expert: [L] int32 received (kept) pairs per local expert.
     group_sizes:  [L] int32 rows per local expert group as laid out (expert_major:
-                  aligned and clipped to capacity, sums to <= C; rank_major: equal to
-                  tokens_per_expert).
-    num_received: [] int32 rows in use.
-    num_dropped:  [] int32 rows addressed to this rank that did not fit in the capacity.
+                  aligned and clipped to capacity, sums to <= C; rank_major, source_slots:
+                  equal to tokens_per_expert).
+    num_received: [] int32 the end of the rows in use (no row at or past it is used).
+                  rank_major: the rows received (packed: also the largest used row index
+                  + 1); expert_major: the end of the last group, alignment padding included
+                  (the sum of group_sizes); source_slots: the largest used row index + 1, 0
+                  when no row is used (unused rows may lie below it).
+    num_dropped:  [] int32 rows addressed to this rank that did not fit in the capacity
+                  (always 0 for source_slots).
     handle:       DispatchHandle for combine and the backward passes.
     """
 

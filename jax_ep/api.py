@@ -19,6 +19,7 @@ from jax_ep._types import (
     EXPERT_MAJOR,
     LAYOUTS,
     RANK_MAJOR,
+    SOURCE_SLOTS,
     DispatchConfig,
     DispatchHandle,
     DispatchLayout,
@@ -119,10 +120,10 @@ def _split_x(x):
 
 def default_capacity(num_tokens, num_ranks, num_topk, num_local_experts, layout=RANK_MAJOR,
                      alignment=1) -> int:
-    """The worst case: nothing is ever dropped."""
+    """The worst case: nothing is ever dropped (source_slots: its only row count, R * T)."""
     if layout == EXPERT_MAJOR:
         return num_ranks * num_tokens * num_topk + num_local_experts * (alignment - 1)
-    return num_ranks * num_tokens
+    return num_ranks * num_tokens  # rank_major: a token reaches a rank at most once
 
 
 # ----------------------------------------------------------------------------- layout
@@ -155,7 +156,8 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
       num_experts: total experts E, divisible by the size R of ``axis_name``.
       axis_name: the expert-parallel mesh axis (rank r holds experts [r*E/R, (r+1)*E/R)).
       capacity: rows of every output (static); default: the worst case, nothing dropped.
-      layout: ``"rank_major"`` (deduplicated per rank, DeepEP's) or ``"expert_major"``.
+      layout: ``"rank_major"`` (deduplicated per rank, DeepEP's), ``"expert_major"`` or
+        ``"source_slots"`` (rank_major's rows at fixed slots ``s*T + t``; capacity ``R*T``).
       expert_alignment: expert_major only: each group is padded to a multiple of this.
       backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
     """
@@ -177,9 +179,13 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if int(expert_alignment) < 1:
         raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
-    if layout == RANK_MAJOR and expert_alignment != 1:
+    if layout != EXPERT_MAJOR and expert_alignment != 1:
         raise ValueError("expert_alignment applies to layout='expert_major' only")
     L = num_experts // num_ranks
+    if layout == SOURCE_SLOTS and capacity is not None and int(capacity) != num_ranks * T:
+        raise ValueError(
+            f"layout='source_slots' has exactly num_ranks * num_tokens = {num_ranks * T} rows; "
+            f"capacity must be {num_ranks * T} (or None), got {capacity}")
     if capacity is None:
         capacity = default_capacity(T, num_ranks, K, L, layout, expert_alignment)
     if int(capacity) < 1:
@@ -236,7 +242,8 @@ def combine(y, handle: DispatchHandle, weights=None):
         dispatch); rows are summed unweighted when omitted.
 
     Returns [T, H] in y's dtype: ``sum_rows w * y`` accumulated in float32 in the contract's
-    fixed order (ranks ascending for rank_major, k ascending for expert_major).
+    fixed order (ranks ascending for rank_major and source_slots, k ascending for
+    expert_major).
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle of a dispatch, got {type(handle)}")

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import api
-from jax_ep._types import EXPERT_MAJOR, RANK_MAJOR
+from jax_ep._types import EXPERT_MAJOR, RANK_MAJOR, SOURCE_SLOTS
 
 
 def route(x, router_weights, top_k):
@@ -48,10 +48,11 @@ def moe_block(x, router_weights, w_in, w_out, *, top_k, axis_name, capacity=None
     if layout == EXPERT_MAJOR:
         y = expert_mlp(out.x, w_in, w_out, out.group_sizes).astype(x.dtype)
         return api.combine(y, out.handle, weights=out.topk_weights), out.num_dropped
-    if layout != RANK_MAJOR:
+    if layout not in (RANK_MAJOR, SOURCE_SLOTS):
         raise ValueError(f"unknown layout {layout!r}")
-    # rank_major rows carry all of a token's local experts: run each expert on all rows and
-    # keep its gate (zero where the expert is not among the token's top-k).
+    # rank_major / source_slots rows carry all of a token's local experts: run each expert on
+    # all rows and keep its gate (zero where the expert is not among the token's top-k, and on
+    # unused rows).
     y = jnp.zeros(out.x.shape, jnp.float32)
     for e in range(w_in.shape[0]):
         gate = jnp.sum(jnp.where(out.topk_idx == e, out.topk_weights, 0.0), axis=-1)

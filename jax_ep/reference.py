@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jax_ep._types import (
     EXPERT_MAJOR,
+    SOURCE_SLOTS,
     DispatchConfig,
     DispatchHandle,
     DispatchLayout,
@@ -82,6 +83,13 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
         slots = _exchange(slot_for_src, axis)  # [R(dst), T, K]
         send_slot = jnp.take_along_axis(slots, jnp.maximum(dest, 0)[None], axis=0)[0]
         send_slot = jnp.where(dest >= 0, send_slot, -1)
+    elif config.layout == SOURCE_SLOTS:
+        out = _source_slots(recv_x, recv_scales, recv_local, recv_weights, config)
+        # Slots are fixed (row me*T + t at every rank it reaches): known here, no exchange.
+        me = jax.lax.axis_index(axis)
+        reaches = jnp.any(to_r, axis=-1).T  # [T, R(dst)]
+        rows = me * config.num_tokens + jnp.arange(config.num_tokens, dtype=jnp.int32)
+        send_slot = jnp.where(reaches, rows[:, None], -1)
     else:
         out, slot_for_src = _rank_major(recv_x, recv_scales, recv_local, recv_weights, config)
         send_slot = _exchange(slot_for_src, axis).T  # [T, R(dst)]
@@ -98,18 +106,16 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
     return DispatchOutput(handle=handle, **out)
 
 
-def _rank_major(recv_x, recv_scales, recv_local, recv_weights, config):
+def _token_rows(recv_x, recv_scales, recv_local, recv_weights, target, config):
+    """The [C] rows of a per-token layout (rank_major, source_slots): received token
+    ``i = s*T + t`` goes to row target[i] (C: nowhere) with its local ids and weights."""
     R, T, C, L = config.num_ranks, config.num_tokens, config.capacity, config.num_local_experts
-    has_expert_here = jnp.any(recv_local >= 0, axis=-1).reshape(R * T)  # rows in (src, token) order
-    position = jnp.cumsum(has_expert_here, dtype=jnp.int32) - 1
-    kept = has_expert_here & (position < C)
-    target = jnp.where(kept, position, C)
     src_rank = jnp.repeat(jnp.arange(R, dtype=jnp.int32), T)
     src_token = jnp.tile(jnp.arange(T, dtype=jnp.int32), R)
     topk_idx = _scatter_rows(recv_local.reshape(R * T, -1), target, C, -1)
     per_expert = jnp.sum(topk_idx[:, :, None] == jnp.arange(L)[None, None, :], axis=(0, 1),
                          dtype=jnp.int32)
-    out = dict(
+    return dict(
         x=_scatter_rows(recv_x.reshape((R * T,) + recv_x.shape[2:]), target, C, 0),
         x_scales=None if recv_scales is None else _scatter_rows(
             recv_scales.reshape(R * T, -1), target, C, 0),
@@ -117,13 +123,39 @@ def _rank_major(recv_x, recv_scales, recv_local, recv_weights, config):
         topk_weights=_scatter_rows(recv_weights.reshape(R * T, -1), target, C, 0),
         tokens_per_expert=per_expert,
         group_sizes=per_expert,
-        num_received=jnp.sum(kept, dtype=jnp.int32),
-        num_dropped=jnp.sum(has_expert_here & ~kept, dtype=jnp.int32),
         src_rank=_scatter_rows(src_rank, target, C, -1),
         src_token=_scatter_rows(src_token, target, C, -1),
         src_k=jnp.full((C,), -1, jnp.int32),
     )
+
+
+def _has_expert_here(recv_local):
+    """[R(src), T, K] local ids -> [R*T] whether each received token has an expert here."""
+    return jnp.any(recv_local >= 0, axis=-1).reshape(-1)
+
+
+def _rank_major(recv_x, recv_scales, recv_local, recv_weights, config):
+    R, T, C = config.num_ranks, config.num_tokens, config.capacity
+    has_expert_here = _has_expert_here(recv_local)  # rows in (src, token) order
+    position = jnp.cumsum(has_expert_here, dtype=jnp.int32) - 1
+    kept = has_expert_here & (position < C)
+    target = jnp.where(kept, position, C)
+    out = _token_rows(recv_x, recv_scales, recv_local, recv_weights, target, config)
+    out["num_received"] = jnp.sum(kept, dtype=jnp.int32)
+    out["num_dropped"] = jnp.sum(has_expert_here & ~kept, dtype=jnp.int32)
     return out, jnp.where(kept, position, -1).reshape(R, T)
+
+
+def _source_slots(recv_x, recv_scales, recv_local, recv_weights, config):
+    """rank_major's rows, each at its fixed slot s*T + t (C = R*T: nothing is dropped)."""
+    C = config.capacity
+    has_expert_here = _has_expert_here(recv_local)
+    slot = jnp.arange(C, dtype=jnp.int32)
+    out = _token_rows(recv_x, recv_scales, recv_local, recv_weights,
+                      jnp.where(has_expert_here, slot, C), config)
+    out["num_received"] = jnp.max(jnp.where(has_expert_here, slot + 1, 0))
+    out["num_dropped"] = jnp.zeros((), jnp.int32)
+    return out
 
 
 def _expert_major(recv_x, recv_scales, recv_local, recv_weights, config):

@@ -33,30 +33,36 @@ def layout(topk_idx, num_experts, num_ranks):
 
 def dispatch(x, topk_idx, topk_weights, num_experts, capacity, layout="rank_major",
              alignment=1, x_scales=None):
-    """Returns one dict per destination rank with every output and handle array."""
+    """Returns one dict per destination rank with every output and handle array.
+
+    source_slots needs capacity R*T: its rows are rank_major's, each at row s*T + t."""
     R, T, K = topk_idx.shape
     L = num_experts // R
     C = capacity
     dest, local = route(topk_idx, num_experts, R)
     H = x.shape[-1]
     results = []
-    send_slot = (np.full((R, T, R), -1, np.int32) if layout == "rank_major"
-                 else np.full((R, T, K), -1, np.int32))
+    send_slot = (np.full((R, T, K), -1, np.int32) if layout == "expert_major"
+                 else np.full((R, T, R), -1, np.int32))
     for me in range(R):
         o = dict(
             x=np.zeros((C, H), x.dtype),
             x_scales=None if x_scales is None else np.zeros((C, x_scales.shape[-1]), np.float32),
             src_rank=np.full(C, -1, np.int32), src_token=np.full(C, -1, np.int32),
             src_k=np.full(C, -1, np.int32), num_dropped=0)
-        if layout == "rank_major":
+        if layout in ("rank_major", "source_slots"):
+            slots = layout == "source_slots"
+            if slots:
+                assert C == R * T, "source_slots has exactly R*T rows"
             o["topk_idx"] = np.full((C, K), -1, np.int32)
             o["topk_weights"] = np.zeros((C, K), np.float32)
-            row = 0
+            packed, end = 0, 0  # rows placed so far (rank_major), largest used row + 1
             for s in range(R):
                 for t in range(T):
                     mine = dest[s, t] == me
                     if not mine.any():
                         continue
+                    row = s * T + t if slots else packed
                     if row >= C:
                         o["num_dropped"] += 1
                         continue
@@ -67,12 +73,13 @@ def dispatch(x, topk_idx, topk_weights, num_experts, capacity, layout="rank_majo
                     o["topk_weights"][row] = np.where(mine, topk_weights[s, t], 0)
                     o["src_rank"][row], o["src_token"][row] = s, t
                     send_slot[s, t, me] = row
-                    row += 1
-            o["num_received"] = row
+                    packed += 1
+                    end = row + 1
+            o["num_received"] = end
             o["tokens_per_expert"] = np.array(
                 [(o["topk_idx"] == e).sum() for e in range(L)], np.int32)
             o["group_sizes"] = o["tokens_per_expert"]
-        else:
+        elif layout == "expert_major":
             o["topk_idx"] = np.full(C, -1, np.int32)
             o["topk_weights"] = np.zeros(C, np.float32)
             pairs = [[] for _ in range(L)]
@@ -105,21 +112,24 @@ def dispatch(x, topk_idx, topk_weights, num_experts, capacity, layout="rank_majo
             o["group_sizes"] = group_sizes
             o["tokens_per_expert"] = kept_per_expert
             o["num_received"] = int(group_sizes.sum())
+        else:
+            raise ValueError(f"unknown layout {layout!r}")
         results.append(o)
     return results, send_slot
 
 
 def combine(y, weights, per_rank, send_slot, topk_idx, num_experts, layout="rank_major"):
-    """y: [R, C, H] rows per expert rank; returns [R, T, H] float32 sums in the contract order."""
+    """y: [R, C, H] rows per expert rank; returns [R, T, H] float32 sums in the contract order
+    (by rank for rank_major and source_slots, by k for expert_major)."""
     R, T, K = topk_idx.shape
     dest, _ = route(topk_idx, num_experts, R)
+    by_rank = layout != "expert_major"
     out = np.zeros((R, T, y.shape[-1]), np.float32)
     for s in range(R):
         for t in range(T):
             acc = np.zeros(y.shape[-1], np.float32)
-            slots = range(R) if layout == "rank_major" else range(K)
-            for j in slots:
-                r = j if layout == "rank_major" else dest[s, t, j]
+            for j in range(R) if by_rank else range(K):
+                r = j if by_rank else dest[s, t, j]
                 row = send_slot[s, t, j]
                 if r < 0 or row < 0:
                     continue

@@ -34,7 +34,7 @@ def test_fp8_round_trip_error_bound(ue8m0):
     assert 1e-3 < rel < 0.05
 
 
-@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major", "source_slots"])
 def test_fp8_dispatch_moves_data_and_scales_exactly(layout):
     R, T, H, K, E = 4, 10, 256, 3, 8
     rng = np.random.default_rng(2)

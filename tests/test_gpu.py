@@ -293,6 +293,82 @@ def test_copy_paths_follow_changing_inputs(monkeypatch):
         assert_sums_close(back, back_r, jnp.float32)
 
 
+@pytest.fixture(params=["copy", "pull"])
+def slots_combine(request, monkeypatch):
+    """JAX_EP_COMBINE for the source_slots layout (its default is copy: y's blocks unstaged)."""
+    monkeypatch.setenv("JAX_EP_COMBINE", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("T,H,K,per_rank,kind,mask,dtype", [
+    c[:7] for c in CASES if c[7] is None] + [(200, 7168 // 8, 8, 8, "random", 0.05, jnp.bfloat16)])
+def test_source_slots_match_reference(T, H, K, per_rank, kind, mask, dtype, slots_combine):
+    """source_slots: the rows of every (source, token) in their fixed place, moved by the copy
+    engines whatever JAX_EP_DISPATCH says; combine through both data paths."""
+    R = num_ranks()
+    E = per_rank * R
+    rng = np.random.default_rng(T * 17 + H + K)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, kind, mask)
+    x = np.asarray(jnp.asarray(x, dtype))
+    y = np.asarray(jnp.asarray(rng.standard_normal((R, R * T, H)), dtype))
+    row_w = rng.random((R, R * T)).astype(np.float32)
+    g = np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), dtype))
+
+    def fn(backend, x, idx, w, y, row_w, g):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout="source_slots",
+                              backend=backend)
+        back = jax_ep.combine(y, out.handle, weights=row_w)
+        plain = jax_ep.combine(out.x, out.handle)
+        rows = jax_ep.api._backend_module(backend).cached_dispatch(g, out.handle)
+        return out, back, plain, rows
+
+    (out, back, plain, rows), (out_r, back_r, plain_r, rows_r) = both(fn, x, idx, w, y, row_w, g)
+    assert_trees_equal(out, out_r)
+    assert_trees_equal(rows, rows_r)
+    assert_sums_close(back, back_r, dtype)
+    assert_sums_close(plain, plain_r, dtype)
+
+
+@pytest.mark.parametrize("fp8,graphs,junk", [(False, "1", False), (True, "1", True),
+                                             (True, "0", False), (False, "0", True)])
+def test_source_slots_in_many_chunks(fp8, graphs, junk, slots_combine, monkeypatch):
+    """source_slots with ~40 transfers per peer (the last partial), FP8 rows with their scales,
+    out-of-range ids (treated as -1), the transfers as a graph and call by call, and repeated
+    calls of one program."""
+    monkeypatch.setenv("JAX_EP_COPY_GRAPHS", graphs)
+    monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "0.05")
+    R = num_ranks()
+    T, H, K, E = 1000, 1024, 6, 8 * R
+    rng = np.random.default_rng(23)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.1)
+    if junk:
+        bad = rng.choice(np.array([-7, -2, E, E + 1, 1 << 20], np.int32), idx.shape)
+        idx = np.where(rng.random(idx.shape) < 0.2, bad, idx).astype(np.int32)
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    # row weights from the host: a sum over out.topk_weights would be reduced in another
+    # order by the reference's host devices (shared GPUs) than on the GPU
+    row_w = rng.random((R, R * T)).astype(np.float32)
+
+    def fn(backend, x, idx, w, row_w):
+        xin = jax_ep.quantize_fp8(x) if fp8 else x
+        out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, layout="source_slots",
+                              backend=backend)
+        rows = jnp.asarray(out.x, jnp.float32)
+        return out, jax_ep.combine(rows, out.handle, weights=row_w)
+
+    (out, back), (out_r, back_r) = both(fn, x, idx, w, row_w)
+    assert_trees_equal(out, out_r)
+    assert_sums_close(back, back_r, jnp.float32)
+    assert int(np.asarray(out.num_received).min()) > 0
+
+    def again(x, idx, w):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout="source_slots",
+                              backend="cuda")
+        return out.x, jax_ep.combine(out.x, out.handle)
+
+    _assert_repeats_identical(again, R, (x, idx, w), 20)
+
+
 def _assert_repeats_identical(fn, R, arrays, repeats):
     """Runs the per-rank fn(*arrays) `repeats` times as one compiled program and asserts every
     result is bit-identical to the first."""
@@ -327,11 +403,14 @@ def test_repeated_calls_are_bit_identical(dispatch_mode):
 
 
 @pytest.mark.parametrize("layout,copy", [("expert_major", False), ("rank_major", False),
-                                         ("rank_major", True)])
+                                         ("rank_major", True), ("source_slots", True),
+                                         ("source_slots", False)])
 def test_moe_gradients_match_reference(layout, copy, monkeypatch):
     if copy:  # both backward passes run through the copy-engine paths too
         monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
         monkeypatch.setenv("JAX_EP_COMBINE", "copy")
+    elif layout == "source_slots":  # its dispatch always copies; the combine here by pull
+        monkeypatch.setenv("JAX_EP_COMBINE", "pull")
     R = num_ranks()
     T, H, F, E, top_k = 32, 64, 48, 4 * R, 2
     key = jax.random.key(5)

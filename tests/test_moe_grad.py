@@ -54,7 +54,7 @@ def dense_loss(params, x, target, top_k):
 
 
 @pytest.mark.parametrize("layout,alignment", [("expert_major", 1), ("expert_major", 8),
-                                              ("rank_major", 1)])
+                                              ("rank_major", 1), ("source_slots", 1)])
 @pytest.mark.parametrize("R,E,top_k", [(2, 6, 2), (4, 12, 3), (8, 16, 4)])
 def test_moe_forward_and_grad_match_dense(R, E, top_k, layout, alignment):
     T, H, F = 8, 12, 10

@@ -73,7 +73,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major", "source_slots"])
 @pytest.mark.parametrize("R,T,H,K,E,kind,mask", CASES)
 def test_dispatch_matches_oracle(R, T, H, K, E, kind, mask, layout):
     rng = np.random.default_rng(hash((R, T, H, K, E, kind, layout)) % 2**32)
@@ -112,11 +112,12 @@ def test_capacity_overflow_is_counted_and_deterministic(layout, kind):
         np.testing.assert_array_equal(a, b)
 
 
-def test_every_token_rank_pair_arrives_exactly_once():
+@pytest.mark.parametrize("layout", ["rank_major", "source_slots"])
+def test_every_token_rank_pair_arrives_exactly_once(layout):
     R, T, H, K, E = 8, 10, 5, 6, 16
     rng = np.random.default_rng(3)
     x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
-    out = dispatch_all(x, idx, w, E)
+    out = dispatch_all(x, idx, w, E, layout=layout)
     dest, local = oracle.route(idx, E, R)
     seen = set()
     for r in range(R):
@@ -125,6 +126,7 @@ def test_every_token_rank_pair_arrives_exactly_once():
             if s < 0:
                 assert not out.x[r, row].any() and (out.topk_idx[r, row] == -1).all()
                 continue
+            assert layout == "rank_major" or row == s * T + t
             assert (s, t, r) not in seen
             seen.add((s, t, r))
             np.testing.assert_array_equal(out.x[r, row], x[s, t])
@@ -151,9 +153,13 @@ def test_layout_matches_oracle(R, E):
         np.testing.assert_array_equal(got.is_token_in_rank[r], in_rank)
 
 
-@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
-@pytest.mark.parametrize("R,T,H,K,E,capacity", [(2, 9, 7, 3, 6, None), (4, 12, 13, 5, 12, None),
-                                                (8, 6, 4, 8, 16, None), (4, 12, 5, 4, 8, 11)])
+COMBINE_CASES = [(2, 9, 7, 3, 6, None), (4, 12, 13, 5, 12, None), (8, 6, 4, 8, 16, None),
+                 (4, 12, 5, 4, 8, 11)]
+
+
+@pytest.mark.parametrize("layout,R,T,H,K,E,capacity", [
+    (layout,) + case for layout in ["rank_major", "expert_major", "source_slots"]
+    for case in COMBINE_CASES if layout != "source_slots" or case[-1] is None])
 def test_combine_matches_oracle(R, T, H, K, E, capacity, layout):
     rng = np.random.default_rng(R * 100 + H)
     x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.15)
@@ -175,7 +181,8 @@ def test_combine_matches_oracle(R, T, H, K, E, capacity, layout):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_combine_of_dispatch_with_identity_experts(dtype):
-    """Identity experts: combine(dispatch(x)) = x * (#ranks reached), and = x * sum(w) weighted."""
+    """Identity experts: combine(dispatch(x)) = x * (#ranks reached) (rank_major, source_slots),
+    and = x * sum(w) weighted (expert_major)."""
     R, T, H, K, E = 4, 16, 33, 4, 12
     rng = np.random.default_rng(11)
     x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
@@ -185,10 +192,14 @@ def test_combine_of_dispatch_with_identity_experts(dtype):
         rm = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend="reference")
         em = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout="expert_major",
                              expert_alignment=8, backend="reference")
+        ss = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout="source_slots",
+                             backend="reference")
         return (jax_ep.combine(rm.x, rm.handle),
-                jax_ep.combine(em.x.astype(jnp.float32), em.handle, weights=em.topk_weights))
+                jax_ep.combine(em.x.astype(jnp.float32), em.handle, weights=em.topk_weights),
+                jax_ep.combine(ss.x, ss.handle))
 
-    by_rank, weighted = run(fn, R, x, idx, w)
+    by_rank, weighted, by_slot = run(fn, R, x, idx, w)
+    np.testing.assert_array_equal(by_slot, by_rank)
     dest, _ = oracle.route(idx, E, R)
     reached = np.array([[len(set(d[d >= 0])) for d in dest[s]] for s in range(R)])
     xf = x.astype(np.float32)
@@ -208,7 +219,8 @@ def test_repeated_runs_are_identical():
             np.testing.assert_array_equal(a, b)
 
 
-def test_out_of_range_ids_under_tracing_are_ignored():
+@pytest.mark.parametrize("layout", ["rank_major", "source_slots"])
+def test_out_of_range_ids_under_tracing_are_ignored(layout):
     """Traced ids cannot be checked at trace time: outside [-1, E) they count as -1."""
     R, T, H, K, E = 2, 6, 4, 2, 4
     rng = np.random.default_rng(0)
@@ -216,8 +228,8 @@ def test_out_of_range_ids_under_tracing_are_ignored():
     bad = idx.copy()
     bad[0, 0, 0], bad[1, 2, 1] = E + 3, -7
     masked = np.where((bad < 0) | (bad >= E), -1, bad).astype(np.int32)
-    got = dispatch_all(x, bad, w, E)
-    want, slot = oracle.dispatch(x, masked, w, E, got.x.shape[1])
+    got = dispatch_all(x, bad, w, E, layout=layout)
+    want, slot = oracle.dispatch(x, masked, w, E, got.x.shape[1], layout)
     assert_matches_oracle(got, want, slot)
 
 
@@ -254,3 +266,65 @@ def test_rank_major_blocks_are_what_the_copy_engine_combine_indexes(R, cap):
                 q = slots - kept.min()
                 for t in np.nonzero(slots >= 0)[0]:
                     assert block[q[t]] == t
+
+
+def test_source_slots_are_the_rank_major_rows_at_fixed_slots():
+    """Row s*T + t at rank r is rank_major's row of (s, t) there when t has an expert on r;
+    every other row is unused (zero, -1 ids and handle entries); send_slot is known at the
+    source; combine sums the same rows in the same order as rank_major's (bit-identical)."""
+    R, T, H, K, E = 4, 6, 5, 3, 8
+    rng = np.random.default_rng(17)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.3)
+    idx = np.where(idx // (E // R) == 0, -1, idx).astype(np.int32)  # rank 0 gets no token
+    idx[R - 1, T - 1] = -1  # the last slot is unused everywhere
+    C = R * T
+
+    def fn(x, idx, w):
+        rm = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend="reference")
+        ss = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=C,
+                             layout="source_slots", backend="reference")
+        return rm, ss, jax_ep.combine(rm.x, rm.handle), jax_ep.combine(ss.x, ss.handle)
+
+    rm, ss, rm_back, ss_back = run(fn, R, x, idx, w)
+    assert ss.x.shape == (R, C, H)
+    for r in range(R):
+        used = ss.handle.src_rank[r] >= 0
+        n = int(rm.num_received[r])
+        assert used.sum() == n
+        for name in ("x", "topk_idx", "topk_weights"):
+            np.testing.assert_array_equal(getattr(ss, name)[r][used], getattr(rm, name)[r][:n],
+                                          err_msg=f"rank {r}: {name}")
+        for name in ("src_rank", "src_token", "src_k"):
+            np.testing.assert_array_equal(getattr(ss.handle, name)[r][used],
+                                          getattr(rm.handle, name)[r][:n], err_msg=name)
+        rows = np.nonzero(used)[0]
+        np.testing.assert_array_equal(
+            rows, ss.handle.src_rank[r][used] * T + ss.handle.src_token[r][used])
+        assert not ss.x[r][~used].any() and not ss.topk_weights[r][~used].any()
+        assert (ss.topk_idx[r][~used] == -1).all()
+        for name in ("src_token", "src_k"):
+            assert (getattr(ss.handle, name)[r][~used] == -1).all()
+        assert ss.num_received[r] == ss.handle.num_received[r] == (rows.max() + 1 if n else 0)
+        np.testing.assert_array_equal(ss.tokens_per_expert[r], rm.tokens_per_expert[r])
+        np.testing.assert_array_equal(ss.group_sizes[r], rm.tokens_per_expert[r])
+    assert ss.num_received[0] == 0 and (ss.num_received < C).all() and ss.num_received.max() > 0
+    assert not ss.num_dropped.any()
+    dest, _ = oracle.route(idx, E, R)
+    for s in range(R):
+        reaches = (dest[s][:, :, None] == np.arange(R)).any(1)  # [T, R]
+        want = np.where(reaches, s * T + np.arange(T)[:, None], -1)
+        np.testing.assert_array_equal(ss.handle.send_slot[s], want, err_msg=f"source {s}")
+    np.testing.assert_array_equal(ss_back, rm_back)
+
+
+def test_source_slots_capacity_is_fixed_and_alignment_is_rejected():
+    R, T, H, K, E = 2, 4, 3, 2, 4
+    x, idx, w = make_inputs(np.random.default_rng(0), R, T, H, K, E)
+    for capacity in (7, 9, 0):
+        with pytest.raises(ValueError, match=(
+                r"layout='source_slots' has exactly num_ranks \* num_tokens = 8 rows; "
+                rf"capacity must be 8 \(or None\), got {capacity}")):
+            dispatch_all(x, idx, w, E, capacity=capacity, layout="source_slots")
+    with pytest.raises(ValueError, match="applies to layout='expert_major' only"):
+        dispatch_all(x, idx, w, E, layout="source_slots", alignment=4)
+    assert dispatch_all(x, idx, w, E, capacity=R * T, layout="source_slots").x.shape == (R, 8, H)

@@ -97,7 +97,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
                          int64_t num_experts, int64_t capacity, int64_t expert_major,
                          int64_t alignment, int64_t has_scales, int64_t num_blocks,
-                         int64_t push_mode, int64_t block) {
+                         int64_t push_mode, int64_t block, int64_t source_slots) {
   auto x_dims = x.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0])
@@ -138,7 +138,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   // 0: pull, 1: push, 2: push with the receive fused into the push kernel, 3: push with bulk
   // (TMA) copies of the rows, 4: pull with the rows moved by the copy engines
   if (push_mode < 0 || push_mode > 4) return invalid("dispatch: push must be 0, 1, 2, 3 or 4");
-  const bool copy_engine = push_mode == 4;
+  // source_slots always moves its rows by the copy engines (its reason to be); push is ignored
+  if (source_slots && (expert_major || block > 0 || capacity != int64_t(R) * T))
+    return invalid("dispatch: source_slots needs rank_major rows and capacity = " +
+                   std::to_string(int64_t(R) * T) + " (ranks x tokens)");
+  const bool copy_engine = push_mode == 4 || source_slots;
   const bool push = push_mode != 0 && !copy_engine;
   if (block > 0 && (!expert_major || alignment != 1 || capacity != num_experts / R * block))
     return invalid("dispatch: fixed blocks need expert_major, alignment 1 and capacity = "
@@ -147,8 +151,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return invalid("dispatch: push mode supports at most " + std::to_string(kMaxSources) +
                    (expert_major ? " top-k slots" : " ranks"));
   if (copy_engine && R > kMaxCopyRanks)
-    return invalid("dispatch: the copy-engine path supports at most " +
-                   std::to_string(kMaxCopyRanks) + " ranks; use JAX_EP_DISPATCH=fused");
+    return invalid("dispatch: the copy-engine path (JAX_EP_DISPATCH=copy and the source_slots "
+                   "layout) supports at most " + std::to_string(kMaxCopyRanks) + " ranks");
   RegionPlan plan = copy_engine ? plan_dispatch_copy(R, T, K, static_cast<int>(num_experts),
                                                      expert_major != 0, size_t(H) * elem,
                                                      scale_row)
@@ -169,6 +173,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.fused = push_mode == 2;
   a.bulk = push_mode == 3;
   a.copy_engine = copy_engine;
+  a.source_slots = source_slots != 0;
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);
@@ -231,7 +236,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
                         ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> src_rank,
                         ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                        int64_t expert_major, int64_t num_blocks, int64_t copy_engine) {
+                        int64_t expert_major, int64_t num_blocks, int64_t copy_engine,
+                        int64_t source_slots) {
   auto y_dims = y.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (y_dims.size() != 2 || idx_dims.size() != 2)
@@ -253,12 +259,15 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (copy_engine && (expert_major || (t != nullptr && t->num_ranks > kMaxCopyRanks)))
     return invalid("combine: the copy-engine path needs rank_major and at most " +
                    std::to_string(kMaxCopyRanks) + " ranks");
+  if (source_slots && (expert_major || (t != nullptr && C != int64_t(t->num_ranks) * T)))
+    return invalid("combine: source_slots needs rank_major rows and [ranks x tokens, H] y");
   CombineArgs a{};
-  const size_t needed = copy_engine && t != nullptr
-                            ? plan_combine_copy(t->num_ranks, T, row_bytes).end
-                            : combine_bytes(C, row_bytes);
+  const size_t needed = !copy_engine || t == nullptr ? combine_bytes(C, row_bytes)
+                        : source_slots ? plan_combine_slots(t->num_ranks, T, row_bytes).end
+                                       : plan_combine_copy(t->num_ranks, T, row_bytes).end;
   if (auto err = peer_context("combine", rank, needed, &a.ctx); err.failure()) return err;
   a.copy_engine = copy_engine != 0;
+  a.source_slots = source_slots != 0;
   if (num_experts < a.ctx.num_ranks || num_experts % a.ctx.num_ranks != 0)
     return invalid("combine: num_experts must be a positive multiple of the " +
                    std::to_string(a.ctx.num_ranks) + " NVSHMEM PEs");
@@ -318,7 +327,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                                   .Attr<int64_t>("has_scales")
                                   .Attr<int64_t>("num_blocks")
                                   .Attr<int64_t>("push")
-                                  .Attr<int64_t>("block"));
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("source_slots"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
                               ffi::Ffi::Bind()
@@ -344,4 +354,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("expert_major")
                                   .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("copy_engine"));
+                                  .Attr<int64_t>("copy_engine")
+                                  .Attr<int64_t>("source_slots"));

@@ -165,6 +165,24 @@ JAX_EP_HOST_DEVICE inline CombineCopyPlan plan_combine_copy(int num_ranks, int n
   return p;
 }
 
+// Copy-engine combine of the source_slots layout: an owner's rows are one contiguous block of
+// y (rows s*T .. s*T + T - 1), so the expert rank's copy engines send the block and its
+// weights straight from y and the weights, unstaged: landed rows [R][T] as y holds them, then
+// landed weights [R][T].
+struct SlotsCombinePlan {
+  size_t rows = 0, weights = 0, end = 0;
+};
+
+JAX_EP_HOST_DEVICE inline SlotsCombinePlan plan_combine_slots(int num_ranks, int num_tokens,
+                                                              size_t row_bytes) {
+  SlotsCombinePlan p;
+  const size_t records = size_t(num_ranks) * num_tokens;
+  p.rows = align_up(sizeof(Control), kRegionAlign);
+  p.weights = align_up(p.rows + row_bytes * records, kRegionAlign);
+  p.end = align_up(p.weights + sizeof(float) * records, kRegionAlign);
+  return p;
+}
+
 // Push-mode dispatch: senders write rows straight to their final position in the receiver's
 // region (rows from this PE go straight to the output), with a metadata record per row.
 struct PushPlan {
@@ -243,6 +261,7 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
                                        expert_major, x_row, scale_row).end
                   : 0,
       copy_engine && !expert_major ? plan_combine_copy(num_ranks, num_tokens, y_row).end : 0,
+      copy_engine && !expert_major ? plan_combine_slots(num_ranks, num_tokens, y_row).end : 0,
       combine_bytes(capacity, y_row),
       cached_dispatch_bytes(num_tokens, y_row),
   };

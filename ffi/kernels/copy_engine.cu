@@ -233,15 +233,26 @@ cudaError_t run_direct(const Transport& t, const CopySequence& seq, cudaStream_t
 // change (set in place, see GraphCache::update).
 using GraphShape = std::vector<unsigned char>;
 
+// Dependency chains per peer in a graph (JAX_EP_COPY_CHAINS, default 1, read on every call):
+// chunk c follows chunk c - chains of its peer, so `chains` transfers per peer are in flight.
+// One chain lands the chunks strictly in order but waits, between two transfers, for the
+// graph to start the next node; two behave like the direct path's two streams per peer.
+int graph_chains() {
+  const char* env = std::getenv("JAX_EP_COPY_CHAINS");
+  const int n = env != nullptr ? std::atoi(env) : 1;
+  return std::clamp(n, 1, kMaxCopyChunks);
+}
+
 template <typename T>
 void put(std::vector<unsigned char>& out, const T& value) {
   const auto* bytes = reinterpret_cast<const unsigned char*>(&value);
   out.insert(out.end(), bytes, bytes + sizeof(T));
 }
 
-GraphShape shape_of(const CopySequence& seq, bool memop_flags) {
+GraphShape shape_of(const CopySequence& seq, bool memop_flags, int chains) {
   GraphShape shape;
   put(shape, memop_flags);
+  put(shape, chains);
   for (const CopySequence::Kernel& kernel : seq.kernels()) {
     put(shape, kernel.func);
     put(shape, kernel.grid);
@@ -294,7 +305,8 @@ class GraphCache {
     const bool memop = flag_choice() == FlagChoice::kWrite && !stream_writes_refused() &&
                        flag_writers().graph_node != nullptr &&
                        flag_writers().current_context != nullptr;
-    GraphShape shape = shape_of(seq, memop);
+    const int chains = graph_chains();
+    GraphShape shape = shape_of(seq, memop, chains);
     std::lock_guard<std::mutex> lock(mutex_);
     ++clock_;
     CachedGraph* same_shape_lru = nullptr;
@@ -319,13 +331,13 @@ class GraphCache {
     }
     HostTimer timer(kHostGraphBuild);
     CachedGraph g;
-    cudaError_t status = build(t, seq, memop, g);
+    cudaError_t status = build(t, seq, memop, chains, g);
     if (status != cudaSuccess && memop) {
       // The driver refused the memory-operation nodes: kernels raise the flags from now on.
       refuse_stream_writes("memory-operation graph node", static_cast<int>(status));
       cudaGetLastError();
-      shape = shape_of(seq, false);
-      status = build(t, seq, false, g);
+      shape = shape_of(seq, false, chains);
+      status = build(t, seq, false, chains, g);
     }
     if (status != cudaSuccess) return status;
     g.shape = std::move(shape);
@@ -345,17 +357,17 @@ class GraphCache {
   }
 
  private:
-  // Kernels in a chain; each peer's pieces in chunk order (a copy engine lands the chunks one
-  // after another, so the receiver can start on the first), each chunk's flag after its own
-  // pieces only (the next chunk's transfer need not wait for it).
-  static cudaError_t build(const Transport& t, const CopySequence& seq, bool memop,
+  // Kernels in a chain; each peer's pieces in chunk order over `chains` chains (a copy engine
+  // lands the chunks one after another, so the receiver can start on the first), each chunk's
+  // flag after its own pieces only (the next chunk's transfer need not wait for it).
+  static cudaError_t build(const Transport& t, const CopySequence& seq, bool memop, int chains,
                            CachedGraph& g) {
     cudaError_t status = cudaGraphCreate(&g.graph, 0);
     if (status != cudaSuccess) return status;
     cudaGraph_t graph = g.graph;
     CUcontext context = nullptr;
     if (memop && flag_writers().current_context(&context) != CUDA_SUCCESS) memop = false;
-    std::vector<std::vector<cudaGraphNode_t>> last_pieces(t.num_ranks);
+    std::vector<std::vector<cudaGraphNode_t>> last_pieces(size_t(t.num_ranks) * chains);
     for (size_t k = 0; k < seq.kernels().size() && status == cudaSuccess; ++k) {
       const CopySequence::Kernel& kernel = seq.kernels()[k];
       std::vector<void*> args = argument_pointers(kernel);
@@ -368,7 +380,9 @@ class GraphCache {
     }
     for (const CopySequence::Transfer& x : seq.transfers()) {
       if (status != cudaSuccess) break;
-      std::vector<cudaGraphNode_t> deps = last_pieces[x.peer];
+      std::vector<cudaGraphNode_t>& chain =
+          last_pieces[size_t(x.peer) * chains + x.chunk % chains];
+      std::vector<cudaGraphNode_t> deps = chain;
       if (x.after_kernel >= 0) deps.push_back(g.kernel_nodes[x.after_kernel]);
       char* base = static_cast<char*>(t.host_peers[x.peer]);
       std::vector<cudaGraphNode_t> pieces;
@@ -383,7 +397,7 @@ class GraphCache {
         g.piece_sources.push_back(piece.src);
       }
       if (status != cudaSuccess) break;
-      if (!pieces.empty()) last_pieces[x.peer] = pieces;
+      if (!pieces.empty()) chain = pieces;
       const std::vector<cudaGraphNode_t>& before = pieces.empty() ? deps : pieces;
       uint64_t* flag = landed_flag(t, x.peer, t.rank, x.chunk);
       cudaGraphNode_t node = nullptr;

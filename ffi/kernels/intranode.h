@@ -70,6 +70,8 @@ struct DispatchArgs {
   // (plan_dispatch_copy) in chunks of copy_chunk_rows tokens, copy_chunks per source.
   bool copy_engine;
   int copy_chunk_rows, copy_chunks;
+  // The source_slots layout: row s*T + t is source s's token t (copy_engine is set too).
+  bool source_slots;
 };
 
 struct CachedDispatchArgs {
@@ -90,6 +92,9 @@ struct CombineArgs {
   // copy_chunk_rows records per owner slot, copy_chunks per slot.
   bool copy_engine;
   int copy_chunk_rows, copy_chunks;
+  // The source_slots layout (rank_major otherwise): with copy_engine, each owner's block of y
+  // goes unstaged (plan_combine_slots).
+  bool source_slots;
   int num_tokens, num_topk, num_experts, capacity, hidden;
   bool expert_major;
   int num_blocks;
@@ -103,7 +108,23 @@ struct CombineArgs {
   void* out;
 };
 
+__device__ __forceinline__ bool valid_expert(int e, int num_experts) {
+  return e >= 0 && e < num_experts;
+}
+
+// Destination ranks of token t as a bit mask (R <= 32); invalid expert ids are ignored.
+__device__ __forceinline__ uint32_t rank_mask(const DispatchArgs& a, int t, int L) {
+  uint32_t mask = 0;
+  for (int k = 0; k < a.num_topk; ++k) {
+    const int e = a.topk_idx[size_t(t) * a.num_topk + k];
+    if (valid_expert(e, a.num_experts)) mask |= 1u << (e / L);
+  }
+  return mask;
+}
+
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+// The source_slots layout (slots_dispatch.cu): always the copy engines' transfers.
+cudaError_t launch_dispatch_slots(const DispatchArgs& args, cudaStream_t stream);
 // Copy-engine transfers (copy_engine.cu), which the copy-engine dispatch and combine enqueue
 // around their kernels: a guard kernel (every peer finished the previous call), then the
 // call's copy sequence, then the caller's kernels, which wait for the landed flags, and a join
@@ -171,6 +192,8 @@ cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t
 cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence,
                             cudaStream_t stream);
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);
+// The copy-engine dispatch's transfers (guard, then x to every peer's landing area).
+cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 

@@ -117,8 +117,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
   const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
   const CombineCopyPlan copy_plan = plan_combine_copy(R, a.num_tokens, row_bytes);
+  const SlotsCombinePlan slots_plan = plan_combine_slots(R, a.num_tokens, row_bytes);
   __shared__ int base[kCopy ? kMaxCopyRanks : 1];
-  if (kCopy) {
+  if (kCopy && !a.source_slots) {
     for (int r = threadIdx.x; r < R; r += kThreads) base[r] = a.capacity;
     __syncthreads();
     for (int i = threadIdx.x; i < a.num_tokens * R; i += kThreads) {
@@ -154,6 +155,12 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
       if (r == me) {  // our own expert outputs: straight from y
         weights[j] = a.weights[slot];
         rows[j] = reinterpret_cast<const T*>(static_cast<const char*>(a.y) + slot * row_bytes);
+      } else if (kCopy && a.source_slots) {  // landed unstaged: rows [r][T], weights [r][T]
+        wait_landed(ctx, r, t / a.copy_chunk_rows, lane, "combine");
+        const size_t record = size_t(r) * a.num_tokens + t;
+        weights[j] = __ldcg(region<float>(ctx, me, slots_plan.weights) + record);
+        rows[j] = reinterpret_cast<const T*>(region<char>(ctx, me, slots_plan.rows) +
+                                             record * row_bytes);
       } else if (kCopy) {
         const int q = slot - base[r];
         wait_landed(ctx, r, q / a.copy_chunk_rows, lane, "combine");
@@ -262,12 +269,38 @@ cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaS
   return copy_engine_run(ctx, sequence, stream);
 }
 
+// Copy-engine combine, source_slots: an owner's rows are one block of y, so each chunk goes
+// straight from y (and the weights) to the owner's landing area; no stage kernels.
+cudaError_t enqueue_combine_slots(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, T = a.num_tokens;
+  const SlotsCombinePlan plan = plan_combine_slots(R, T, row_bytes);
+  cudaError_t status = copy_engine_guard(ctx, /*combine=*/true, stream);
+  if (status != cudaSuccess) return status;
+  CopySequence sequence;
+  for (int c = 0; c < a.copy_chunks; ++c) {
+    const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
+    for (int step = 1; step < R; ++step) {
+      const int owner = (ctx.rank + step) % R;
+      const size_t block = size_t(owner) * T + first, landed = size_t(ctx.rank) * T + first;
+      const CopyPiece pieces[2] = {
+          {plan.rows + landed * row_bytes, static_cast<const char*>(a.y) + block * row_bytes,
+           rows * row_bytes},
+          {plan.weights + landed * sizeof(float), a.weights + block, rows * sizeof(float)},
+      };
+      sequence.add_transfer(owner, c, /*after_kernel=*/-1, pieces, 2);
+    }
+  }
+  return copy_engine_run(ctx, sequence, stream);
+}
+
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
   const size_t row_bytes = sizeof(T) * a.hidden;
   constexpr int kWide = 16 / sizeof(T);
   if (a.copy_engine) {
-    cudaError_t status = enqueue_combine_copies(a, row_bytes, stream);
+    cudaError_t status = a.source_slots ? enqueue_combine_slots(a, row_bytes, stream)
+                                        : enqueue_combine_copies(a, row_bytes, stream);
     if (status == cudaSuccess)
       status = a.hidden % kWide == 0 ? launch_reduce<T, kWide, true>(a, row_bytes, stream)
                                      : launch_reduce<T, 1, true>(a, row_bytes, stream);
@@ -286,11 +319,13 @@ cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
   CombineArgs a = args;
-  if (a.copy_engine) {
-    const size_t row_bytes = element_size(a.dtype) * size_t(a.hidden);
+  const size_t row_bytes = element_size(a.dtype) * size_t(a.hidden);
+  if (a.copy_engine && a.source_slots)  // transfers only, no stage kernels: the dispatch's size
+    copy_chunking(a.num_tokens, row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
+                  &a.copy_chunks);
+  else if (a.copy_engine)
     copy_chunking(a.num_tokens, plan_combine_copy(1, 1, row_bytes).record_stride,
                   kCombineCopyChunkMB, &a.copy_chunk_rows, &a.copy_chunks);
-  }
   switch (a.dtype) {
     case ElementType::kBF16: return launch_typed<__nv_bfloat16>(a, stream);
     case ElementType::kF16: return launch_typed<__half>(a, stream);

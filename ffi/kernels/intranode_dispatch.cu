@@ -13,10 +13,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 
-__device__ __forceinline__ bool valid_expert(int e, int num_experts) {
-  return e >= 0 && e < num_experts;
-}
-
 // ------------------------------------------------------------------------------ stage
 
 // The end of every stage kernel: pull mode stages this PE's tokens once (every destination
@@ -57,16 +53,6 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
     signal_all(ctx, Flag::kReady, call);
     profile_mark(ctx, kProfDispatchStage, kRetired);
   }
-}
-
-// Destination ranks of token t as a bit mask (R <= 32); invalid expert ids are ignored.
-__device__ __forceinline__ uint32_t rank_mask(const DispatchArgs& a, int t, int L) {
-  uint32_t mask = 0;
-  for (int k = 0; k < a.num_topk; ++k) {
-    const int e = a.topk_idx[size_t(t) * a.num_topk + k];
-    if (valid_expert(e, a.num_experts)) mask |= 1u << (e / L);
-  }
-  return mask;
 }
 
 // Block 0 of the stage zeroes what the kernels after it count into: tokens per local expert
@@ -1005,31 +991,6 @@ int multiprocessors() {
   return count;
 }
 
-// Copy-engine dispatch, before the stage: after the guard, this PE's x (and scales) goes to
-// every peer's landing slot for us, chunk-major, so that every peer's first chunk is under
-// way before anyone's second.
-cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) {
-  const PeerContext& ctx = a.ctx;
-  cudaError_t status = copy_engine_guard(ctx, /*combine=*/false, stream);
-  if (status != cudaSuccess) return status;
-  const int R = ctx.num_ranks, T = a.num_tokens;
-  CopySequence sequence;
-  for (int c = 0; c < a.copy_chunks; ++c) {
-    const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
-    const size_t landing = size_t(ctx.rank) * T + first;
-    const CopyPiece pieces[2] = {
-        {a.plan.rows + landing * a.x_row_bytes,
-         static_cast<const char*>(a.x) + size_t(first) * a.x_row_bytes, rows * a.x_row_bytes},
-        {a.plan.scales + landing * a.scale_row_bytes,
-         reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes,
-         a.scales != nullptr ? rows * a.scale_row_bytes : 0},
-    };
-    for (int step = 1; step < R; ++step)
-      sequence.add_transfer((ctx.rank + step) % R, c, /*after_kernel=*/-1, pieces, 2);
-  }
-  return copy_engine_run(ctx, sequence, stream);
-}
-
 // The stage kernel: rank_major spreads its scan over a co-resident grid when it can.
 template <bool kExpertMajor, bool kPull>
 cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
@@ -1094,6 +1055,31 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
 
 }  // namespace
 
+// Copy-engine dispatch, before the stage: after the guard, this PE's x (and scales) goes to
+// every peer's landing slot for us, chunk-major, so that every peer's first chunk is under
+// way before anyone's second.
+cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) {
+  const PeerContext& ctx = a.ctx;
+  cudaError_t status = copy_engine_guard(ctx, /*combine=*/false, stream);
+  if (status != cudaSuccess) return status;
+  const int R = ctx.num_ranks, T = a.num_tokens;
+  CopySequence sequence;
+  for (int c = 0; c < a.copy_chunks; ++c) {
+    const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
+    const size_t landing = size_t(ctx.rank) * T + first;
+    const CopyPiece pieces[2] = {
+        {a.plan.rows + landing * a.x_row_bytes,
+         static_cast<const char*>(a.x) + size_t(first) * a.x_row_bytes, rows * a.x_row_bytes},
+        {a.plan.scales + landing * a.scale_row_bytes,
+         reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes,
+         a.scales != nullptr ? rows * a.scale_row_bytes : 0},
+    };
+    for (int step = 1; step < R; ++step)
+      sequence.add_transfer((ctx.rank + step) % R, c, /*after_kernel=*/-1, pieces, 2);
+  }
+  return copy_engine_run(ctx, sequence, stream);
+}
+
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   DispatchArgs a = args;
   const int R = a.ctx.num_ranks, E = a.num_experts, L = E / R;
@@ -1104,6 +1090,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   if (a.copy_engine)
     copy_chunking(a.num_tokens, a.x_row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
                   &a.copy_chunks);
+  if (a.source_slots) return launch_dispatch_slots(a, stream);
   const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
                                        : sizeof(int32_t) * (2 * R + 1);
   const int sources = a.expert_major ? a.num_topk : R;
