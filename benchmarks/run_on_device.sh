@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,slotstest,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,slotstest,slotsweep,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -73,12 +73,24 @@ if [[ $WHAT == *bench* ]]; then
   timeout 200 $PY benchmarks/bench_intranode.py --baselines-only 2>&1 |
     tee "$OUT/bench_baselines_$N.log" | grep -E "^(\||[0-9]|.*FAILED)"
 fi
-if [[ $WHAT == *sweep* ]]; then
+if [[ ,$WHAT, == *,sweep,* ]]; then
   for blocks in ${SWEEP_BLOCKS:-24 32 128}; do
     step "intranode benchmark on $N GPUs, JAX_EP_NUM_BLOCKS=$blocks"
     JAX_EP_NUM_BLOCKS=$blocks timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_intranode.py \
       --skip-baselines ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/bench_blocks_${blocks}_$N.log" |
       grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|dispatch FP8|combine)|FAILED" | sed 's/^\[rank 0\] //'
+  done
+fi
+if [[ $WHAT == *slotsweep* ]]; then  # copy-engine paths: graph chains per peer x chunk size
+  for chains in ${SWEEP_CHAINS:-1 2}; do
+    for mb in ${SWEEP_CHUNK_MB:-2 4 8}; do
+      step "copy-engine paths on $N GPUs, JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb"
+      JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb timeout 150 $PY -m jax_ep.launch -n "$N" \
+        $SHARE benchmarks/bench_intranode.py --skip-baselines --rounds 3 --profile \
+        --modes ${SWEEP_MODES:-slots,copy} --combine-modes copy 2>&1 |
+        tee "$OUT/bench_chains_${chains}_mb_${mb}_$N.log" |
+        grep -E "^\[rank 0\] (\| jax_ep (dispatch|combine)|.*FAILED|jax_ep .*cycle)" | sed 's/^\[rank 0\] //'
+    done
   done
 fi
 if [[ $WHAT == *variants* ]]; then

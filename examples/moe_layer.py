@@ -28,9 +28,10 @@ def parse_args():
     p.add_argument("--ffn", type=int, default=128)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--layout", default="expert_major", choices=["expert_major", "rank_major"])
+    p.add_argument("--layout", default="expert_major",
+                   choices=["expert_major", "rank_major", "source_slots"])
     p.add_argument("--capacity-factor", type=float, default=2.0,
-                   help="receive rows = factor x the average; 0 = worst case")
+                   help="receive rows = factor x the average; 0 = worst case (source_slots: R*T)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--lr", type=float, default=3e-2)
     return p.parse_args()
@@ -92,7 +93,7 @@ def main():
     T, H, F, E, K = args.tokens, args.hidden, args.ffn, args.experts, args.top_k
     L = E // R
     capacity = None
-    if args.capacity_factor > 0:
+    if args.capacity_factor > 0 and args.layout != "source_slots":  # its rows are fixed: R*T
         per_expert = args.capacity_factor * T * K / L  # pairs an expert gets on average
         capacity = max(1, int(per_expert * L)) if args.layout == "expert_major" else max(
             1, int(args.capacity_factor * T * min(K, L)))

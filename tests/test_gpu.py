@@ -330,12 +330,14 @@ def test_source_slots_match_reference(T, H, K, per_rank, kind, mask, dtype, slot
 
 
 @pytest.mark.parametrize("fp8,graphs,junk", [(False, "1", False), (True, "1", True),
-                                             (True, "0", False), (False, "0", True)])
+                                             (True, "0", False), (False, "0", True),
+                                             (False, "2", True)])
 def test_source_slots_in_many_chunks(fp8, graphs, junk, slots_combine, monkeypatch):
     """source_slots with ~40 transfers per peer (the last partial), FP8 rows with their scales,
-    out-of-range ids (treated as -1), the transfers as a graph and call by call, and repeated
-    calls of one program."""
-    monkeypatch.setenv("JAX_EP_COPY_GRAPHS", graphs)
+    out-of-range ids (treated as -1), the transfers as a graph ("2": two chains per peer)
+    and call by call, and repeated calls of one program."""
+    monkeypatch.setenv("JAX_EP_COPY_GRAPHS", "0" if graphs == "0" else "1")
+    monkeypatch.setenv("JAX_EP_COPY_CHAINS", "2" if graphs == "2" else "1")
     monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "0.05")
     R = num_ranks()
     T, H, K, E = 1000, 1024, 6, 8 * R
