@@ -36,7 +36,8 @@ def parse_args():
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--modes", default="pull,push,fused,bulk,copy,slots",
                    help="dispatch modes to time (JAX_EP_DISPATCH values, and slots: the "
-                   "source_slots layout, its combine in every --combine-modes), comma-separated")
+                   "source_slots layout, its combine in every --combine-modes; slots-engine: "
+                   "with JAX_EP_SLOTS_COPY=engine), comma-separated")
     p.add_argument("--combine-modes", default="pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
@@ -200,11 +201,15 @@ def main():
            marker=None)
     modes = args.modes.split(",")
     for mode in modes:  # JAX_EP_DISPATCH, read when the call is traced
-        if mode == "slots":  # the source_slots layout: copy engines whatever JAX_EP_DISPATCH
+        if mode in ("slots", "slots-engine"):  # source_slots: copy engines whatever the mode;
+            # slots-engine: the local copies into the output too (JAX_EP_SLOTS_COPY, read when
+            # the call runs)
+            os.environ["JAX_EP_SLOTS_COPY"] = "engine" if mode == "slots-engine" else "sm"
             slots = partial(dispatch, layout="source_slots", cap=R * T)
-            record("jax_ep dispatch BF16 source_slots", slots, x, idx_d, w, chained=2)
-            record("jax_ep dispatch FP8 source_slots, quantize included",
+            record(f"jax_ep dispatch BF16 source_slots [{mode}]", slots, x, idx_d, w, chained=2)
+            record(f"jax_ep dispatch FP8 source_slots, quantize included [{mode}]",
                    partial(slots, fp8=True), x, idx_d, w, chained=2, nbytes=bytes_fp8)
+            os.environ.pop("JAX_EP_SLOTS_COPY")
             continue
         os.environ["JAX_EP_DISPATCH"] = mode
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
@@ -222,7 +227,7 @@ def main():
     for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
         os.environ["JAX_EP_COMBINE"] = mode
         record(f"jax_ep combine BF16 [{mode}]", combine, *combine_inputs, chained=1)
-    if "slots" in modes:
+    if "slots" in modes or "slots-engine" in modes:
         slots_inputs = dispatch_for_combine("source_slots", R * T)(x, idx_d, w)
         for mode in args.combine_modes.split(","):
             os.environ["JAX_EP_COMBINE"] = mode

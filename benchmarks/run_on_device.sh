@@ -87,7 +87,7 @@ if [[ $WHAT == *slotsweep* ]]; then  # copy-engine paths: graph chains per peer 
       step "copy-engine paths on $N GPUs, JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb"
       JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb timeout 150 $PY -m jax_ep.launch -n "$N" \
         $SHARE benchmarks/bench_intranode.py --skip-baselines --rounds 3 --profile \
-        --modes ${SWEEP_MODES:-slots,copy} --combine-modes copy 2>&1 |
+        --modes ${SWEEP_MODES:-slots,slots-engine,copy} --combine-modes copy 2>&1 |
         tee "$OUT/bench_chains_${chains}_mb_${mb}_$N.log" |
         grep -E "^\[rank 0\] (\| jax_ep (dispatch|combine)|.*FAILED|jax_ep .*cycle)" | sed 's/^\[rank 0\] //'
     done

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -208,6 +209,14 @@ NB_MODULE(_C, m) {
   m.def("copy_sequence_mode", [] { return std::string(jax_ep::copy_sequence_mode()); },
         "How the copy-engine paths enqueue a call's transfers: 'graph' (one cached CUDA graph) "
         "or 'direct' (JAX_EP_COPY_GRAPHS=0)");
+  m.def("slots_copy_mode",
+        [] {
+          const char* env = std::getenv("JAX_EP_SLOTS_COPY");
+          const bool engine = env != nullptr && std::strcmp(env, "engine") == 0;
+          return std::string(engine && jax_ep::copy_engine_waits_available() ? "engine" : "sm");
+        },
+        "Who copies the source_slots dispatch's rows into the output now: 'engine' (the copy "
+        "engines, JAX_EP_SLOTS_COPY=engine where the driver can wait for flags) or 'sm'");
   m.def("low_latency_calls", [] { return synchronised_list(jax_ep::read_low_latency_calls); },
         "Calls started by this PE's low-latency dispatch and combine sends (synchronises)");
   m.def("profile_reset", [] {

@@ -153,9 +153,17 @@ def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, 
     row_w = rng.random((R, C)).astype(np.float32)
     g = np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), dtype))
 
+    out = _check_dispatch_combine(x, idx, w, y, row_w, g, dtype, num_experts=E,
+                                  capacity=capacity, layout=layout, expert_alignment=alignment)
+    if cap is not None:
+        assert np.asarray(out.num_dropped).sum() > 0
+
+
+def _check_dispatch_combine(x, idx, w, y, row_w, g, dtype, **dispatch_args):
+    """Dispatch, combine (weighted and plain) and the cached dispatch of combine's backward
+    against the reference; returns the CUDA dispatch's output."""
     def fn(backend, x, idx, w, y, row_w, g):
-        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
-                              layout=layout, expert_alignment=alignment, backend=backend)
+        out = jax_ep.dispatch(x, idx, w, axis_name=AXIS, backend=backend, **dispatch_args)
         back = jax_ep.combine(y, out.handle, weights=row_w)
         plain = jax_ep.combine(out.x, out.handle)
         rows = jax_ep.api._backend_module(backend).cached_dispatch(g, out.handle)
@@ -166,8 +174,7 @@ def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, 
     assert_trees_equal(rows, rows_r)
     assert_sums_close(back, back_r, dtype)
     assert_sums_close(plain, plain_r, dtype)
-    if cap is not None:
-        assert np.asarray(out.num_dropped).sum() > 0
+    return out
 
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
@@ -314,30 +321,24 @@ def test_source_slots_match_reference(T, H, K, per_rank, kind, mask, dtype, slot
     row_w = rng.random((R, R * T)).astype(np.float32)
     g = np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), dtype))
 
-    def fn(backend, x, idx, w, y, row_w, g):
-        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout="source_slots",
-                              backend=backend)
-        back = jax_ep.combine(y, out.handle, weights=row_w)
-        plain = jax_ep.combine(out.x, out.handle)
-        rows = jax_ep.api._backend_module(backend).cached_dispatch(g, out.handle)
-        return out, back, plain, rows
-
-    (out, back, plain, rows), (out_r, back_r, plain_r, rows_r) = both(fn, x, idx, w, y, row_w, g)
-    assert_trees_equal(out, out_r)
-    assert_trees_equal(rows, rows_r)
-    assert_sums_close(back, back_r, dtype)
-    assert_sums_close(plain, plain_r, dtype)
+    _check_dispatch_combine(x, idx, w, y, row_w, g, dtype, num_experts=E, layout="source_slots")
 
 
-@pytest.mark.parametrize("fp8,graphs,junk", [(False, "1", False), (True, "1", True),
-                                             (True, "0", False), (False, "0", True),
-                                             (False, "2", True)])
-def test_source_slots_in_many_chunks(fp8, graphs, junk, slots_combine, monkeypatch):
+@pytest.mark.parametrize("fp8,graphs,junk,rows_by", [
+    (False, "1", False, "sm"), (True, "1", True, "sm"), (True, "0", False, "sm"),
+    (False, "0", True, "sm"), (False, "2", True, "sm"), (False, "1", True, "engine"),
+    (True, "2", False, "engine"), (True, "0", True, "engine")])
+def test_source_slots_in_many_chunks(fp8, graphs, junk, rows_by, slots_combine, monkeypatch):
     """source_slots with ~40 transfers per peer (the last partial), FP8 rows with their scales,
     out-of-range ids (treated as -1), the transfers as a graph ("2": two chains per peer)
-    and call by call, and repeated calls of one program."""
+    and call by call, the rows copied into the output by the CTAs or by the copy engines
+    (JAX_EP_SLOTS_COPY=engine), and repeated calls of one program."""
     monkeypatch.setenv("JAX_EP_COPY_GRAPHS", "0" if graphs == "0" else "1")
     monkeypatch.setenv("JAX_EP_COPY_CHAINS", "2" if graphs == "2" else "1")
+    monkeypatch.setenv("JAX_EP_SLOTS_COPY", rows_by)
+    from jax_ep import _native
+
+    assert _native.load()[0].slots_copy_mode() == rows_by
     monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "0.05")
     R = num_ranks()
     T, H, K, E = 1000, 1024, 6, 8 * R

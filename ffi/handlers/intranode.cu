@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "handlers/common.h"
@@ -53,6 +54,14 @@ size_t element_bytes(ffi::DataType type) {
     case ffi::DataType::F8E4M3FN: return 1;
     default: return 0;
   }
+}
+
+// JAX_EP_SLOTS_COPY=engine (read on every call, as the copy paths' other variables): the
+// source_slots dispatch copies rows into the output by copy engines too, where the driver
+// lets them wait for the landed flags; else (the default, "sm") the CTAs copy them.
+bool slots_copy_by_engine() {
+  const char* env = std::getenv("JAX_EP_SLOTS_COPY");
+  return env != nullptr && std::strcmp(env, "engine") == 0;
 }
 
 int blocks_or_default(int64_t num_blocks) {
@@ -139,7 +148,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   // (TMA) copies of the rows, 4: pull with the rows moved by the copy engines
   if (push_mode < 0 || push_mode > 4) return invalid("dispatch: push must be 0, 1, 2, 3 or 4");
   // source_slots always moves its rows by the copy engines (its reason to be); push is ignored
-  if (source_slots && (expert_major || block > 0 || capacity != int64_t(R) * T))
+  if (source_slots && t != nullptr && (expert_major || block > 0 || capacity != int64_t(R) * T))
     return invalid("dispatch: source_slots needs rank_major rows and capacity = " +
                    std::to_string(int64_t(R) * T) + " (ranks x tokens)");
   const bool copy_engine = push_mode == 4 || source_slots;
@@ -174,6 +183,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.bulk = push_mode == 3;
   a.copy_engine = copy_engine;
   a.source_slots = source_slots != 0;
+  a.engine_local = a.source_slots && slots_copy_by_engine() && copy_engine_waits_available();
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);

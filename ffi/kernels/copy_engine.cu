@@ -79,11 +79,13 @@ Fn driver_entry(const char* name) {
 // have completed. Kernels raise them anyway where the driver lacks the entry points or once it
 // refused a write (then for the rest of the process).
 using StreamWriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using StreamWaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 using GraphAddBatchMemOpNode = CUresult (*)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t,
                                             const CUDA_BATCH_MEM_OP_NODE_PARAMS*);
 using CtxGetCurrent = CUresult (*)(CUcontext*);
 struct FlagWriters {
   StreamWriteValue64 stream_write = nullptr;
+  StreamWaitValue64 stream_wait = nullptr;
   GraphAddBatchMemOpNode graph_node = nullptr;
   CtxGetCurrent current_context = nullptr;
 };
@@ -93,6 +95,7 @@ const FlagWriters& flag_writers() {
   static const FlagWriters found = [] {
     FlagWriters w;
     w.stream_write = driver_entry<StreamWriteValue64>("cuStreamWriteValue64");
+    w.stream_wait = driver_entry<StreamWaitValue64>("cuStreamWaitValue64");
     w.graph_node = driver_entry<GraphAddBatchMemOpNode>("cuGraphAddBatchMemOpNode");
     w.current_context = driver_entry<CtxGetCurrent>("cuCtxGetCurrent");
     return w;
@@ -131,6 +134,19 @@ cudaError_t raise_landed(cudaStream_t stream, uint64_t* flag) {
 
 cudaStream_t copy_stream(const Transport& t, int pe, int j) {
   return t.copy_streams[pe * kCopyStreamsPerPeer + j];
+}
+
+// The stream of a transfer in the direct path: its peer's (local copies: this PE's own).
+int stream_index(const Transport& t, const CopySequence::Transfer& x) {
+  const int pe = x.peer == CopySequence::kLocal ? t.rank : x.peer;
+  return pe * kCopyStreamsPerPeer + x.chunk % kCopyStreamsPerPeer;
+}
+
+// Where a piece lands: a local copy's own destination, or the peer's buffer.
+void* piece_destination(const Transport& t, const CopySequence::Transfer& x,
+                        const CopyPiece& p) {
+  if (x.peer == CopySequence::kLocal) return p.dst;
+  return static_cast<char*>(t.host_peers[x.peer]) + p.dst_offset;
 }
 
 // The graphs launch on this PE's own copy stream (the per-peer ones are this PE's slots'
@@ -182,7 +198,7 @@ cudaError_t fork_for(const Transport& t, const CopySequence& seq, int after, cud
   bool recorded = false;
   for (const CopySequence::Transfer& x : seq.transfers()) {
     if (x.after_kernel != after) continue;
-    const int index = x.peer * kCopyStreamsPerPeer + x.chunk % kCopyStreamsPerPeer;
+    const int index = stream_index(t, x);
     if (waiting[index]) continue;
     if (!recorded && (status = cudaEventRecord(t.copy_fork, stream)) != cudaSuccess) return status;
     recorded = waiting[index] = true;
@@ -195,15 +211,24 @@ cudaError_t fork_for(const Transport& t, const CopySequence& seq, int after, cud
 cudaError_t enqueue_transfers(const Transport& t, const CopySequence& seq, int after) {
   for (const CopySequence::Transfer& x : seq.transfers()) {
     if (x.after_kernel != after) continue;
-    cudaStream_t s = copy_stream(t, x.peer, x.chunk % kCopyStreamsPerPeer);
-    char* base = static_cast<char*>(t.host_peers[x.peer]);
+    cudaStream_t s = t.copy_streams[stream_index(t, x)];
+    if (x.wait_source >= 0) {  // a local copy of a chunk that a peer's copy engine lands
+      HostTimer timer(kHostFlag);
+      const StreamWaitValue64 wait = flag_writers().stream_wait;
+      if (wait == nullptr) return cudaErrorNotSupported;
+      const CUresult result =
+          wait(s, reinterpret_cast<CUdeviceptr>(landed_flag(t, t.rank, x.wait_source, x.chunk)),
+               1, CU_STREAM_WAIT_VALUE_EQ);
+      if (result != CUDA_SUCCESS) return cudaErrorNotSupported;
+    }
     for (int i = 0; i < x.num_pieces; ++i) {
       HostTimer timer(kHostMemcpy);
       const CopyPiece& p = x.pieces[i];
-      const cudaError_t status =
-          cudaMemcpyAsync(base + p.dst_offset, p.src, p.bytes, cudaMemcpyDeviceToDevice, s);
+      const cudaError_t status = cudaMemcpyAsync(piece_destination(t, x, p), p.src, p.bytes,
+                                                 cudaMemcpyDeviceToDevice, s);
       if (status != cudaSuccess) return status;
     }
+    if (x.peer == CopySequence::kLocal) continue;
     const cudaError_t status = raise_landed(s, landed_flag(t, x.peer, t.rank, x.chunk));
     if (status != cudaSuccess) return status;
   }
@@ -263,6 +288,7 @@ GraphShape shape_of(const CopySequence& seq, bool memop_flags, int chains) {
     put(shape, x.peer);
     put(shape, x.chunk);
     put(shape, x.after_kernel);
+    put(shape, x.wait_source);
     put(shape, x.num_pieces);
     for (int i = 0; i < x.num_pieces; ++i) {
       put(shape, x.pieces[i].dst_offset);
@@ -279,6 +305,7 @@ struct CachedGraph {
   std::vector<cudaGraphNode_t> kernel_nodes, piece_nodes;  // in the sequence's order
   std::vector<std::vector<unsigned char>> kernel_args;  // what the nodes hold now
   std::vector<const void*> piece_sources;
+  std::vector<void*> piece_destinations;  // local copies' (the others' are fixed by the shape)
   unsigned long long last_used = 0;
 
   // Whether the nodes hold `seq`'s sources and arguments (the shape being the same).
@@ -288,7 +315,8 @@ struct CachedGraph {
     size_t n = 0;
     for (const CopySequence::Transfer& x : seq.transfers())
       for (int i = 0; i < x.num_pieces; ++i, ++n)
-        if (piece_sources[n] != x.pieces[i].src) return false;
+        if (piece_sources[n] != x.pieces[i].src || piece_destinations[n] != x.pieces[i].dst)
+          return false;
     return true;
   }
 };
@@ -366,8 +394,29 @@ class GraphCache {
     if (status != cudaSuccess) return status;
     cudaGraph_t graph = g.graph;
     CUcontext context = nullptr;
-    if (memop && flag_writers().current_context(&context) != CUDA_SUCCESS) memop = false;
-    std::vector<std::vector<cudaGraphNode_t>> last_pieces(size_t(t.num_ranks) * chains);
+    if (flag_writers().current_context == nullptr ||
+        flag_writers().current_context(&context) != CUDA_SUCCESS)
+      context = nullptr;
+    if (context == nullptr) memop = false;
+    // One memory-operation node (a flag's write, or a local copy's wait), after `deps`.
+    auto add_memop = [&](CUstreamBatchMemOpParams op, const std::vector<cudaGraphNode_t>& deps,
+                         cudaGraphNode_t* node) {
+      CUDA_BATCH_MEM_OP_NODE_PARAMS params = {};
+      params.ctx = context;
+      params.count = 1;
+      params.paramArray = &op;
+      if (context == nullptr || flag_writers().graph_node == nullptr) return cudaErrorNotSupported;
+      const CUresult result = flag_writers().graph_node(
+          reinterpret_cast<CUgraphNode*>(node), graph,
+          reinterpret_cast<const CUgraphNode*>(deps.data()), deps.size(), &params);
+      return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+    };
+    // A local copy's wait comes after this PE's own transfers of the same chunk: were the
+    // graph to run branches one after another, no wait could then hold up a transfer that a
+    // peer's wait needs (each PE sends chunk c before it waits for its peers' chunk c).
+    std::vector<std::vector<cudaGraphNode_t>> sent(kMaxCopyChunks);
+    // Chains: per peer (transfers), then per source (local copies; this PE's own rows last).
+    std::vector<std::vector<cudaGraphNode_t>> last_pieces(size_t(2 * t.num_ranks + 1) * chains);
     for (size_t k = 0; k < seq.kernels().size() && status == cudaSuccess; ++k) {
       const CopySequence::Kernel& kernel = seq.kernels()[k];
       std::vector<void*> args = argument_pointers(kernel);
@@ -380,24 +429,40 @@ class GraphCache {
     }
     for (const CopySequence::Transfer& x : seq.transfers()) {
       if (status != cudaSuccess) break;
-      std::vector<cudaGraphNode_t>& chain =
-          last_pieces[size_t(x.peer) * chains + x.chunk % chains];
+      const bool local = x.peer == CopySequence::kLocal;
+      const int source = x.wait_source < 0 ? t.num_ranks : x.wait_source;
+      const size_t key = local ? size_t(t.num_ranks) + source : size_t(x.peer);
+      std::vector<cudaGraphNode_t>& chain = last_pieces[key * chains + x.chunk % chains];
       std::vector<cudaGraphNode_t> deps = chain;
       if (x.after_kernel >= 0) deps.push_back(g.kernel_nodes[x.after_kernel]);
-      char* base = static_cast<char*>(t.host_peers[x.peer]);
+      if (x.wait_source >= 0) {  // the chunk has landed here: the flag its sender raised
+        deps.insert(deps.end(), sent[x.chunk].begin(), sent[x.chunk].end());
+        CUstreamBatchMemOpParams op = {};
+        op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+        op.waitValue.address =
+            reinterpret_cast<CUdeviceptr>(landed_flag(t, t.rank, x.wait_source, x.chunk));
+        op.waitValue.value64 = 1;
+        op.waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
+        cudaGraphNode_t node = nullptr;
+        if ((status = add_memop(op, deps, &node)) != cudaSuccess) break;
+        deps = {node};
+      }
       std::vector<cudaGraphNode_t> pieces;
       for (int i = 0; i < x.num_pieces && status == cudaSuccess; ++i) {
         const CopyPiece& piece = x.pieces[i];
         cudaGraphNode_t node = nullptr;
         status = cudaGraphAddMemcpyNode1D(&node, graph, deps.data(), deps.size(),
-                                          base + piece.dst_offset, piece.src, piece.bytes,
+                                          piece_destination(t, x, piece), piece.src, piece.bytes,
                                           cudaMemcpyDeviceToDevice);
         pieces.push_back(node);
         g.piece_nodes.push_back(node);
         g.piece_sources.push_back(piece.src);
+        g.piece_destinations.push_back(piece.dst);
       }
       if (status != cudaSuccess) break;
       if (!pieces.empty()) chain = pieces;
+      if (local) continue;
+      sent[x.chunk].insert(sent[x.chunk].end(), pieces.begin(), pieces.end());
       const std::vector<cudaGraphNode_t>& before = pieces.empty() ? deps : pieces;
       uint64_t* flag = landed_flag(t, x.peer, t.rank, x.chunk);
       cudaGraphNode_t node = nullptr;
@@ -407,14 +472,7 @@ class GraphCache {
         op.writeValue.address = reinterpret_cast<CUdeviceptr>(flag);
         op.writeValue.value64 = 1;
         op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-        CUDA_BATCH_MEM_OP_NODE_PARAMS params = {};
-        params.ctx = context;
-        params.count = 1;
-        params.paramArray = &op;
-        const CUresult result = flag_writers().graph_node(
-            reinterpret_cast<CUgraphNode*>(&node), graph,
-            reinterpret_cast<const CUgraphNode*>(before.data()), before.size(), &params);
-        if (result != CUDA_SUCCESS) status = cudaErrorNotSupported;
+        status = add_memop(op, before, &node);
       } else {
         void* args[] = {&flag};
         cudaKernelNodeParams p = {};
@@ -438,6 +496,7 @@ class GraphCache {
       g.piece_nodes.clear();
       g.kernel_args.clear();
       g.piece_sources.clear();
+      g.piece_destinations.clear();
     }
     return status;
   }
@@ -456,13 +515,16 @@ class GraphCache {
     }
     size_t n = 0;
     for (const CopySequence::Transfer& x : seq.transfers()) {
-      char* base = static_cast<char*>(t.host_peers[x.peer]);
       for (int i = 0; i < x.num_pieces && status == cudaSuccess; ++i, ++n) {
-        if (g.piece_sources[n] == x.pieces[i].src) continue;
+        const CopyPiece& piece = x.pieces[i];
+        if (g.piece_sources[n] == piece.src && g.piece_destinations[n] == piece.dst) continue;
         status = cudaGraphExecMemcpyNodeSetParams1D(
-            g.exec, g.piece_nodes[n], base + x.pieces[i].dst_offset, x.pieces[i].src,
-            x.pieces[i].bytes, cudaMemcpyDeviceToDevice);
-        if (status == cudaSuccess) g.piece_sources[n] = x.pieces[i].src;
+            g.exec, g.piece_nodes[n], piece_destination(t, x, piece), piece.src, piece.bytes,
+            cudaMemcpyDeviceToDevice);
+        if (status == cudaSuccess) {
+          g.piece_sources[n] = piece.src;
+          g.piece_destinations[n] = piece.dst;
+        }
       }
     }
     return status;
@@ -531,6 +593,13 @@ const char* copy_flag_mode() {
 
 const char* copy_sequence_mode() { return use_graphs() ? "graph" : "direct"; }
 
+bool copy_engine_waits_available() {
+  const FlagWriters& w = flag_writers();
+  if (flag_choice() == FlagChoice::kKernel) return false;
+  return use_graphs() ? w.graph_node != nullptr && w.current_context != nullptr
+                      : w.stream_wait != nullptr;
+}
+
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
   HostTimer timer(kHostGuard);
   wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine);
@@ -554,8 +623,8 @@ cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {
     if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, graph_join_event(*t));
     return status;
   }
-  for (int p = 0; p < ctx.num_ranks; ++p) {
-    for (int j = 0; p != ctx.rank && j < kCopyStreamsPerPeer; ++j) {
+  for (int p = 0; p < ctx.num_ranks; ++p) {  // this PE's own streams carry its local copies
+    for (int j = 0; j < kCopyStreamsPerPeer; ++j) {
       const int index = p * kCopyStreamsPerPeer + j;
       cudaError_t status = cudaEventRecord(t->copy_joins[index], t->copy_streams[index]);
       if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, t->copy_joins[index]);

@@ -72,6 +72,9 @@ struct DispatchArgs {
   int copy_chunk_rows, copy_chunks;
   // The source_slots layout: row s*T + t is source s's token t (copy_engine is set too).
   bool source_slots;
+  // source_slots with the rows copied into the output by this PE's copy engines too (after
+  // each chunk's landed flag), so that the CTAs write only metadata (JAX_EP_SLOTS_COPY=engine).
+  bool engine_local;
 };
 
 struct CachedDispatchArgs {
@@ -130,13 +133,16 @@ cudaError_t launch_dispatch_slots(const DispatchArgs& args, cudaStream_t stream)
 // call's copy sequence, then the caller's kernels, which wait for the landed flags, and a join
 // (the caller's stream waits for the transfers, so their sources outlive them).
 struct CopyPiece {
-  size_t dst_offset;  // in the peer's symmetric buffer
+  size_t dst_offset;  // in the peer's symmetric buffer (a transfer)
   const void* src;
   size_t bytes;
+  void* dst = nullptr;  // a local copy's destination (this PE's memory)
 };
 // One call's copy-engine work: kernels that run one after another (the combine's stage of
 // each chunk), and transfers, each a chunk's pieces to one peer followed by the chunk's landed
 // flag there, in order per peer, each after the kernel that produced its source (if any).
+// Local copies (peer kLocal) run on this PE's own copy streams, after the landed flag of
+// chunk `chunk` from `wait_source` (if >= 0), and raise no flag.
 // Run as one CUDA graph, cached per shape and updated in place where only the source
 // addresses or kernel arguments differ: ~5 host calls per call instead of 2-5 per chunk
 // (NOTES item 38). JAX_EP_COPY_GRAPHS=0 enqueues the same sequence call by call.
@@ -148,10 +154,12 @@ class CopySequence {
     std::vector<unsigned char> args;  // the arguments' bytes, each at its offset
     std::vector<size_t> offsets;
   };
+  static constexpr int kLocal = -1;
   struct Transfer {
     int peer, chunk, after_kernel;  // after_kernel: index into kernels(), or -1
     CopyPiece pieces[2];
     int num_pieces;
+    int wait_source = -1;  // local copies: the source whose landed flag they wait for
   };
   template <typename... Params, typename... Args>
   int add_kernel(void (*func)(Params...), dim3 grid, dim3 block, const Args&... args) {
@@ -165,6 +173,15 @@ class CopySequence {
     for (int i = 0; i < n && i < 2; ++i)
       if (pieces[i].bytes > 0) t.pieces[t.num_pieces++] = pieces[i];
     transfers_.push_back(t);
+  }
+  void add_local_copy(int wait_source, int chunk, const CopyPiece* pieces, int n) {
+    add_transfer(kLocal, chunk, -1, pieces, n);
+    transfers_.back().wait_source = wait_source;
+  }
+  bool has_local_copies() const {
+    for (const Transfer& t : transfers_)
+      if (t.peer == kLocal) return true;
+    return false;
   }
   const std::vector<Kernel>& kernels() const { return kernels_; }
   const std::vector<Transfer>& transfers() const { return transfers_; }
@@ -194,6 +211,7 @@ cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);
 // The copy-engine dispatch's transfers (guard, then x to every peer's landing area).
 cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
+void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 

@@ -1055,15 +1055,12 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
 
 }  // namespace
 
-// Copy-engine dispatch, before the stage: after the guard, this PE's x (and scales) goes to
-// every peer's landing slot for us, chunk-major, so that every peer's first chunk is under
-// way before anyone's second.
-cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) {
+// Copy-engine dispatch, before the stage: this PE's x (and scales) to every peer's landing
+// slot for us, chunk-major, so that every peer's first chunk is under way before anyone's
+// second.
+void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence) {
   const PeerContext& ctx = a.ctx;
-  cudaError_t status = copy_engine_guard(ctx, /*combine=*/false, stream);
-  if (status != cudaSuccess) return status;
   const int R = ctx.num_ranks, T = a.num_tokens;
-  CopySequence sequence;
   for (int c = 0; c < a.copy_chunks; ++c) {
     const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
     const size_t landing = size_t(ctx.rank) * T + first;
@@ -1077,7 +1074,15 @@ cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) 
     for (int step = 1; step < R; ++step)
       sequence.add_transfer((ctx.rank + step) % R, c, /*after_kernel=*/-1, pieces, 2);
   }
-  return copy_engine_run(ctx, sequence, stream);
+}
+
+// The guard, then the transfers above.
+cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) {
+  cudaError_t status = copy_engine_guard(a.ctx, /*combine=*/false, stream);
+  if (status != cudaSuccess) return status;
+  CopySequence sequence;
+  add_dispatch_transfers(a, sequence);
+  return copy_engine_run(a.ctx, sequence, stream);
 }
 
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {

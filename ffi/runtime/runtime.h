@@ -46,6 +46,9 @@ constexpr int kCopyStreamsPerPeer = 2;
 // cached CUDA graph per call) or "direct" (call by call, JAX_EP_COPY_GRAPHS=0).
 const char* copy_flag_mode();
 const char* copy_sequence_mode();
+// Whether copy-engine local copies may wait for landed flags (the driver's stream wait and,
+// for graphs, its memory-operation nodes; JAX_EP_COPY_FLAGS=kernel rules them out).
+bool copy_engine_waits_available();
 // Host time the copy-engine calls spent, by kind (guard, fork, memcpy, flag, kernel, join,
 // graph launch / update / build): calls since the last reset and the durations of the last
 // few thousand of them, in ns.
