@@ -178,11 +178,6 @@ class CopySequence {
     add_transfer(kLocal, chunk, -1, pieces, n);
     transfers_.back().wait_source = wait_source;
   }
-  bool has_local_copies() const {
-    for (const Transfer& t : transfers_)
-      if (t.peer == kLocal) return true;
-    return false;
-  }
   const std::vector<Kernel>& kernels() const { return kernels_; }
   const std::vector<Transfer>& transfers() const { return transfers_; }
 
