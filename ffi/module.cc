@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -211,9 +210,9 @@ NB_MODULE(_C, m) {
         "or 'direct' (JAX_EP_COPY_GRAPHS=0)");
   m.def("slots_copy_mode",
         [] {
-          const char* env = std::getenv("JAX_EP_SLOTS_COPY");
-          const bool engine = env != nullptr && std::strcmp(env, "engine") == 0;
-          return std::string(engine && jax_ep::copy_engine_waits_available() ? "engine" : "sm");
+          const bool engine =
+              jax_ep::slots_copy_by_engine() && jax_ep::copy_engine_waits_available();
+          return std::string(engine ? "engine" : "sm");
         },
         "Who copies the source_slots dispatch's rows into the output now: 'engine' (the copy "
         "engines, JAX_EP_SLOTS_COPY=engine where the driver can wait for flags) or 'sm'");

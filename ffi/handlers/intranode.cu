@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "handlers/common.h"
@@ -54,14 +53,6 @@ size_t element_bytes(ffi::DataType type) {
     case ffi::DataType::F8E4M3FN: return 1;
     default: return 0;
   }
-}
-
-// JAX_EP_SLOTS_COPY=engine (read on every call, as the copy paths' other variables): the
-// source_slots dispatch copies rows into the output by copy engines too, where the driver
-// lets them wait for the landed flags; else (the default, "sm") the CTAs copy them.
-bool slots_copy_by_engine() {
-  const char* env = std::getenv("JAX_EP_SLOTS_COPY");
-  return env != nullptr && std::strcmp(env, "engine") == 0;
 }
 
 int blocks_or_default(int64_t num_blocks) {

@@ -149,8 +149,8 @@ void* piece_destination(const Transport& t, const CopySequence::Transfer& x,
   return static_cast<char*>(t.host_peers[x.peer]) + p.dst_offset;
 }
 
-// The graphs launch on this PE's own copy stream (the per-peer ones are this PE's slots'
-// neighbours; its own slot carries no transfer of the direct path).
+// The graphs launch on this PE's own copy stream 0 (the per-peer ones are this PE's slots'
+// neighbours; its own slot carries only local copies in the direct path).
 cudaStream_t graph_stream(const Transport& t) { return copy_stream(t, t.rank, 0); }
 cudaEvent_t graph_join_event(const Transport& t) {
   return t.copy_joins[t.rank * kCopyStreamsPerPeer];
@@ -351,17 +351,22 @@ class GraphCache {
     }
     if (same_shape_lru != nullptr && same_shape >= kMaxGraphsPerShape) {
       HostTimer timer(kHostGraphUpdate);
-      const cudaError_t status = update(t, seq, *same_shape_lru);
-      if (status != cudaSuccess) return status;
-      same_shape_lru->last_used = clock_;
-      *out = same_shape_lru->exec;
-      return cudaSuccess;
+      if (update(t, seq, *same_shape_lru) == cudaSuccess) {
+        same_shape_lru->last_used = clock_;
+        *out = same_shape_lru->exec;
+        return cudaSuccess;
+      }
+      // the driver refused an in-place update: drop that graph, build anew below
+      cudaGetLastError();
+      cudaGraphExecDestroy(same_shape_lru->exec);
+      cudaGraphDestroy(same_shape_lru->graph);
+      graphs_.erase(graphs_.begin() + (same_shape_lru - graphs_.data()));
     }
     HostTimer timer(kHostGraphBuild);
     CachedGraph g;
     cudaError_t status = build(t, seq, memop, chains, g);
-    if (status != cudaSuccess && memop) {
-      // The driver refused the memory-operation nodes: kernels raise the flags from now on.
+    if (status == cudaErrorNotSupported && memop) {
+      // The driver refused the flags' memory-operation nodes: kernels raise them from now on.
       refuse_stream_writes("memory-operation graph node", static_cast<int>(status));
       cudaGetLastError();
       shape = shape_of(seq, false, chains);
@@ -399,22 +404,40 @@ class GraphCache {
       context = nullptr;
     if (context == nullptr) memop = false;
     // One memory-operation node (a flag's write, or a local copy's wait), after `deps`.
+    // Its failure: cudaErrorNotSupported for a flag's write (the caller then falls back to
+    // kernel flags), cudaErrorNotPermitted for a wait (probed at initialisation: unexpected).
     auto add_memop = [&](CUstreamBatchMemOpParams op, const std::vector<cudaGraphNode_t>& deps,
                          cudaGraphNode_t* node) {
+      const bool wait = op.operation == CU_STREAM_MEM_OP_WAIT_VALUE_64;
+      const cudaError_t refused = wait ? cudaErrorNotPermitted : cudaErrorNotSupported;
       CUDA_BATCH_MEM_OP_NODE_PARAMS params = {};
       params.ctx = context;
       params.count = 1;
       params.paramArray = &op;
-      if (context == nullptr || flag_writers().graph_node == nullptr) return cudaErrorNotSupported;
+      if (context == nullptr || flag_writers().graph_node == nullptr) return refused;
       const CUresult result = flag_writers().graph_node(
           reinterpret_cast<CUgraphNode*>(node), graph,
           reinterpret_cast<const CUgraphNode*>(deps.data()), deps.size(), &params);
-      return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+      return result == CUDA_SUCCESS ? cudaSuccess : refused;
     };
-    // A local copy's wait comes after this PE's own transfers of the same chunk: were the
-    // graph to run branches one after another, no wait could then hold up a transfer that a
-    // peer's wait needs (each PE sends chunk c before it waits for its peers' chunk c).
-    std::vector<std::vector<cudaGraphNode_t>> sent(kMaxCopyChunks);
+    // A local copy's wait for chunk c comes after every transfer *and flag* of this PE's
+    // chunks <= c (an empty node per chunk joins them): were the graph to run its branches
+    // one after another, no wait could then hold up a flag that a peer's wait needs (each PE
+    // flags its chunk c before it waits for its peers' chunk c; by induction over c).
+    std::vector<std::vector<cudaGraphNode_t>> flagged(kMaxCopyChunks);
+    std::vector<cudaGraphNode_t> sent_through(kMaxCopyChunks, nullptr);
+    auto all_sent_through = [&](int chunk, cudaGraphNode_t* node) {
+      for (int c = 0; c <= chunk; ++c) {
+        if (sent_through[c] != nullptr) continue;
+        std::vector<cudaGraphNode_t> deps = flagged[c];
+        if (c > 0) deps.push_back(sent_through[c - 1]);
+        const cudaError_t status =
+            cudaGraphAddEmptyNode(&sent_through[c], graph, deps.data(), deps.size());
+        if (status != cudaSuccess) return status;
+      }
+      *node = sent_through[chunk];
+      return cudaSuccess;
+    };
     // Chains: per peer (transfers), then per source (local copies; this PE's own rows last).
     std::vector<std::vector<cudaGraphNode_t>> last_pieces(size_t(2 * t.num_ranks + 1) * chains);
     for (size_t k = 0; k < seq.kernels().size() && status == cudaSuccess; ++k) {
@@ -436,7 +459,9 @@ class GraphCache {
       std::vector<cudaGraphNode_t> deps = chain;
       if (x.after_kernel >= 0) deps.push_back(g.kernel_nodes[x.after_kernel]);
       if (x.wait_source >= 0) {  // the chunk has landed here: the flag its sender raised
-        deps.insert(deps.end(), sent[x.chunk].begin(), sent[x.chunk].end());
+        cudaGraphNode_t through = nullptr;
+        if ((status = all_sent_through(x.chunk, &through)) != cudaSuccess) break;
+        deps.push_back(through);
         CUstreamBatchMemOpParams op = {};
         op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
         op.waitValue.address =
@@ -462,7 +487,6 @@ class GraphCache {
       if (status != cudaSuccess) break;
       if (!pieces.empty()) chain = pieces;
       if (local) continue;
-      sent[x.chunk].insert(sent[x.chunk].end(), pieces.begin(), pieces.end());
       const std::vector<cudaGraphNode_t>& before = pieces.empty() ? deps : pieces;
       uint64_t* flag = landed_flag(t, x.peer, t.rank, x.chunk);
       cudaGraphNode_t node = nullptr;
@@ -482,6 +506,7 @@ class GraphCache {
         p.kernelParams = args;
         status = cudaGraphAddKernelNode(&node, graph, before.data(), before.size(), &p);
       }
+      flagged[x.chunk].push_back(node);
     }
     if (status == cudaSuccess) status = cudaGraphInstantiate(&g.exec, graph, 0);
     if (status == cudaSuccess) status = cudaGraphUpload(g.exec, graph_stream(t));
@@ -593,11 +618,55 @@ const char* copy_flag_mode() {
 
 const char* copy_sequence_mode() { return use_graphs() ? "graph" : "direct"; }
 
-bool copy_engine_waits_available() {
+namespace {
+std::atomic<bool> g_stream_waits{false}, g_graph_waits{false};
+}  // namespace
+
+void probe_copy_engine_waits(cudaStream_t stream, void* symmetric_word) {
   const FlagWriters& w = flag_writers();
-  if (flag_choice() == FlagChoice::kKernel) return false;
-  return use_graphs() ? w.graph_node != nullptr && w.current_context != nullptr
-                      : w.stream_wait != nullptr;
+  const CUdeviceptr word = reinterpret_cast<CUdeviceptr>(symmetric_word);
+  // GEQ 0 holds for the buffer's zeroed words (the zeroing done: the device synchronised):
+  // each wait must return at once
+  cudaDeviceSynchronize();
+  const bool stream_ok = w.stream_wait != nullptr &&
+                         w.stream_wait(stream, word, 0, CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS &&
+                         cudaStreamSynchronize(stream) == cudaSuccess;
+  bool graph_ok = false;
+  CUcontext context = nullptr;
+  cudaGraph_t graph = nullptr;
+  if (stream_ok && w.graph_node != nullptr && w.current_context != nullptr &&
+      w.current_context(&context) == CUDA_SUCCESS && cudaGraphCreate(&graph, 0) == cudaSuccess) {
+    CUstreamBatchMemOpParams op = {};
+    op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    op.waitValue.address = word;
+    op.waitValue.value64 = 0;
+    op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    CUDA_BATCH_MEM_OP_NODE_PARAMS params = {};
+    params.ctx = context;
+    params.count = 1;
+    params.paramArray = &op;
+    CUgraphNode node = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    graph_ok = w.graph_node(&node, reinterpret_cast<CUgraph>(graph), nullptr, 0, &params) ==
+                   CUDA_SUCCESS &&
+               cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess &&
+               cudaGraphLaunch(exec, stream) == cudaSuccess &&
+               cudaStreamSynchronize(stream) == cudaSuccess;
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaGetLastError();  // a refusal here only means: no waits
+  g_stream_waits = stream_ok;
+  g_graph_waits = graph_ok;
+}
+
+bool copy_engine_waits_available() {
+  return use_graphs() ? g_graph_waits.load() : g_stream_waits.load();
+}
+
+bool slots_copy_by_engine() {
+  const char* env = std::getenv("JAX_EP_SLOTS_COPY");
+  return env != nullptr && std::strcmp(env, "engine") == 0;
 }
 
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
@@ -614,7 +683,7 @@ cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence
   return use_graphs() ? run_graph(*t, sequence, stream) : run_direct(*t, sequence, stream);
 }
 
-cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {
+cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream, bool local_copies) {
   HostTimer timer(kHostJoin);
   const Transport* t = transport();
   if (t == nullptr) return cudaErrorNotReady;
@@ -623,8 +692,8 @@ cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {
     if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, graph_join_event(*t));
     return status;
   }
-  for (int p = 0; p < ctx.num_ranks; ++p) {  // this PE's own streams carry its local copies
-    for (int j = 0; j < kCopyStreamsPerPeer; ++j) {
+  for (int p = 0; p < ctx.num_ranks; ++p) {  // this PE's own streams: its local copies only
+    for (int j = 0; (p != ctx.rank || local_copies) && j < kCopyStreamsPerPeer; ++j) {
       const int index = p * kCopyStreamsPerPeer + j;
       cudaError_t status = cudaEventRecord(t->copy_joins[index], t->copy_streams[index]);
       if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, t->copy_joins[index]);

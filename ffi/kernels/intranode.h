@@ -203,7 +203,9 @@ cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t
 // run alongside it.
 cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence,
                             cudaStream_t stream);
-cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);
+// local_copies: the sequence had local copies (on this PE's own streams), waited for too.
+cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream,
+                             bool local_copies = false);
 // The copy-engine dispatch's transfers (guard, then x to every peer's landing area).
 cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
 void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence);

@@ -150,7 +150,11 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
   if (!last_block(ctx, 1)) return;
   for (int l = threadIdx.x; l < L; l += kThreads)
     a.group_sizes[l] = __ldcg(a.tokens_per_expert + l);
-  if (threadIdx.x == 0 && !a.engine_local) {  // else slots_finish closes, after the copies
+  // engine_local: slots_finish closes, after the copies; until then, the bounded wait (the
+  // copy engines' own waits for the flags have no time limit)
+  if (threadIdx.x == 0 && a.engine_local)
+    close_copy_engine_call(ctx, a.copy_chunks, "dispatch", /*reset=*/false);
+  if (threadIdx.x == 0 && !a.engine_local) {
     close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, me)->epoch = call;
@@ -186,29 +190,29 @@ __global__ void __launch_bounds__(kThreads) slots_finish(DispatchArgs a) {
 }
 
 // engine_local: every row into its slot by this PE's copy engines, chunk by chunk: its own
-// block from x at once, a peer's chunk once its landed flag is up.
+// block from x at once (enqueued first: on a stream, a wait holds up what follows it), then
+// the peers' chunks in landing order (chunk-major), each once its landed flag is up.
 void add_local_copies(const DispatchArgs& a, CopySequence& sequence) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, T = a.num_tokens, me = ctx.rank;
   const char* landing = static_cast<const char*>(transport()->local);
   char* out = static_cast<char*>(a.out_x);
   char* out_scales = reinterpret_cast<char*>(a.out_scales);
-  for (int c = 0; c < a.copy_chunks; ++c) {
+  for (int n = 0; n < R * a.copy_chunks; ++n) {  // own chunks first, then chunk by chunk
+    const int c = n < a.copy_chunks ? n : (n - a.copy_chunks) / (R - 1);
+    const int s = n < a.copy_chunks ? me : (me + 1 + (n - a.copy_chunks) % (R - 1)) % R;
     const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
-    for (int step = 0; step < R; ++step) {
-      const int s = (me + step) % R;
-      const size_t slot = size_t(s) * T + first;
-      const char* src = s == me ? static_cast<const char*>(a.x) + size_t(first) * a.x_row_bytes
-                                : landing + a.plan.rows + slot * a.x_row_bytes;
-      const char* src_scales =
-          s == me ? reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes
-                  : landing + a.plan.scales + slot * a.scale_row_bytes;
-      CopyPiece pieces[2] = {{0, src, rows * a.x_row_bytes},
-                             {0, src_scales, a.scales != nullptr ? rows * a.scale_row_bytes : 0}};
-      pieces[0].dst = out + slot * a.x_row_bytes;
-      pieces[1].dst = out_scales + slot * a.scale_row_bytes;
-      sequence.add_local_copy(s == me ? -1 : s, c, pieces, 2);
-    }
+    const size_t slot = size_t(s) * T + first;
+    const char* src = s == me ? static_cast<const char*>(a.x) + size_t(first) * a.x_row_bytes
+                              : landing + a.plan.rows + slot * a.x_row_bytes;
+    const char* src_scales =
+        s == me ? reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes
+                : landing + a.plan.scales + slot * a.scale_row_bytes;
+    CopyPiece pieces[2] = {{0, src, rows * a.x_row_bytes},
+                           {0, src_scales, a.scales != nullptr ? rows * a.scale_row_bytes : 0}};
+    pieces[0].dst = out + slot * a.x_row_bytes;
+    pieces[1].dst = out_scales + slot * a.scale_row_bytes;
+    sequence.add_local_copy(s == me ? -1 : s, c, pieces, 2);
   }
 }
 
@@ -225,7 +229,7 @@ cudaError_t launch_dispatch_slots(const DispatchArgs& a, cudaStream_t stream) {
     status = launch_after_previous(slots_stage, a.num_blocks, kThreads, 0, stream, a);
   if (status == cudaSuccess)
     status = launch_after_previous(slots_gather, a.num_blocks, kThreads, 0, stream, a);
-  if (status == cudaSuccess) status = copy_engine_join(a.ctx, stream);
+  if (status == cudaSuccess) status = copy_engine_join(a.ctx, stream, a.engine_local);
   if (status != cudaSuccess || !a.engine_local) return status;
   // a plain launch: after the join, not overlapping it (the copies must have ended)
   slots_finish<<<a.num_blocks, kThreads, 0, stream>>>(a);

@@ -272,6 +272,8 @@ void initialize(const InitOptions& options) {
   g_transport.copy_streams = g_copy_streams.data();
   g_transport.copy_fork = g_copy_fork;
   g_transport.copy_joins = g_copy_joins.data();
+  // a word of this PE's symmetric buffer, as the landed flags the local copies wait for
+  probe_copy_engine_waits(g_copy_streams[size_t(me) * kCopyStreamsPerPeer], local);
   g_initialized = true;
   start_fault_watchdog();
 }

@@ -46,9 +46,15 @@ constexpr int kCopyStreamsPerPeer = 2;
 // cached CUDA graph per call) or "direct" (call by call, JAX_EP_COPY_GRAPHS=0).
 const char* copy_flag_mode();
 const char* copy_sequence_mode();
-// Whether copy-engine local copies may wait for landed flags (the driver's stream wait and,
-// for graphs, its memory-operation nodes; JAX_EP_COPY_FLAGS=kernel rules them out).
+// Whether copy-engine local copies may wait for landed flags: the driver's stream wait (and,
+// for graphs, a graph's wait node) worked at initialisation on a word of the symmetric
+// buffer (probe_copy_engine_waits), and JAX_EP_COPY_FLAGS is not "kernel".
 bool copy_engine_waits_available();
+void probe_copy_engine_waits(CUstream_st* stream, void* symmetric_word);
+// JAX_EP_SLOTS_COPY=engine (read on every call, as the copy paths' other variables): the
+// source_slots dispatch copies rows into the output by copy engines too, where waits are
+// available; else (the default, "sm") its CTAs copy them.
+bool slots_copy_by_engine();
 // Host time the copy-engine calls spent, by kind (guard, fork, memcpy, flag, kernel, join,
 // graph launch / update / build): calls since the last reset and the durations of the last
 // few thousand of them, in ns.
