@@ -99,3 +99,15 @@ def test_low_latency_tagged_words_never_sit_on_another_calls_records(combine):
             assert begin <= min(w, d) and max(w + wb, d + db) <= end
             for (other_call, other), (_, _, d2, db2, _, _) in sections.items():
                 assert w + wb <= d2 or d2 + db2 <= w, (call, shape, other_call, other)
+
+
+def test_source_slots_areas_count_without_any_variable(monkeypatch):
+    # source_slots always dispatches by copy engines (every source's T rows land here) and
+    # combines by copy by default (T rows and T weights per rank land, unstaged).
+    R, T, H, K, E = 4, 512, 256, 8, 32
+    kw = dict(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R)
+    monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
+    monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
+    slots = hint(layout="source_slots", **kw)
+    assert R * T * H * 2 <= slots and R * T * (H * 2 + 4) <= slots
+    assert hint(**kw) <= slots
