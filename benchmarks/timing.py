@@ -302,8 +302,10 @@ def print_phases(profiles):
 
 def jax_baselines(R, H, in_rank, counts, x, shard, record, axis_name):
     """What a JAX user has today, on the same routing: ``jax.lax.ragged_all_to_all`` of the
-    rank-deduplicated rows (one process only: XLA refuses it across processes) and a
-    ``jax.lax.all_to_all`` padded to the largest (source, destination) count.
+    rank-deduplicated rows (one process only: XLA refuses it across processes), a
+    ``jax.lax.all_to_all`` padded to the largest (source, destination) count, and a
+    ``jax.lax.all_gather`` of x (the rows of the source_slots layout, without its metadata:
+    with few ranks nearly every token is needed everywhere).
 
     in_rank: [R(src), T, R(dst)] whether a token goes to a rank; counts: [R(src), R(dst)];
     x: [R*T, H] sharded; record(name, body, *arrays, chained=0, marker=is_nccl) times body
@@ -343,4 +345,10 @@ def jax_baselines(R, H, in_rank, counts, x, shard, record, axis_name):
         record("jax.lax.ragged_all_to_all", ragged, x, flat(idx), flat(in_off), flat(counts),
                flat(out_off), flat(np.ascontiguousarray(counts.T)), chained=0, marker=is_nccl)
     record("jax.lax.all_to_all (capacity-padded)", padded, x, flat(didx), chained=0,
+           marker=is_nccl)
+
+    def gathered(x):  # what the source_slots layout's rows are: every rank's x, in rank order
+        return jax.lax.all_gather(x, axis_name, tiled=True)[0, 0].astype(jnp.float32)
+
+    record("jax.lax.all_gather (source_slots' rows, no metadata)", gathered, x, chained=0,
            marker=is_nccl)
