@@ -83,10 +83,10 @@ if [[ ,$WHAT, == *,sweep,* ]]; then
 fi
 if [[ $WHAT == *slotsweep* ]]; then  # copy-engine paths: graph chains per peer x chunk size
   for chains in ${SWEEP_CHAINS:-1 2}; do
-    for mb in ${SWEEP_CHUNK_MB:-2 4 8}; do
+    for mb in ${SWEEP_CHUNK_MB:-4 8}; do
       step "copy-engine paths on $N GPUs, JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb"
       JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb timeout 150 $PY -m jax_ep.launch -n "$N" \
-        $SHARE benchmarks/bench_intranode.py --skip-baselines --rounds 3 --profile \
+        $SHARE benchmarks/bench_intranode.py --skip-baselines --rounds 2 --repeats 3 --profile \
         --modes ${SWEEP_MODES:-slots,slots-engine,copy} --combine-modes copy 2>&1 |
         tee "$OUT/bench_chains_${chains}_mb_${mb}_$N.log" |
         grep -E "^\[rank 0\] (\| jax_ep (dispatch|combine)|.*FAILED|jax_ep .*cycle)" | sed 's/^\[rank 0\] //'
