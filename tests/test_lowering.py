@@ -132,11 +132,13 @@ def test_auto_picks_the_copy_engine_paths_for_few_ranks(monkeypatch):
         assert not _cuda._copy_combine(R, 8, 256, "expert_major")
 
 
-def test_combine_lowering_carries_the_copy_engine_attribute(monkeypatch):
+def _lowered_dispatch_combine(layout):
+    """The CUDA lowering of a dispatch followed by a combine (2 ranks, 8 tokens each), as the
+    environment's data-path variables stand now."""
     from jax_ep._types import DispatchConfig
 
     config = DispatchConfig(num_experts=4, num_ranks=2, num_tokens=8, hidden=128, num_topk=2,
-                            capacity=16, axis_name=AXIS, backend="cuda")
+                            capacity=16, layout=layout, axis_name=AXIS, backend="cuda")
 
     def per_device(x, idx, w):
         out = _cuda.dispatch(x, None, idx, w, config)
@@ -145,10 +147,14 @@ def test_combine_lowering_carries_the_copy_engine_attribute(monkeypatch):
     x = jnp.ones((2 * 8, 128), jnp.bfloat16)
     idx = jnp.zeros((2 * 8, 2), jnp.int32).at[:, 1].set(3)
     w = jnp.ones((2 * 8, 2), jnp.float32)
+    return _lowered_for_cuda(per_device, x, idx, w)
+
+
+def test_combine_lowering_carries_the_copy_engine_attribute(monkeypatch):
     for mode, dispatch_push, copy_engine in [("pull", 2, 0), ("copy", 4, 1)]:
         monkeypatch.setenv("JAX_EP_COMBINE", mode)
         monkeypatch.setenv("JAX_EP_DISPATCH", "fused" if mode == "pull" else "copy")
-        text = _lowered_for_cuda(per_device, x, idx, w)
+        text = _lowered_dispatch_combine("rank_major")
         assert re.search(rf"copy_engine = {copy_engine} : i64", text), mode
         assert re.search(rf"push = {dispatch_push} : i64", text), mode
 
@@ -156,24 +162,12 @@ def test_combine_lowering_carries_the_copy_engine_attribute(monkeypatch):
 def test_source_slots_selects_the_copy_engines(monkeypatch):
     """source_slots: the dispatch passes its layout to the kernels (which always use the copy
     engines), the combine defaults to copy and JAX_EP_COMBINE=pull still picks pull."""
-    from jax_ep._types import DispatchConfig
-
-    config = DispatchConfig(num_experts=4, num_ranks=2, num_tokens=8, hidden=128, num_topk=2,
-                            capacity=16, layout="source_slots", axis_name=AXIS, backend="cuda")
-
-    def per_device(x, idx, w):
-        out = _cuda.dispatch(x, None, idx, w, config)
-        return _cuda.combine(out.x, None, out.handle)
-
-    x = jnp.ones((2 * 8, 128), jnp.bfloat16)
-    idx = jnp.zeros((2 * 8, 2), jnp.int32).at[:, 1].set(3)
-    w = jnp.ones((2 * 8, 2), jnp.float32)
     monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
     for mode, copy_engine in [(None, 1), ("pull", 0), ("copy", 1)]:
         if mode is None:
             monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
         else:
             monkeypatch.setenv("JAX_EP_COMBINE", mode)
-        text = _lowered_for_cuda(per_device, x, idx, w)
+        text = _lowered_dispatch_combine("source_slots")
         assert len(re.findall(r"source_slots = 1 : i64", text)) == 2, mode  # both calls
         assert re.search(rf"copy_engine = {copy_engine} : i64", text), mode
