@@ -9,7 +9,9 @@ jax.distributed's coordinator, by default 127.0.0.1 and a free port). The script
 
 Output lines are prefixed with ``[rank k] ``. If a process exits with an error, the others are
 stopped and the launcher exits with that process's status. Ctrl-C is forwarded to every
-process (a second one kills them). ``script.py`` may also be ``-m module [args]``, e.g.
+process (a second one kills them); SIGTERM too, followed by SIGKILL for ranks still running
+after a grace period (jax.distributed's preemption notifier keeps a rank alive on SIGTERM).
+``script.py`` may also be ``-m module [args]``, e.g.
 ``python -m jax_ep.launch -n 2 -m pytest -q tests/test_gpu.py``.
 
 Several hosts: run the launcher once per host with the same ``--coordinator host:port`` (an
@@ -173,12 +175,27 @@ def main(argv=None) -> int:
         interrupts += 1
         signal_all(signal.SIGINT if interrupts == 1 else signal.SIGKILL)
 
+    # jax.distributed's preemption notifier takes SIGTERM in the ranks and lets them run on,
+    # so a SIGTERM for the launcher (`timeout`, a job's end) becomes SIGKILL after a grace.
+    kill_at = None
+
+    def on_terminate(*_):
+        nonlocal kill_at
+        signal_all(signal.SIGTERM)
+        kill_at = time.monotonic() + _STOP_GRACE_S
+
     signal.signal(signal.SIGINT, on_interrupt)
-    signal.signal(signal.SIGTERM, lambda *_: signal_all(signal.SIGTERM))
+    signal.signal(signal.SIGTERM, on_terminate)
 
     status = 0
     try:
         while any(p.poll() is None for p in procs):
+            if kill_at is not None and time.monotonic() > kill_at:
+                with lock:
+                    sys.stderr.write("[launch] ranks still running after SIGTERM: killing them\n")
+                    sys.stderr.flush()
+                signal_all(signal.SIGKILL)
+                kill_at = None
             failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
             if failed is not None:
                 status = procs[failed].returncode

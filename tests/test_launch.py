@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -102,3 +103,28 @@ def test_shared_gpus_put_ranks_on_one_device_and_tests_gather_without_nccl(tmp_p
 def test_gpus_must_fit_the_processes(tmp_path):
     out = launch(tmp_path, "print('never')", extra=("--gpus", "3"))
     assert out.returncode != 0 and "--gpus 3" in out.stderr
+
+
+def test_sigterm_kills_ranks_that_ignore_it(tmp_path):
+    # jax.distributed's preemption notifier takes SIGTERM in a rank; `timeout` must still stop it.
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import signal, time
+        signal.signal(signal.SIGTERM, lambda *_: print("ignoring SIGTERM", flush=True))
+        print("ready", flush=True)
+        time.sleep(120)
+    """))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-m", "jax_ep.launch", "-n", "2", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO)
+    ready = 0
+    while ready < 2:
+        ready += "ready" in proc.stdout.readline()
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - start < 30
+    assert proc.returncode != 0
+    assert "[rank 0] ignoring SIGTERM" in out and "[rank 1] ignoring SIGTERM" in out
+    assert "killing them" in err
