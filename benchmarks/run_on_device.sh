@@ -15,6 +15,8 @@ export JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-20}
 PY=$(command -v python3)
 # GPUS=G below N: the N ranks share G GPUs (correctness only, see jax_ep/launch.py)
 SHARE=${GPUS:+--gpus $GPUS}
+# and their tests take about twice as long (the launcher now really stops them at a timeout)
+SLOW=${GPUS:+2}; SLOW=${SLOW:-1}
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 if [[ $WHAT == *build* ]]; then
@@ -32,20 +34,20 @@ if [[ $WHAT == *build* ]]; then
 fi
 if [[ ,$WHAT, == *,test,* ]]; then
   step "GPU suite on $N GPUs"
-  timeout 420 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  timeout $((420 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *copytest* ]]; then  # the copy-engine paths' part of the suite only
   step "copy-engine GPU tests on $N ranks"
-  timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
+  timeout $((200 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py -k "copy" 2>&1 | tee "$OUT/gpu_suite_copy_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -20
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *slotstest* ]]; then  # the source_slots layout and the copy-engine paths
   step "source_slots and copy-engine GPU tests on $N ranks"
-  timeout 300 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
+  timeout $((300 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py -k "source_slots or copy" 2>&1 | tee "$OUT/gpu_suite_slots_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -20
   status=${PIPESTATUS[0]}
