@@ -76,6 +76,10 @@ def teacher(x, key):
 
 
 def main():
+    if os.environ.get("JAX_EP_SHARED_GPUS") == "1":
+        # the loss's pmean and the replicated parameters' gradients are XLA collectives (NCCL)
+        sys.exit("this example needs one GPU per process: NCCL refuses several ranks on one "
+                 "GPU (the launcher's --gpus); run it with -n at most the GPU count")
     if launched:
         from jax_ep import launch, runtime
 
