@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,slotstest,slotsweep,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,trace,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,slotstest,slotsweep,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,trace,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -136,6 +136,11 @@ if [[ $WHAT == *storeprobe* ]]; then  # NVLink write throughput by instruction k
      done
      wait) 2>&1 | tee "$OUT/store_probe_$N.log"
   }
+fi
+if [[ $WHAT == *copyprobe* ]]; then  # local row copies by instruction kind and CTAs (one GPU)
+  step "local copy probe"
+  nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/local_copy_probe.cu -o build/local_copy_probe &&
+    timeout 120 build/local_copy_probe 2>&1 | tee "$OUT/local_copy_probe.log"
 fi
 if [[ ,$WHAT, == *,trace,* ]]; then  # the GPU timeline of chained calls (CUPTI, rank 0)
   step "GPU timeline of chained calls on $N GPUs"
