@@ -20,26 +20,9 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "../ffi/kernels/bulk_copy.cuh"
+#include "probe_common.cuh"
 
 namespace {
-
-using jax_ep::barrier_init;
-using jax_ep::barrier_wait;
-using jax_ep::bulk_commit;
-using jax_ep::bulk_load;
-using jax_ep::bulk_store;
-using jax_ep::bulk_wait_all;
-using jax_ep::bulk_wait_read;
-
-#define CHECK(x)                                                                            \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 constexpr int kThreads = 512;
 constexpr size_t kRowBytes = 7168 * 2;  // a BF16 row of DeepSeek-V3's hidden size

@@ -30,26 +30,9 @@
 #include <string>
 #include <thread>
 
-#include "../ffi/kernels/bulk_copy.cuh"  // the extension's own bulk-copy helpers
+#include "probe_common.cuh"
 
 namespace {
-
-using jax_ep::barrier_init;
-using jax_ep::barrier_wait;
-using jax_ep::bulk_commit;
-using jax_ep::bulk_load;
-using jax_ep::bulk_store;
-using jax_ep::bulk_wait_all;
-using jax_ep::bulk_wait_read;
-
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
 
 constexpr int kThreads = 512;
 
