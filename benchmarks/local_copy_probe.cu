@@ -61,37 +61,6 @@ __global__ void __launch_bounds__(kThreads) row(const char* src, char* dst, int 
   }
 }
 
-// Thread 0 of the first `pipes` warps: piece j of a pipeline is loaded into stage j % stages
-// and stored from there; a stage is refilled once the store that read it has read it, with
-// G stores left in flight.
-template <int G>
-__global__ void tma(const char* src, char* dst, size_t bytes, uint32_t chunk, int pipes,
-                    int stages) {
-  extern __shared__ __align__(128) char smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp >= pipes || lane != 0) return;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + size_t(warp) * stages;
-  char* bufs = smem + 1024 + size_t(warp) * stages * chunk;
-  for (int s = 0; s < stages; ++s) barrier_init(&bars[s]);
-  const size_t chunks = bytes / chunk, pipe = size_t(blockIdx.x) * pipes + warp;
-  const size_t all = size_t(gridDim.x) * pipes;
-  auto load = [&](size_t j) {
-    const size_t c = pipe + j * all;
-    if (c < chunks) bulk_load(bufs + (j % stages) * chunk, src + c * chunk, chunk, &bars[j % stages]);
-  };
-  for (int s = 0; s < stages; ++s) load(s);
-  for (size_t j = 0; pipe + j * all < chunks; ++j) {
-    barrier_wait(&bars[j % stages], uint32_t(j / stages) & 1);
-    bulk_store(dst + (pipe + j * all) * chunk, bufs + (j % stages) * chunk, chunk);
-    bulk_commit();
-    if (j >= G) {
-      bulk_wait_read<G>();  // the store of piece j - G has read its stage
-      load(j - G + stages);
-    }
-  }
-  bulk_wait_all();
-}
-
 template <typename Run>
 double gbps(Run run, size_t bytes, int iters) {
   static cudaEvent_t a, b;
@@ -136,9 +105,9 @@ int main() {
                             {4, 3, 14336, 1},  {2, 6, 14336, 2},  {1, 13, 14336, 4}};
   int smem = 0;  // the largest configuration's
   for (const TmaConfig& t : tmas) smem = std::max(smem, 1024 + t.pipes * t.stages * int(t.chunk));
-  CHECK(cudaFuncSetAttribute(tma<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(tma<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(tma<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(tma_copy<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(tma_copy<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(tma_copy<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   std::printf("one GPU, %zu MB copied per launch (%d rows of %zu bytes); GB/s copied "
               "(the memory moves twice that)\n| variant |", bytes >> 20, kRows, kRowBytes);
   for (int g : grids) std::printf(" %d CTAs |", g);
@@ -165,9 +134,9 @@ int main() {
     const size_t smem = 1024 + size_t(t.pipes) * t.stages * t.chunk;
     const size_t whole = bytes / t.chunk * t.chunk;  // whole chunks only
     row_of(name, [&](int g) {
-      if (t.in_flight == 1) tma<1><<<g, kThreads, smem>>>(src, dst, whole, t.chunk, t.pipes, t.stages);
-      else if (t.in_flight == 2) tma<2><<<g, kThreads, smem>>>(src, dst, whole, t.chunk, t.pipes, t.stages);
-      else tma<4><<<g, kThreads, smem>>>(src, dst, whole, t.chunk, t.pipes, t.stages);
+      if (t.in_flight == 1) tma_copy<1><<<g, kThreads, smem>>>(src, dst, whole, t.chunk, t.pipes, t.stages);
+      else if (t.in_flight == 2) tma_copy<2><<<g, kThreads, smem>>>(src, dst, whole, t.chunk, t.pipes, t.stages);
+      else tma_copy<4><<<g, kThreads, smem>>>(src, dst, whole, t.chunk, t.pipes, t.stages);
     });
   }
   std::printf("copy engine (one cudaMemcpyAsync): %.0f GB/s\n",

@@ -77,36 +77,6 @@ __global__ void tma_store(char* dst, size_t bytes, uint32_t chunk, int pipes) {
   bulk_wait_all();
 }
 
-// Lane 0 of the first `pipes` warps: chunk j of the pipeline is loaded into stage j % stages
-// (mbarrier) and stored to the peer from there; the stage of chunk j - 1 is refilled with chunk
-// j - 1 + stages once its store has read it, so loads and stores of several chunks overlap.
-__global__ void tma_copy(const char* src, char* dst, size_t bytes, uint32_t chunk, int pipes,
-                         int stages) {
-  extern __shared__ __align__(128) char smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp >= pipes || lane != 0) return;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + size_t(warp) * stages;
-  char* bufs = smem + 1024 + size_t(warp) * stages * chunk;
-  for (int s = 0; s < stages; ++s) barrier_init(&bars[s]);
-  const size_t chunks = bytes / chunk, pipe = size_t(blockIdx.x) * pipes + warp;
-  const size_t all = size_t(gridDim.x) * pipes;
-  auto load = [&](size_t j) {  // chunk j of this pipeline into stage j % stages
-    const size_t c = pipe + j * all;
-    if (c < chunks) bulk_load(bufs + (j % stages) * chunk, src + c * chunk, chunk, &bars[j % stages]);
-  };
-  for (int s = 0; s < stages; ++s) load(s);
-  for (size_t j = 0; pipe + j * all < chunks; ++j) {
-    barrier_wait(&bars[j % stages], uint32_t(j / stages) & 1);
-    bulk_store(dst + (pipe + j * all) * chunk, bufs + (j % stages) * chunk, chunk);
-    bulk_commit();
-    if (j >= 1) {
-      bulk_wait_read<1>();  // the store of chunk j - 1 has read its stage
-      load(j - 1 + stages);
-    }
-  }
-  bulk_wait_all();
-}
-
 struct Timer {
   cudaEvent_t a, b;
   Timer() {
@@ -186,7 +156,7 @@ int main(int argc, char** argv) {
   const size_t copy_smem = 1024 + size_t(copy_pipes) * stages * chunk;
   CHECK(cudaFuncSetAttribute(tma_store, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(store_smem)));
-  CHECK(cudaFuncSetAttribute(tma_copy, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CHECK(cudaFuncSetAttribute(tma_copy<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(copy_smem)));
   const int grids[] = {8, 16, 24, 32, 64, sms};
   if (me == 0)
@@ -206,7 +176,7 @@ int main(int argc, char** argv) {
       tma_store<<<g, kThreads, store_smem>>>(remote, bytes, chunk, store_pipes);
     }, bytes, iters);
     const double d = measure([&] {
-      tma_copy<<<g, kThreads, copy_smem>>>(local, remote, bytes, chunk, copy_pipes, stages);
+      tma_copy<1><<<g, kThreads, copy_smem>>>(local, remote, bytes, chunk, copy_pipes, stages);
     }, bytes, iters);
     if (me == 0) std::printf("| %d | %.1f | %.1f | %.1f | %.1f |\n", g, a, b, c, d);
   }
