@@ -1,7 +1,8 @@
 """Low-latency (decode) benchmark: dispatch/combine per call inside one jitted loop of N calls.
 
     python -m jax_ep.launch -n 2 benchmarks/bench_low_latency.py      # one process per GPU
-    JAX_PLATFORMS=cpu python benchmarks/bench_low_latency.py --hidden 512   # reference, CPU
+    JAX_PLATFORMS=cpu python benchmarks/bench_low_latency.py --hidden 512 --calls 5 --rounds 1 \
+        --repeats 1                                               # reference, CPU (~30 s)
 
 Each figure is (time of one jitted program of ``--calls`` unrolled calls) / calls, median of
 repeats: XLA's own launch cost is included, Python's is not. Consecutive calls depend on each
