@@ -126,6 +126,15 @@ def _as_varying(value, axis_name):
         return value
 
 
+def _varying_axes(value):
+    """The mesh axes over which `value` varies inside shard_map (() outside it)."""
+    aval = jax.typeof(value)
+    axes = getattr(aval, "vma", None)
+    if axes is None:  # jax 0.11 keeps them in the aval's manual-axes type
+        axes = getattr(getattr(aval, "mat", None), "varying", ())
+    return tuple(sorted(axes or ()))
+
+
 def _call(name, result_types, *args, axis_name, **attrs):
     """One custom call, its operands and results fenced by optimization barriers.
 
@@ -148,12 +157,15 @@ def _call(name, result_types, *args, axis_name, **attrs):
 
 def layout(topk_idx, *, num_experts, num_ranks):
     T = topk_idx.shape[0]
+    # computed from topk_idx alone: the results vary over the mesh axes that topk_idx does
+    # (ffi_call would mark them the same everywhere), as the reference backend's do
+    varying = _varying_axes(topk_idx)
     per_rank, per_expert, in_rank = _call(
         "jax_ep_layout",
         (jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
          jax.ShapeDtypeStruct((num_experts,), jnp.int32),
          jax.ShapeDtypeStruct((T, num_ranks), jnp.bool_)),
-        topk_idx, axis_name=None, num_experts=np.int64(num_experts),
+        topk_idx, axis_name=varying or None, num_experts=np.int64(num_experts),
         num_ranks=np.int64(num_ranks))
     return DispatchLayout(per_rank, per_expert, in_rank)
 

@@ -8,6 +8,7 @@ to the chosen backend (``jax_ep.reference`` or the CUDA kernels), which share on
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -73,12 +74,20 @@ def _axis_size(axis_name) -> int:
             "jax.shard_map over the expert-parallel axis") from e
 
 
+def _static_int(name, value):
+    """A static size given as an integer (a float such as 2.5 must not be truncated)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a Python or NumPy integer, got {value!r}") from None
+
+
 def _check_topk(topk_idx, num_experts, num_ranks, what="dispatch"):
     if topk_idx.ndim != 2:
         raise ValueError(f"{what}: topk_idx must be [tokens, top_k], got shape {topk_idx.shape}")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise TypeError(f"{what}: topk_idx must be an integer array, got {topk_idx.dtype}")
-    if int(num_experts) < 1:
+    if _static_int("num_experts", num_experts) < 1:
         raise ValueError(f"{what}: num_experts must be >= 1, got {num_experts}")
     if num_experts % num_ranks:
         raise ValueError(
@@ -91,6 +100,8 @@ def _check_topk(topk_idx, num_experts, num_ranks, what="dispatch"):
             raise ValueError(
                 f"{what}: topk_idx holds {int(bad.sum())} ids outside [-1, {num_experts}) "
                 f"(e.g. {int(ids[bad][0])}); -1 means 'no expert'")
+    if topk_idx.dtype != jnp.int32:  # traced wide ids must not wrap into valid experts
+        topk_idx = jnp.where((topk_idx < 0) | (topk_idx >= num_experts), -1, topk_idx)
     return topk_idx.astype(jnp.int32)
 
 
@@ -138,6 +149,8 @@ def get_dispatch_layout(topk_idx, num_experts, *, axis_name=None, num_ranks=None
         if axis_name is None:
             raise ValueError("get_dispatch_layout needs axis_name or num_ranks")
         num_ranks = _axis_size(axis_name)
+    if int(num_ranks) < 1:
+        raise ValueError(f"get_dispatch_layout: num_ranks must be >= 1, got {num_ranks}")
     topk_idx = _check_topk(topk_idx, num_experts, num_ranks, "get_dispatch_layout")
     module = _backend_module(_resolve_backend(backend))
     return module.layout(topk_idx, num_experts=int(num_experts), num_ranks=int(num_ranks))
@@ -177,18 +190,19 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if int(expert_alignment) < 1:
+    if _static_int("expert_alignment", expert_alignment) < 1:
         raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
     if layout != EXPERT_MAJOR and expert_alignment != 1:
         raise ValueError("expert_alignment applies to layout='expert_major' only")
     L = num_experts // num_ranks
-    if layout == SOURCE_SLOTS and capacity is not None and int(capacity) != num_ranks * T:
+    if (layout == SOURCE_SLOTS and capacity is not None
+            and _static_int("capacity", capacity) != num_ranks * T):
         raise ValueError(
             f"layout='source_slots' has exactly num_ranks * num_tokens = {num_ranks * T} rows; "
             f"capacity must be {num_ranks * T} (or None), got {capacity}")
     if capacity is None:
         capacity = default_capacity(T, num_ranks, K, L, layout, expert_alignment)
-    if int(capacity) < 1:
+    if _static_int("capacity", capacity) < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     config = DispatchConfig(
         num_experts=int(num_experts), num_ranks=num_ranks, num_tokens=T, hidden=H, num_topk=K,

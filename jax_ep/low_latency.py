@@ -35,13 +35,16 @@ def _backend(config: LowLatencyConfig):
 
 
 def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, ue8m0, backend):
+    if isinstance(x, (tuple, list)):  # the send quantises: a pair's scales would be lost
+        raise TypeError("low_latency_dispatch takes unquantised rows (bfloat16, float16 or "
+                        "float32); use_fp8=True quantises them in the send")
     x, _ = api._split_x(x)
     R = api._axis_size(axis_name)
     topk_idx = api._check_topk(topk_idx, num_experts, R, "low_latency_dispatch")
     T, H = x.shape
     if topk_idx.shape[0] != T:
         raise ValueError(f"topk_idx has {topk_idx.shape[0]} tokens but x has {T}")
-    if int(max_tokens_per_rank) < 1:
+    if api._static_int("max_tokens_per_rank", max_tokens_per_rank) < 1:
         raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
     if T > max_tokens_per_rank:
         raise ValueError(
@@ -143,7 +146,9 @@ def _check_combine(y, topk_weights, handle):
         raise ValueError(f"y must be [{want[0]}, {want[1]}, hidden], got shape {y.shape}")
     if y.dtype not in api._FLOAT_DTYPES:
         raise TypeError(f"y must be bfloat16, float16 or float32, got {y.dtype}")
-    if topk_weights is not None and topk_weights.shape != (c.num_tokens, c.num_topk):
+    if topk_weights is None:
+        raise TypeError("topk_weights is required: the [tokens, top-k] gate weights")
+    if topk_weights.shape != (c.num_tokens, c.num_topk):
         raise ValueError(f"topk_weights must be {(c.num_tokens, c.num_topk)}, "
                          f"got {topk_weights.shape}")
 

@@ -81,6 +81,7 @@ def _dispatch_error(*, x=None, idx=None, w=None, R=2, **kwargs):
     (dict(num_experts=5), ValueError, "not divisible by the expert-parallel size 2"),
     (dict(num_experts=0), ValueError, "num_experts must be >= 1"),
     (dict(capacity=0), ValueError, "capacity must be >= 1"),
+    (dict(capacity=2.5), TypeError, "capacity must be a Python or NumPy integer"),
     (dict(layout="by_token"), ValueError, "layout must be one of"),
     (dict(layout="expert_major", expert_alignment=0), ValueError, "expert_alignment must be >= 1"),
     (dict(expert_alignment=4), ValueError, "applies to layout='expert_major' only"),
@@ -156,3 +157,25 @@ def test_cuda_backend_request_without_gpu_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="backend='cuda' cannot run"):
         run(fn, 2, np.ones((2, 4, 8), np.float32), np.zeros((2, 4, 1), np.int32))
+
+
+def test_wide_traced_ids_out_of_range_count_as_no_expert():
+    """int64 ids are narrowed to int32 for the kernels: an id past int32 must not wrap into a
+    valid expert (2**32 + 1 would become expert 1)."""
+    R, T, H, K, E = 2, 2, 4, 1, 4
+    with jax.enable_x64(True):
+        def fn(x, idx):
+            return jax_ep.dispatch(x, idx, num_experts=E, axis_name=AXIS,
+                                   backend="reference").tokens_per_expert
+
+        wide = np.full((R, T, K), 2 ** 32 + 1, np.int64)
+        np.testing.assert_array_equal(run(fn, R, np.ones((R, T, H), np.float32), wide), 0)
+        fine = np.full((R, T, K), 1, np.int64)
+        got = run(fn, R, np.ones((R, T, H), np.float32), fine)
+        np.testing.assert_array_equal(got, [[0, R * T], [0, 0]])
+
+
+def test_layout_needs_a_positive_rank_count():
+    with pytest.raises(ValueError, match="num_ranks must be >= 1"):
+        jax_ep.get_dispatch_layout(np.zeros((2, 1), np.int32), 4, num_ranks=0,
+                                   backend="reference")

@@ -144,7 +144,37 @@ def test_low_latency_validation():
         attempt(H=100)
     with pytest.raises(ValueError, match="max_tokens_per_rank must be >= 1"):
         attempt(M=0)
+    with pytest.raises(TypeError, match="max_tokens_per_rank must be a Python or NumPy integer"):
+        attempt(M=4.5)
     attempt(H=100, use_fp8=False)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_dispatch_refuses_an_fp8_pair(use_fp8):
+    """The send quantises; a pair's scales would be dropped (and, with use_fp8, the e4m3 data
+    quantised again), so a pair is an error, not wrong numbers."""
+    R, T, H, E = 2, 4, 128, 4
+
+    def fn(x, idx):
+        pair = jax_ep.quantize_fp8(x)
+        return jax_ep.low_latency_dispatch(pair, idx, num_experts=E, max_tokens_per_rank=T,
+                                           axis_name=AXIS, use_fp8=use_fp8,
+                                           backend="reference").x
+
+    with pytest.raises(TypeError, match="takes unquantised rows"):
+        run(fn, R, np.ones((R, T, H), np.float32), np.zeros((R, T, 2), np.int32))
+
+
+def test_low_latency_combine_needs_weights():
+    R, T, H, E = 2, 4, 128, 4
+
+    def fn(x, idx):
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T,
+                                        axis_name=AXIS, use_fp8=False, backend="reference")
+        return jax_ep.low_latency_combine(o.x, None, o.handle)
+
+    with pytest.raises(TypeError, match="topk_weights is required"):
+        run(fn, R, np.ones((R, T, H), np.float32), np.zeros((R, T, 2), np.int32))
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])

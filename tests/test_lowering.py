@@ -14,9 +14,10 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import _cuda
+from jax_ep import _cuda, reference
 from jax_ep._types import LowLatencyConfig
 
 AXIS = "ep"
@@ -171,3 +172,17 @@ def test_source_slots_selects_the_copy_engines(monkeypatch):
         text = _lowered_dispatch_combine("source_slots")
         assert len(re.findall(r"source_slots = 1 : i64", text)) == 2, mode  # both calls
         assert re.search(rf"copy_engine = {copy_engine} : i64", text), mode
+
+
+def test_cuda_layout_results_vary_like_the_reference():
+    """get_dispatch_layout's results differ between devices: the CUDA call marks them varying
+    over topk_idx's axes as the reference does, so out_specs=P() is refused by both."""
+    mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    idx = jnp.zeros((8, 2), jnp.int32)
+    for module in (reference, _cuda):
+        def f(i, module=module):
+            return module.layout(i, num_experts=4, num_ranks=2).num_tokens_per_rank
+
+        with pytest.raises(ValueError, match="require replication"):
+            jax.make_jaxpr(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P()))(idx)

@@ -135,6 +135,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       src_rank->element_count() != size_t(capacity) ||
       out_x->element_count() != size_t(capacity) * H)
     return invalid("dispatch: result shapes do not match the capacity and EP size");
+  // the kernels write capacity rows of x's element type (and of scales when has_scales)
+  if (out_x->element_type() != x.element_type() ||
+      (has_scales && out_scales->element_count() != size_t(capacity) * (H / 128)))
+    return invalid("dispatch: the rows' result must have x's dtype and the scales' "
+                   "[capacity, H / 128]");
   // 0: pull, 1: push, 2: push with the receive fused into the push kernel, 3: push with bulk
   // (TMA) copies of the rows, 4: pull with the rows moved by the copy engines
   if (push_mode < 0 || push_mode > 4) return invalid("dispatch: push must be 0, 1, 2, 3 or 4");
@@ -214,8 +219,9 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
   const size_t row_bytes = size_t(dims[1]) * element_bytes(x.element_type());
   if (row_bytes == 0 && dims[1] != 0) return invalid("cached_dispatch: unsupported dtype");
   const int T = static_cast<int>(dims[0]), C = static_cast<int>(src_rank.element_count());
-  if (out->element_count() != size_t(C) * dims[1] || src_token.element_count() != size_t(C))
-    return invalid("cached_dispatch: result must be [capacity, D]");
+  if (out->element_count() != size_t(C) * dims[1] || src_token.element_count() != size_t(C) ||
+      out->element_type() != x.element_type())
+    return invalid("cached_dispatch: result must be [capacity, D] of x's dtype");
   CachedDispatchArgs a{};
   if (auto err =
           peer_context("cached_dispatch", rank, cached_dispatch_bytes(T, row_bytes), &a.ctx);
@@ -254,7 +260,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
   if (weights.element_count() != size_t(C) || src_rank.element_count() != size_t(C))
     return invalid("combine: weights and src_rank must be [C]");
-  if (out->element_count() != size_t(T) * H) return invalid("combine: result must be [T, H]");
+  if (out->element_count() != size_t(T) * H || out->element_type() != y.element_type())
+    return invalid("combine: result must be [T, H] of y's dtype");
   const size_t row_bytes = size_t(H) * element_bytes(y.element_type());
   const Transport* t = transport();
   if (copy_engine && (expert_major || (t != nullptr && t->num_ranks > kMaxCopyRanks)))

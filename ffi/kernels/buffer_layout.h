@@ -25,8 +25,9 @@ namespace jax_ep {
 
 constexpr int kMaxRanks = 1024;
 constexpr int kProfileKernels = 16;
-// Rows of Control::profile: handler call c since the last reset stamps row c % kProfileCalls,
-// so a chain of calls leaves a timeline (gaps between calls included).
+// Rows of Control::profile: handler call c since the last reset stamps row c % (kProfileCalls
+// - 1), so a chain of calls leaves a timeline (gaps between calls included); the last row is
+// the kernels' in cached copy-engine graphs (a per-call row would change their arguments).
 constexpr int kProfileCalls = 64;
 // Stamps per kernel and call: see Control::profile.
 constexpr int kProfilePhases = 5;

@@ -328,6 +328,16 @@ constexpr int kMaxGraphs = 16, kMaxGraphsPerShape = 3;
 
 class GraphCache {
  public:
+  // Every graph destroyed (no launch of them may be in flight: the device is synchronised).
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (CachedGraph& g : graphs_) {
+      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+      if (g.graph != nullptr) cudaGraphDestroy(g.graph);
+    }
+    graphs_.clear();
+  }
+
   // The executable graph for `seq`, built, updated or found; nullptr and an error otherwise.
   cudaError_t get(const Transport& t, const CopySequence& seq, cudaGraphExec_t* out) {
     const bool memop = flag_choice() == FlagChoice::kWrite && !stream_writes_refused() &&
@@ -555,6 +565,7 @@ class GraphCache {
     return status;
   }
 
+
   std::mutex mutex_;
   std::vector<CachedGraph> graphs_;
   unsigned long long clock_ = 0;
@@ -617,6 +628,8 @@ const char* copy_flag_mode() {
 }
 
 const char* copy_sequence_mode() { return use_graphs() ? "graph" : "direct"; }
+
+void release_copy_engine_graphs() { graph_cache().clear(); }
 
 namespace {
 std::atomic<bool> g_stream_waits{false}, g_graph_waits{false};

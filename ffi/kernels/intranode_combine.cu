@@ -252,10 +252,12 @@ cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaS
   const char* local = static_cast<const char*>(transport()->local);
   cudaError_t status = copy_engine_guard(ctx, /*combine=*/true, stream);
   if (status != cudaSuccess) return status;
+  CombineArgs staging = a;  // the stage kernels live in a cached graph: a fixed profile row
+  staging.ctx.profile = graph_profile_row();
   CopySequence sequence;
   for (int c = 0; c < a.copy_chunks; ++c) {
-    const int stage =
-        sequence.add_kernel(combine_copy_stage, dim3(a.num_blocks), dim3(kThreads), a, row_bytes, c);
+    const int stage = sequence.add_kernel(combine_copy_stage, dim3(a.num_blocks), dim3(kThreads),
+                                          staging, row_bytes, c);
     const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
     for (int step = 1; step < R; ++step) {
       const int owner = (ctx.rank + step) % R;

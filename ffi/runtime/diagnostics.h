@@ -36,6 +36,9 @@ void reset_profile();
 // The profile row of the next handler call (device pointer into this PE's Control). Counted
 // on the host: calls replayed from a CUDA graph keep the row they were recorded with.
 unsigned long long (*next_profile_row())[kProfilePhases];
+// The profile row of kernels kept in cached copy-engine graphs: one row for every call, so
+// that their arguments (and the cache) do not change with the row.
+unsigned long long (*graph_profile_row())[kProfilePhases];
 // Calls started so far by this PE's low-latency dispatch and combine sends (LLControl::calls).
 std::vector<unsigned long long> read_low_latency_calls();
 

@@ -52,8 +52,14 @@ void set_environment_defaults(size_t buffer_bytes, size_t ll_bytes, bool single_
     setenv("NVSHMEM_REMOTE_TRANSPORT", "none", /*overwrite=*/0);
   }
   // The heap holds our buffer plus NVSHMEM's own allocations (teams, barriers, signals).
+  // A user's value wins; ours from an earlier initialisation (smaller buffers) does not.
+  static std::string ours;
+  const char* current = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
   const size_t heap = buffer_bytes + ll_bytes + (size_t(256) << 20);
-  setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), /*overwrite=*/0);
+  if (current == nullptr || (!ours.empty() && ours == current)) {
+    ours = std::to_string(heap);
+    setenv("NVSHMEM_SYMMETRIC_SIZE", ours.c_str(), /*overwrite=*/1);
+  }
 }
 
 std::string compiled_nvshmem_version() {
@@ -290,6 +296,7 @@ void finalize() {
   if (g_transport.ll_local != nullptr) nvshmem_free(g_transport.ll_local);
   cudaFree(g_peers_device);
   cudaFree(g_ll_peers_device);
+  release_copy_engine_graphs();  // their nodes name this initialisation's peers and flags
   destroy_copy_engine_streams();
   g_host_peers.clear();
   g_peers_device = nullptr;

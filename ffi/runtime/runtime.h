@@ -51,6 +51,9 @@ const char* copy_sequence_mode();
 // buffer (probe_copy_engine_waits), and JAX_EP_COPY_FLAGS is not "kernel".
 bool copy_engine_waits_available();
 void probe_copy_engine_waits(CUstream_st* stream, void* symmetric_word);
+// Destroys the cached copy-engine graphs: their nodes hold the peers' addresses and the
+// flags of this initialisation (finalize() calls it; a later initialize() maps anew).
+void release_copy_engine_graphs();
 // JAX_EP_SLOTS_COPY=engine (read on every call, as the copy paths' other variables): the
 // source_slots dispatch copies rows into the output by copy engines too, where waits are
 // available; else (the default, "sm") its CTAs copy them.
