@@ -89,12 +89,35 @@ def init_distributed() -> bool:
 
 
 def _pump(stream, prefix: str, sink, lock: threading.Lock) -> None:
+    writing = True
     for line in iter(stream.readline, b""):
+        if not writing:
+            continue  # drained all the same: a rank blocked on a full pipe would never end
         text = line.decode(errors="replace")
-        with lock:
-            sink.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
-            sink.flush()
+        try:
+            with lock:
+                sink.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
+                sink.flush()
+        except (OSError, ValueError):  # our reader went away (`| head`): stop writing
+            writing = False
     stream.close()
+
+
+# Runs first in every rank's process (python -c, so without importing jax): on Linux the
+# rank gets SIGKILL when the launcher dies, even by SIGKILL (ranks run in their own sessions,
+# out of reach of the launcher's process group), then it becomes the script.
+_RANK_START = """
+import os, signal, sys
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != int(os.environ["JAX_EP_LAUNCHER_PID"]):
+    os._exit(1)  # the launcher is already gone
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+"""
 
 
 def _parse(argv):
@@ -139,26 +162,6 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     procs, pumps, ranks = [], [], []
     gpus = args.gpus or nproc
-    for local_rank in range(nproc):
-        rank = args.process_id_offset + local_rank
-        env = dict(os.environ, JAX_EP_RANK=str(rank), JAX_EP_WORLD_SIZE=str(world),
-                   JAX_EP_LOCAL_RANK=str(local_rank), JAX_EP_LOCAL_DEVICE=str(local_rank % gpus),
-                   JAX_EP_COORDINATOR=coordinator, PYTHONUNBUFFERED="1",
-                   NVSHMEM_DISABLE_NVLS="1")  # multicast stays off, whatever the caller set
-        env.setdefault("NCCL_NVLS_ENABLE", "0")
-        if gpus < nproc:
-            env["JAX_EP_SHARED_GPUS"] = "1"
-            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        # Own process group each: a signal for one rank reaches its children too.
-        proc = subprocess.Popen([sys.executable, *command], env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", sys.stdout,
-                                                    lock), daemon=True)
-        pump.start()
-        procs.append(proc)
-        pumps.append(pump)
-        ranks.append(rank)
 
     def signal_all(sig):
         for p in procs:
@@ -184,11 +187,34 @@ def main(argv=None) -> int:
         signal_all(signal.SIGTERM)
         kill_at = time.monotonic() + _STOP_GRACE_S
 
+    # installed before the first rank starts: a signal during the start reaches those started
     signal.signal(signal.SIGINT, on_interrupt)
     signal.signal(signal.SIGTERM, on_terminate)
 
     status = 0
     try:
+        for local_rank in range(nproc):
+            rank = args.process_id_offset + local_rank
+            env = dict(os.environ, JAX_EP_RANK=str(rank), JAX_EP_WORLD_SIZE=str(world),
+                       JAX_EP_LOCAL_RANK=str(local_rank),
+                       JAX_EP_LOCAL_DEVICE=str(local_rank % gpus),
+                       JAX_EP_COORDINATOR=coordinator, JAX_EP_LAUNCHER_PID=str(os.getpid()),
+                       PYTHONUNBUFFERED="1",
+                       NVSHMEM_DISABLE_NVLS="1")  # multicast stays off, whatever the caller set
+            env.setdefault("NCCL_NVLS_ENABLE", "0")
+            if gpus < nproc:
+                env["JAX_EP_SHARED_GPUS"] = "1"
+                env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+            # Own process group each: a signal for one rank reaches its children too.
+            proc = subprocess.Popen([sys.executable, "-c", _RANK_START, *command], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(proc)
+            ranks.append(rank)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ",
+                                                        sys.stdout, lock), daemon=True)
+            pump.start()
+            pumps.append(pump)
         while any(p.poll() is None for p in procs):
             if kill_at is not None and time.monotonic() > kill_at:
                 with lock:
@@ -210,6 +236,9 @@ def main(argv=None) -> int:
                 signal_all(signal.SIGKILL)
                 break
             time.sleep(0.05)
+    except BaseException:  # a failed start or an error here: no rank outlives the launcher
+        signal_all(signal.SIGKILL)
+        raise
     finally:
         for p in procs:
             p.wait()

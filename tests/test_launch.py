@@ -128,3 +128,48 @@ def test_sigterm_kills_ranks_that_ignore_it(tmp_path):
     assert proc.returncode != 0
     assert "[rank 0] ignoring SIGTERM" in out and "[rank 1] ignoring SIGTERM" in out
     assert "killing them" in err
+
+
+def _alive(pid):
+    """Running (a zombie left to an init that does not reap counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-m", "jax_ep.launch", "-n", "2", str(script)],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    pids = []
+    while len(pids) < 2:
+        line = proc.stdout.readline()
+        if " pid " in line:
+            pids.append(int(line.split()[-1]))
+    proc.kill()  # SIGKILL: the launcher cannot pass anything on
+    proc.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived the launcher"
+
+
+def test_a_closed_output_does_not_hang_the_launcher(tmp_path):
+    """`launch ... | head -1`: the launcher stops writing but keeps draining the ranks' output
+    (a rank blocked on a full pipe would never end)."""
+    script = tmp_path / "script.py"
+    script.write_text("for i in range(100000):\n    print('line', i)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-m", "jax_ep.launch", "-n", "2", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    proc.stdout.readline()
+    proc.stdout.close()
+    proc.wait(timeout=60)  # raises TimeoutExpired if it hangs
