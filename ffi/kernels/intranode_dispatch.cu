@@ -66,7 +66,8 @@ __device__ __forceinline__ void reset_call_state(const DispatchArgs& a) {
   for (int l = threadIdx.x; l < L; l += kThreads) a.tokens_per_expert[l] = 0;
 }
 
-// All CTAs of the (co-resident) grid meet here; GPU scope, reusable.
+// All CTAs of the grid (co-resident: a cooperative launch) meet here; GPU scope, reusable; a
+// block that never arrives ends in a timeout report, not a hang.
 __device__ void grid_barrier(const PeerContext& ctx) {
   Control* control = control_of(ctx, ctx.rank);
   __syncthreads();
@@ -79,7 +80,13 @@ __device__ void grid_barrier(const PeerContext& ctx) {
       __threadfence();
       atomicAdd(&control->stage_generation, 1u);
     } else {
+      const uint64_t start = global_timer_ns();
       while (*generation == seen) {
+        if (global_timer_ns() - start > ctx.timeout_ns) {  // a block never arrived
+          report_timeout(ctx, "dispatch", "the other blocks of its own stage kernel",
+                         ctx.rank, seen + 1ull, *generation);
+          trap_after_report();
+        }
       }
     }
     __threadfence();
@@ -997,7 +1004,12 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
   const int W = kExpertMajor ? a.num_experts : a.ctx.num_ranks;
   if (!kExpertMajor && a.ctx.num_ranks <= kMaxStageRanks) {
     const int grid = std::min({a.num_blocks, multiprocessors(), kMaxStageBlocks});
-    return launch_after_previous(dispatch_stage_ranks<kPull>, grid, kThreads, 0, stream, a);
+    // cooperative: the grid barrier needs every block resident, whatever else runs beside
+    DispatchArgs args = a;
+    void* params[] = {&args};
+    return launch_cooperative_after_previous(
+        reinterpret_cast<const void*>(dispatch_stage_ranks<kPull>), grid, kThreads, 0, stream,
+        params);
   }
   return launch_after_previous(dispatch_stage<kExpertMajor, kPull>, std::max(W, a.num_blocks),
                                kThreads, 0, stream, a);
@@ -1014,13 +1026,14 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
                                     static_cast<int>(bytes));
     return status == cudaSuccess;
   };
+  // Every kernel's shared memory is allowed before the first launch: a refusal after the
+  // stage (which signals the peers) would leave the call half done on every PE.
   if (a.use_push && a.fused) {
-    if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     if (!allow_tables(dispatch_fused<kExpertMajor, kSources>, tables)) return status;
+    if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     return launch_after_previous(dispatch_fused<kExpertMajor, kSources>, a.num_blocks, kThreads,
                                  tables, stream, a);
   } else if (a.use_push) {
-    if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     DispatchArgs push = a;
     size_t push_smem = tables;
     const size_t stage = row_stride(a.x_row_bytes);
@@ -1033,18 +1046,20 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
                           : 0;
     if (push.bulk_pipes > 0)
       push_smem = push.bulk_offset + kBulkBarrierBytes + 2 * stage * push.bulk_pipes;
-    if (!allow_tables(dispatch_push<kExpertMajor, kSources>, push_smem)) return status;
+    if (!allow_tables(dispatch_push<kExpertMajor, kSources>, push_smem) ||
+        !allow_tables(dispatch_receive<kExpertMajor>, tables))
+      return status;
+    if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     status = launch_after_previous(dispatch_push<kExpertMajor, kSources>, a.num_blocks, kThreads,
                                    push_smem, stream, push);
     if (status != cudaSuccess) return status;
-    if (!allow_tables(dispatch_receive<kExpertMajor>, tables)) return status;
     return launch_after_previous(dispatch_receive<kExpertMajor>, a.num_blocks, kThreads, tables,
                                  stream, a);
   } else {
+    if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
     if (a.copy_engine && (status = enqueue_dispatch_copies(a, stream)) != cudaSuccess)
       return status;
     if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
-    if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
     status = launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
                                    stream, a);
     if (status == cudaSuccess && a.copy_engine) status = copy_engine_join(a.ctx, stream);
