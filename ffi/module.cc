@@ -189,6 +189,18 @@ NB_MODULE(_C, m) {
   });
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
   m.def(
+      "limits",
+      [] {
+        nb::dict out;
+        out["max_ranks"] = jax_ep::kMaxRanks;
+        out["max_sources"] = jax_ep::kMaxSources;
+        out["max_copy_ranks"] = jax_ep::kMaxCopyRanks;
+        out["low_latency_max_topk"] = jax_ep::kLLMaxTopk;
+        return out;
+      },
+      "The CUDA kernels' size limits: ranks; ranks (rank_major) or top-k (expert_major) of the "
+      "push dispatches and of every combine; ranks of the copy-engine paths; low-latency top-k");
+  m.def(
       "copy_engine_host_times",
       [](bool reset) {
         nb::dict out;

@@ -103,6 +103,38 @@ def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
     return np.int64(mode == "copy" and layout != EXPERT_MAJOR and num_ranks <= _MAX_COPY_RANKS)
 
 
+def _limits() -> dict:
+    """The kernels' size limits (ffi/kernels/buffer_layout.h), read from the extension."""
+    module, why = _native.load()
+    if module is None:
+        raise RuntimeError(why)
+    return module.limits()
+
+
+def _check_sources(op, path, count, expert_major):
+    """The push dispatches and every combine keep one token's destinations (ranks, or top-k
+    slots for expert_major) in registers: at most max_sources of them."""
+    limit = _limits()["max_sources"]
+    if count > limit:
+        what = (f"top-k {count} (expert_major: one destination per slot)" if expert_major
+                else f"{count} ranks (rank_major: one destination per rank)")
+        raise ValueError(f"{op}: the CUDA {path} handles at most {limit} destinations per token, "
+                         f"got {what}")
+
+
+def _check_dispatch_limits(num_ranks, num_topk, expert_major, push_mode, source_slots):
+    copy_engine = source_slots or push_mode == _DISPATCH_MODES["copy"]
+    limit = _limits()["max_copy_ranks"]
+    if copy_engine and num_ranks > limit:
+        path = "the source_slots layout" if source_slots else "JAX_EP_DISPATCH=copy"
+        raise ValueError(f"dispatch: the copy-engine path ({path}) supports at most {limit} "
+                         f"ranks, the mesh axis has {num_ranks}")
+    if not copy_engine and push_mode != _DISPATCH_MODES["pull"]:
+        _check_sources("dispatch", "push dispatch (JAX_EP_DISPATCH=fused, push or bulk; pull "
+                       "has no such limit)", num_topk if expert_major else num_ranks,
+                       expert_major)
+
+
 def _copy_engine_selected(num_ranks, num_topk, num_experts, layout) -> bool:
     """Whether either copy-engine path is selected (their buffer areas count in the hint)."""
     copy_dispatch = _push_dispatch(num_ranks, num_topk, num_experts, layout)
@@ -175,6 +207,8 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
     """The jax_ep_dispatch custom call; returns its 12 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
+    push = _push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None)
+    _check_dispatch_limits(num_ranks, K, expert_major, push, source_slots)
     has_scales = x_scales is not None
     row_meta = (C,) if expert_major else (C, K)
     i32, f32 = jnp.int32, jnp.float32
@@ -198,7 +232,7 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         num_experts=np.int64(num_experts), capacity=np.int64(C),
         expert_major=np.int64(expert_major), alignment=np.int64(alignment),
         has_scales=np.int64(has_scales), num_blocks=_num_blocks(),
-        push=_push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None),
+        push=push,
         block=np.int64(block), source_slots=np.int64(source_slots))
 
 
@@ -227,6 +261,9 @@ def cached_dispatch(x, handle: DispatchHandle):
 
 def combine(y, weights, handle: DispatchHandle):
     config = handle.config
+    expert_major = config.layout == EXPERT_MAJOR
+    _check_sources("combine", "combine", config.num_topk if expert_major else config.num_ranks,
+                   expert_major)
     if weights is None:
         weights = jnp.ones((config.capacity,), jnp.float32)
     return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
@@ -234,7 +271,7 @@ def combine(y, weights, handle: DispatchHandle):
                  handle.num_received, handle.src_rank, _rank(config.axis_name),
                  axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
-                 expert_major=np.int64(config.layout == EXPERT_MAJOR), num_blocks=_num_blocks(),
+                 expert_major=np.int64(expert_major), num_blocks=_num_blocks(),
                  copy_engine=_copy_combine(config.num_ranks, config.num_topk,
                                            config.num_experts, config.layout),
                  source_slots=np.int64(config.layout == SOURCE_SLOTS))
@@ -251,6 +288,10 @@ def combine(y, weights, handle: DispatchHandle):
 
 
 def _ll_attrs(config: LowLatencyConfig):
+    limit = _limits()["low_latency_max_topk"]
+    if config.num_topk > limit:
+        raise ValueError(f"low-latency calls: the CUDA kernels take top-k <= {limit}, got "
+                         f"{config.num_topk}")
     return dict(num_experts=np.int64(config.num_experts),
                 max_tokens=np.int64(config.max_tokens_per_rank), num_blocks=_num_blocks())
 

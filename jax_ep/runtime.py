@@ -30,6 +30,7 @@ allocation fails, set ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lower or
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import sys
@@ -105,13 +106,45 @@ def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capa
         alignment=alignment))
 
 
-def _all_on_one_host(client, rank, world, generation) -> bool:
+# Variables that choose what the peers read or write: a process whose kernels expect another
+# data path, block count or chunking than its peers' would wait for data that never comes.
+SHARED_VARIABLES = ("JAX_EP_DISPATCH", "JAX_EP_COMBINE", "JAX_EP_NUM_BLOCKS",
+                    "JAX_EP_COPY_CHUNK_MB")
+
+
+def _shared_settings(buffer_bytes: int, low_latency_bytes: int) -> dict:
+    """What every process must agree on: the symmetric allocations (NVSHMEM allocates them
+    collectively, the same size on every PE) and SHARED_VARIABLES."""
+    settings = {"buffer_bytes": buffer_bytes, "low_latency_bytes": low_latency_bytes}
+    settings.update({name: os.environ.get(name) for name in SHARED_VARIABLES})
+    return settings
+
+
+def _check_same_settings(settings_by_rank: list[dict]) -> None:
+    """Raises on every process alike (each reads every process's settings), before any of
+    them joins NVSHMEM, so that a mismatch is an error and not a hang."""
+    differing = []
+    for key in settings_by_rank[0]:
+        values = [settings.get(key) for settings in settings_by_rank]
+        if len(set(map(repr, values))) > 1:
+            unset = "unset"
+            listed = ", ".join(f"rank {r}: {unset if v is None else v}"
+                               for r, v in enumerate(values))
+            differing.append(f"{key} ({listed})")
+    if differing:
+        raise ValueError("jax_ep.runtime.initialize: every process must pass the same sizes and "
+                         "set the same jax_ep variables; they differ in " + "; ".join(differing))
+
+
+def _exchange(client, rank, world, generation, settings) -> list[dict]:
+    """Every process's settings and host name, through jax.distributed's key-value store."""
+    mine = dict(settings, host=socket.gethostname())
     if world == 1:
-        return True
-    prefix = f"{_KEY_PREFIX}/{generation}/host"
-    client.key_value_set(f"{prefix}/{rank}", socket.gethostname())
-    hosts = {client.blocking_key_value_get(f"{prefix}/{r}", _KV_TIMEOUT_MS) for r in range(world)}
-    return len(hosts) == 1
+        return [mine]
+    prefix = f"{_KEY_PREFIX}/{generation}/settings"
+    client.key_value_set(f"{prefix}/{rank}", json.dumps(mine))
+    return [json.loads(client.blocking_key_value_get(f"{prefix}/{r}", _KV_TIMEOUT_MS))
+            for r in range(world)]
 
 
 def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None,
@@ -121,8 +154,10 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
                low_latency_bytes: int | None = None) -> None:
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
-    Collective: every process calls it with the same arguments. A second call with the same
-    or a smaller size does nothing.
+    Collective: every process calls it with the same arguments. The processes compare their
+    buffer sizes and ``SHARED_VARIABLES`` through the key-value store before NVSHMEM starts;
+    a difference raises ValueError on every process (it would otherwise hang or corrupt). A
+    second call with the same or a smaller size does nothing.
 
     Args:
       buffer_bytes: symmetric buffer per GPU. If None and ``num_tokens``/``hidden``/``num_topk``
@@ -176,7 +211,10 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
 
     generation = _generation
     _generation += 1
-    single_host = _all_on_one_host(client, rank, world, generation)
+    everyone = _exchange(client, rank, world, generation,
+                         _shared_settings(buffer_bytes, low_latency_bytes))
+    single_host = len({entry.pop("host") for entry in everyone}) == 1
+    _check_same_settings(everyone)
     # NVSHMEM reads these when the unique id is made (its bootstrap socket) and at init.
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     if single_host:

@@ -186,3 +186,59 @@ def test_cuda_layout_results_vary_like_the_reference():
 
         with pytest.raises(ValueError, match="require replication"):
             jax.make_jaxpr(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P()))(idx)
+
+
+def _expert_major_call(op, num_topk, monkeypatch, dispatch_mode="fused"):
+    """Lowers an expert_major dispatch (and a combine, for op="combine") with num_topk slots."""
+    from jax_ep._types import DispatchConfig
+
+    monkeypatch.setenv("JAX_EP_DISPATCH", dispatch_mode)
+    monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
+    E, T = 2 * num_topk, 4
+    config = DispatchConfig(num_experts=E, num_ranks=2, num_tokens=T, hidden=128,
+                            num_topk=num_topk, capacity=2 * T * num_topk, layout="expert_major",
+                            axis_name=AXIS, backend="cuda")
+
+    def per_device(x, idx, w):
+        out = _cuda.dispatch(x, None, idx, w, config)
+        return _cuda.combine(out.x, None, out.handle) if op == "combine" else out.x
+
+    x = jnp.ones((2 * T, 128), jnp.bfloat16)
+    idx = jnp.tile(jnp.arange(num_topk, dtype=jnp.int32), (2 * T, 1))
+    return _lowered_for_cuda(per_device, x, idx, jnp.ones((2 * T, num_topk), jnp.float32))
+
+
+def test_cuda_limits_are_checked_at_trace_time(monkeypatch):
+    """What the kernels cannot take is refused while tracing, with the limit and the way out,
+    not by the handler at run time: push dispatches and every combine keep a token's
+    destinations in registers (at most max_sources), the low-latency kernels top-k <= 32."""
+    limits = _cuda._limits()
+    big = limits["max_sources"] + 1
+    assert "jax_ep_dispatch" in _expert_major_call("dispatch", limits["max_sources"], monkeypatch)
+    with pytest.raises(ValueError, match=rf"push dispatch .*at most {big - 1} .*top-k {big}"):
+        _expert_major_call("dispatch", big, monkeypatch)
+    # pull has no such limit; the combine has
+    assert "jax_ep_dispatch" in _expert_major_call("dispatch", big, monkeypatch, "pull")
+    with pytest.raises(ValueError, match=rf"combine: the CUDA combine .*at most {big - 1}"):
+        _expert_major_call("combine", big, monkeypatch, "pull")
+
+    K = limits["low_latency_max_topk"] + 1
+    config = LowLatencyConfig(num_experts=2 * K, num_ranks=2, num_tokens=4, hidden=128,
+                              num_topk=K, max_tokens_per_rank=4, use_fp8=False, axis_name=AXIS,
+                              backend="cuda")
+    with pytest.raises(ValueError, match=rf"top-k <= {K - 1}, got {K}"):
+        _lowered_for_cuda(lambda x, i: _cuda.low_latency_dispatch(x, i, config).x[None],
+                          jnp.ones((8, 128), jnp.bfloat16),
+                          jnp.zeros((8, K), jnp.int32))
+
+
+def test_copy_engine_rank_limit_is_checked_at_trace_time(monkeypatch):
+    limit = _cuda._limits()["max_copy_ranks"]
+    monkeypatch.setattr(_cuda, "_limits", lambda: dict(max_copy_ranks=1, max_sources=16,
+                                                       low_latency_max_topk=32))
+    with pytest.raises(ValueError, match="source_slots layout.*at most 1 ranks"):
+        _lowered_dispatch_combine("source_slots")
+    monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
+    with pytest.raises(ValueError, match="JAX_EP_DISPATCH=copy.*at most 1 ranks"):
+        _lowered_dispatch_combine("rank_major")
+    assert limit == 32

@@ -158,6 +158,13 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (copy_engine && R > kMaxCopyRanks)
     return invalid("dispatch: the copy-engine path (JAX_EP_DISPATCH=copy and the source_slots "
                    "layout) supports at most " + std::to_string(kMaxCopyRanks) + " ranks");
+  const size_t tables = dispatch_table_bytes(R, static_cast<int>(num_experts), expert_major);
+  if (!source_slots && tables > size_t(max_block_shared_memory()))
+    return invalid("dispatch: the routing tables of " + std::to_string(num_experts) +
+                   " experts on " + std::to_string(R) + " ranks need " + std::to_string(tables) +
+                   " bytes of shared memory per block, above the " +
+                   std::to_string(max_block_shared_memory()) + " this GPU allows" +
+                   (expert_major ? " (the rank_major layout needs far less)" : ""));
   RegionPlan plan = copy_engine ? plan_dispatch_copy(R, T, K, static_cast<int>(num_experts),
                                                      expert_major != 0, size_t(H) * elem,
                                                      scale_row)

@@ -39,6 +39,12 @@ constexpr int kMaxStageRanks = 32;
 // Copy-engine dispatch: at most this many ranks, and chunks per source (Control::landed).
 constexpr int kMaxCopyRanks = kMaxStageRanks;
 constexpr int kMaxCopyChunks = 64;
+// Rows one token sums in combine, or destinations one token has in the push dispatches: ranks
+// (rank_major) or top-k slots (expert_major). The Python API checks these limits at trace time
+// (module.limits()).
+constexpr int kMaxSources = 16;
+// Top-k of the low-latency kernels.
+constexpr int kLLMaxTopk = 32;
 
 // Kernels that stamp their phases into Control::profile (the index is the kernel's slot).
 enum ProfileSlot {

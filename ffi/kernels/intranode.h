@@ -23,10 +23,6 @@
 
 namespace jax_ep {
 
-// Rows one token sums in combine, or destinations one token has in dispatch: ranks
-// (rank_major) or top-k slots (expert_major).
-constexpr int kMaxSources = 16;
-
 // Bulk push: barriers at the start of the bulk area of shared memory (two per pipeline), then
 // two row buffers per pipeline; the area's size is capped so that one CTA fits an SM.
 constexpr size_t kBulkBarrierBytes = 256;
@@ -126,6 +122,17 @@ __device__ __forceinline__ uint32_t rank_mask(const DispatchArgs& a, int t, int 
 }
 
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+
+// Shared memory of the dispatch kernels' routing tables (every layout but source_slots):
+// expert_major keeps per-expert counts and offsets and a per-(expert, source) matrix.
+inline size_t dispatch_table_bytes(int num_ranks, int num_experts, bool expert_major) {
+  const size_t R = num_ranks, E = num_experts, L = E / R;
+  return expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
+                      : sizeof(int32_t) * (2 * R + 1);
+}
+
+// The most dynamic shared memory one block of this device may opt in to.
+int max_block_shared_memory();
 // The source_slots layout (slots_dispatch.cu): always the copy engines' transfers.
 cudaError_t launch_dispatch_slots(const DispatchArgs& args, cudaStream_t stream);
 // Copy-engine transfers (copy_engine.cu), which the copy-engine dispatch and combine enqueue

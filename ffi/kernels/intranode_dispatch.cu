@@ -1100,9 +1100,19 @@ cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream) 
   return copy_engine_run(a.ctx, sequence, stream);
 }
 
+int max_block_shared_memory() {
+  static const int bytes = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    return n;
+  }();
+  return bytes;
+}
+
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   DispatchArgs a = args;
-  const int R = a.ctx.num_ranks, E = a.num_experts, L = E / R;
+  const int R = a.ctx.num_ranks, E = a.num_experts;
   // Output rows per arrival counter (fused mode): small chunks, so that the copy-out of the
   // last rows to arrive (one warp per chunk) is short, at most kMaxChunks counters.
   constexpr int kMinChunkRows = 4;
@@ -1111,8 +1121,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
     copy_chunking(a.num_tokens, a.x_row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
                   &a.copy_chunks);
   if (a.source_slots) return launch_dispatch_slots(a, stream);
-  const size_t tables = a.expert_major ? sizeof(int32_t) * (2 * E + L + L * (R + 1))
-                                       : sizeof(int32_t) * (2 * R + 1);
+  const size_t tables = dispatch_table_bytes(R, E, a.expert_major);
   const int sources = a.expert_major ? a.num_topk : R;
   auto launch = [&](auto expert_major) {
     constexpr bool kEM = decltype(expert_major)::value;

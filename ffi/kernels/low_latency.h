@@ -50,7 +50,6 @@
 
 namespace jax_ep {
 
-constexpr int kLLMaxTopk = 32;
 constexpr int kLLThreads = 512;
 
 enum class LLElement { kBF16, kF16, kF32, kRaw };
