@@ -107,22 +107,39 @@ def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capa
 
 
 # Variables that choose what the peers read or write: a process whose kernels expect another
-# data path, block count or chunking than its peers' would wait for data that never comes.
-SHARED_VARIABLES = ("JAX_EP_DISPATCH", "JAX_EP_COMBINE", "JAX_EP_NUM_BLOCKS",
-                    "JAX_EP_COPY_CHUNK_MB")
+# data path or chunking than its peers' would wait for data that never comes. (The block
+# count and the copy engines' enqueueing variables only shape a rank's own work.)
+SHARED_VARIABLES = ("JAX_EP_DISPATCH", "JAX_EP_COMBINE", "JAX_EP_COPY_CHUNK_MB")
+
+
+def _variable(name: str):
+    """A shared variable's value as the backend reads it (equal spellings compare equal)."""
+    value = os.environ.get(name)
+    if name == "JAX_EP_DISPATCH" and value is None:
+        return "fused"
+    if name == "JAX_EP_COPY_CHUNK_MB" and value is not None:
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _shared_settings(buffer_bytes: int, low_latency_bytes: int) -> dict:
     """What every process must agree on: the symmetric allocations (NVSHMEM allocates them
     collectively, the same size on every PE) and SHARED_VARIABLES."""
     settings = {"buffer_bytes": buffer_bytes, "low_latency_bytes": low_latency_bytes}
-    settings.update({name: os.environ.get(name) for name in SHARED_VARIABLES})
+    settings.update({name: _variable(name) for name in SHARED_VARIABLES})
     return settings
 
 
 def _check_same_settings(settings_by_rank: list[dict]) -> None:
     """Raises on every process alike (each reads every process's settings), before any of
-    them joins NVSHMEM, so that a mismatch is an error and not a hang."""
+    them joins NVSHMEM, so that a mismatch, or an error of one process's arguments, is an
+    error everywhere and not a hang."""
+    failed = [f"rank {r}: {s['error']}" for r, s in enumerate(settings_by_rank) if s.get("error")]
+    if failed:
+        raise ValueError("jax_ep.runtime.initialize failed on " + "; ".join(failed))
     differing = []
     for key in settings_by_rank[0]:
         values = [settings.get(key) for settings in settings_by_rank]
@@ -147,6 +164,37 @@ def _exchange(client, rank, world, generation, settings) -> list[dict]:
             for r in range(world)]
 
 
+def _agree(client, rank, world, generation, settings) -> bool:
+    """Exchanges and checks the settings; True when every process is on one host. Ends in a
+    barrier: a process that arrives after the others gave up waiting for it fails there too,
+    instead of joining an NVSHMEM job nobody else joins."""
+    everyone = _exchange(client, rank, world, generation, settings)
+    single_host = len({entry.pop("host") for entry in everyone}) == 1
+    _check_same_settings(everyone)
+    if world > 1:
+        client.wait_at_barrier(f"{_KEY_PREFIX}/{generation}/agreed", _KV_TIMEOUT_MS)
+    return single_host
+
+
+def _requested_sizes(world, buffer_bytes, low_latency_bytes, num_tokens, hidden, num_topk,
+                     num_experts, capacity, dtype, layout, fp8, alignment) -> tuple[int, int]:
+    if buffer_bytes is None:
+        if num_tokens is not None or hidden is not None:
+            buffer_bytes = _size_from_shapes(world, num_tokens, hidden, num_topk, num_experts,
+                                             capacity, dtype, layout, fp8, alignment)
+        else:
+            buffer_bytes = default_buffer_bytes()
+    buffer_bytes = int(buffer_bytes)
+    if buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    if low_latency_bytes is None:
+        low_latency_bytes = default_low_latency_bytes()
+    low_latency_bytes = int(low_latency_bytes)
+    if low_latency_bytes < 0:
+        raise ValueError(f"low_latency_bytes must be >= 0, got {low_latency_bytes}")
+    return buffer_bytes, low_latency_bytes
+
+
 def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None,
                hidden: int | None = None, num_topk: int | None = None,
                num_experts: int | None = None, capacity: int | None = None, dtype=None,
@@ -155,9 +203,10 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
     Collective: every process calls it with the same arguments. The processes compare their
-    buffer sizes and ``SHARED_VARIABLES`` through the key-value store before NVSHMEM starts;
-    a difference raises ValueError on every process (it would otherwise hang or corrupt). A
-    second call with the same or a smaller size does nothing.
+    buffer sizes and ``SHARED_VARIABLES`` (as they are set now: keep them unchanged
+    afterwards) through the key-value store before NVSHMEM starts; a difference, or a bad
+    size on any process, raises ValueError on every process (it would otherwise hang or
+    corrupt). A second call with the same or a smaller size does nothing.
 
     Args:
       buffer_bytes: symmetric buffer per GPU. If None and ``num_tokens``/``hidden``/``num_topk``
@@ -189,20 +238,16 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         raise RuntimeError("call jax.distributed.initialize(...) (or jax_ep.launch."
                            "init_distributed()) before jax_ep.runtime.initialize()")
 
-    if buffer_bytes is None:
-        if num_tokens is not None or hidden is not None:
-            buffer_bytes = _size_from_shapes(world, num_tokens, hidden, num_topk, num_experts,
-                                             capacity, dtype, layout, fp8, alignment)
-        else:
-            buffer_bytes = default_buffer_bytes()
-    buffer_bytes = int(buffer_bytes)
-    if buffer_bytes <= 0:
-        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
-    if low_latency_bytes is None:
-        low_latency_bytes = default_low_latency_bytes()
-    low_latency_bytes = int(low_latency_bytes)
-    if low_latency_bytes < 0:
-        raise ValueError(f"low_latency_bytes must be >= 0, got {low_latency_bytes}")
+    error = None
+    try:
+        buffer_bytes, low_latency_bytes = _requested_sizes(
+            world, buffer_bytes, low_latency_bytes, num_tokens, hidden, num_topk, num_experts,
+            capacity, dtype, layout, fp8, alignment)
+    except (ValueError, TypeError) as e:
+        if module.is_initialized() or world == 1:
+            raise
+        # the others are about to wait for this process: they get its error, not a timeout
+        buffer_bytes, low_latency_bytes, error = 0, 0, f"{type(e).__name__}: {e}"
 
     if module.is_initialized():
         # checks sizes and rank
@@ -211,10 +256,10 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
 
     generation = _generation
     _generation += 1
-    everyone = _exchange(client, rank, world, generation,
-                         _shared_settings(buffer_bytes, low_latency_bytes))
-    single_host = len({entry.pop("host") for entry in everyone}) == 1
-    _check_same_settings(everyone)
+    settings = _shared_settings(buffer_bytes, low_latency_bytes)
+    if error is not None:
+        settings["error"] = error
+    single_host = _agree(client, rank, world, generation, settings)
     # NVSHMEM reads these when the unique id is made (its bootstrap socket) and at init.
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     if single_host:

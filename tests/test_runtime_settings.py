@@ -30,15 +30,28 @@ class FakeKeyValueStore:
             assert self.changed.wait_for(lambda: key in self.values, timeout_ms / 1000), key
             return self.values[key]
 
+    def wait_at_barrier(self, barrier_id, timeout_ms):
+        with self.changed:
+            self.arrived = getattr(self, "arrived", {})
+            self.arrived[barrier_id] = self.arrived.get(barrier_id, 0) + 1
+            self.changed.notify_all()
+            if not self.changed.wait_for(lambda: self.arrived[barrier_id] == self.world,
+                                         timeout_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: barrier {barrier_id}")
 
-def _exchange_all(settings_by_rank, generation=0):
-    """Every rank's _exchange, each in its own thread, as the processes run it."""
+
+def _exchange_all(settings_by_rank, generation=0, step=runtime._exchange):
+    """Every rank's _exchange (or _agree), each in its own thread, as the processes run it;
+    [what it returned or raised] by rank."""
     store, world = FakeKeyValueStore(), len(settings_by_rank)
+    store.world = world
     results = [None] * world
 
     def run(rank):
-        results[rank] = runtime._exchange(store, rank, world, generation,
-                                          settings_by_rank[rank])
+        try:
+            results[rank] = step(store, rank, world, generation, dict(settings_by_rank[rank]))
+        except Exception as e:  # noqa: BLE001 - the test looks at what each rank raised
+            results[rank] = e
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for thread in threads:
@@ -59,9 +72,9 @@ def test_every_rank_sees_every_ranks_settings_and_host():
 
 def test_equal_settings_pass(monkeypatch):
     monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
-    monkeypatch.delenv("JAX_EP_NUM_BLOCKS", raising=False)
+    monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
     mine = runtime._shared_settings(1 << 30, 1 << 26)
-    assert mine["JAX_EP_DISPATCH"] == "copy" and mine["JAX_EP_NUM_BLOCKS"] is None
+    assert mine["JAX_EP_DISPATCH"] == "copy" and mine["JAX_EP_COMBINE"] is None
     for seen in _exchange_all([mine] * 4):
         for entry in seen:
             entry.pop("host")
@@ -69,18 +82,38 @@ def test_equal_settings_pass(monkeypatch):
 
 
 def test_a_different_size_or_variable_is_named_with_every_ranks_value(monkeypatch):
-    monkeypatch.delenv("JAX_EP_NUM_BLOCKS", raising=False)
+    monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
     base = runtime._shared_settings(1 << 30, 0)
-    settings = [base, dict(base, buffer_bytes=1 << 29), dict(base, JAX_EP_NUM_BLOCKS="24")]
-    for seen in _exchange_all(settings):
-        for entry in seen:
-            entry.pop("host")
-        with pytest.raises(ValueError) as error:
-            runtime._check_same_settings(seen)
-        message = str(error.value)
+    settings = [base, dict(base, buffer_bytes=1 << 29), dict(base, JAX_EP_COMBINE="copy")]
+    for outcome in _exchange_all(settings, step=runtime._agree):
+        assert isinstance(outcome, ValueError), outcome  # every rank, none into NVSHMEM
+        message = str(outcome)
         assert f"buffer_bytes (rank 0: {1 << 30}, rank 1: {1 << 29}, rank 2: {1 << 30})" in message
-        assert "JAX_EP_NUM_BLOCKS (rank 0: unset, rank 1: unset, rank 2: 24)" in message
+        assert "JAX_EP_COMBINE (rank 0: unset, rank 1: unset, rank 2: copy)" in message
         assert "low_latency_bytes" not in message
+
+
+def test_equal_settings_agree_on_every_rank():
+    settings = [runtime._shared_settings(1 << 30, 0)] * 3
+    assert _exchange_all(settings, step=runtime._agree) == [True] * 3  # one host
+
+
+def test_one_ranks_bad_arguments_fail_every_rank():
+    base = runtime._shared_settings(1 << 30, 0)
+    settings = [base, dict(base, buffer_bytes=0, error="ValueError: buffer_bytes must be "
+                                                       "positive, got -1"), base]
+    for outcome in _exchange_all(settings, step=runtime._agree):
+        assert isinstance(outcome, ValueError), outcome
+        assert "failed on rank 1: ValueError: buffer_bytes must be positive" in str(outcome)
+
+
+def test_equal_spellings_compare_equal(monkeypatch):
+    monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
+    monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "4")
+    unset = runtime._shared_settings(1, 0)
+    monkeypatch.setenv("JAX_EP_DISPATCH", "fused")
+    monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "4.0")
+    runtime._check_same_settings([unset, runtime._shared_settings(1, 0)])
 
 
 def test_the_shared_variables_are_the_ones_the_backend_reads():
@@ -92,3 +125,55 @@ def test_the_shared_variables_are_the_ones_the_backend_reads():
     sources = "".join(p.read_text() for p in files if p.name != "runtime.py")
     for name in runtime.SHARED_VARIABLES:
         assert f'"{name}"' in sources, name
+
+
+def test_a_rank_arriving_after_the_others_gave_up_fails_at_the_barrier(monkeypatch):
+    """Rank 0 times out waiting for rank 1's settings; rank 1 arrives later, finds them all
+    and agrees, but must not go on into NVSHMEM's bootstrap (nobody would join it)."""
+    monkeypatch.setattr(runtime, "_KV_TIMEOUT_MS", 200)
+    store, settings = FakeKeyValueStore(), runtime._shared_settings(1 << 30, 0)
+    store.world = 2
+    with pytest.raises(AssertionError):  # the fake store's timeout
+        runtime._agree(store, 0, 2, 0, dict(settings))
+    with pytest.raises(RuntimeError, match="DEADLINE_EXCEEDED"):
+        runtime._agree(store, 1, 2, 0, dict(settings))
+
+
+def test_agreement_through_jax_distributed_on_cpu(tmp_path):
+    """The same steps through the real jax.distributed client (two CPU processes): equal
+    settings agree, then a variable set on one rank only fails both."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "agree.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import jax
+        from jax._src import distributed
+        from jax_ep import launch, runtime
+        assert launch.init_distributed()
+        client, me = distributed.global_state.client, jax.process_index()
+        os.environ.pop("JAX_EP_COMBINE", None)
+        print("agreed", runtime._agree(client, me, 2, 0, runtime._shared_settings(64, 0)))
+        if me == 1:
+            os.environ["JAX_EP_COMBINE"] = "copy"
+        try:
+            runtime._agree(client, me, 2, 1, runtime._shared_settings(64, 0))
+            print("went on")
+        except ValueError as e:
+            print("refused:", e)
+    """))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
+               PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", "2", str(script)],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=repo)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] agreed True" in out.stdout
+        assert (f"[rank {rank}] refused: jax_ep.runtime.initialize: every process must pass "
+                "the same sizes and set the same jax_ep variables; they differ in "
+                "JAX_EP_COMBINE (rank 0: unset, rank 1: copy)") in out.stdout, out.stdout
+    assert "went on" not in out.stdout
