@@ -7,6 +7,7 @@ operand so that the kernels can check it equals the process's NVSHMEM PE.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -47,7 +48,8 @@ _DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3, "copy": 4}
 # `auto` picks the copy-engine paths where a peer is expected to need at least this share of
 # a rank's tokens: they send every token to every peer (2 and 4 ranks at DeepSeek-V3 shapes).
 _COPY_MIN_TOKEN_SHARE = 0.85
-_MAX_COPY_RANKS = 32  # kMaxCopyRanks in ffi/kernels/buffer_layout.h
+# kMaxCopyRanks (module.limits()), kept here so that the data-path choice needs no extension
+_MAX_COPY_RANKS = 32
 
 
 def expected_token_share(num_ranks, num_topk, num_experts) -> float:
@@ -103,6 +105,7 @@ def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
     return np.int64(mode == "copy" and layout != EXPERT_MAJOR and num_ranks <= _MAX_COPY_RANKS)
 
 
+@functools.cache
 def _limits() -> dict:
     """The kernels' size limits (ffi/kernels/buffer_layout.h), read from the extension."""
     module, why = _native.load()

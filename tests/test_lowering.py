@@ -241,4 +241,4 @@ def test_copy_engine_rank_limit_is_checked_at_trace_time(monkeypatch):
     monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
     with pytest.raises(ValueError, match="JAX_EP_DISPATCH=copy.*at most 1 ranks"):
         _lowered_dispatch_combine("rank_major")
-    assert limit == 32
+    assert limit == _cuda._MAX_COPY_RANKS  # the auto selection's copy of the limit
