@@ -7,7 +7,7 @@ Call inside ``jax.shard_map`` over an expert-parallel mesh axis::
     x_back = jax_ep.combine(y, out.handle)
 """
 
-from jax_ep import moe
+from jax_ep import experts, moe
 from jax_ep._types import (
     EXPERT_MAJOR,
     RANK_MAJOR,
@@ -54,6 +54,7 @@ __all__ = [
     "default_capacity",
     "dequantize_fp8",
     "dispatch",
+    "experts",
     "get_dispatch_layout",
     "low_latency_buffer_size_hint",
     "low_latency_combine",

@@ -7,7 +7,6 @@ operand so that the kernels can check it equals the process's NVSHMEM PE.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -48,8 +47,16 @@ _DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3, "copy": 4}
 # `auto` picks the copy-engine paths where a peer is expected to need at least this share of
 # a rank's tokens: they send every token to every peer (2 and 4 ranks at DeepSeek-V3 shapes).
 _COPY_MIN_TOKEN_SHARE = 0.85
-# kMaxCopyRanks (module.limits()), kept here so that the data-path choice needs no extension
-_MAX_COPY_RANKS = 32
+# The kernels' size limits (ffi/kernels/buffer_layout.h), kept here so that tracing and every
+# check made while tracing need no extension; a GPU test keeps them equal to module.limits().
+LIMITS = {
+    "max_ranks": 1024,             # kMaxRanks
+    "max_sources": 16,             # kMaxSources: a token's destinations in the push dispatches
+                                   # and the rows one token sums in every combine
+    "max_copy_ranks": 32,          # kMaxCopyRanks: ranks of the copy-engine paths
+    "low_latency_max_topk": 32,    # kLLMaxTopk
+}
+_MAX_COPY_RANKS = LIMITS["max_copy_ranks"]
 
 
 def expected_token_share(num_ranks, num_topk, num_experts) -> float:
@@ -105,13 +112,9 @@ def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
     return np.int64(mode == "copy" and layout != EXPERT_MAJOR and num_ranks <= _MAX_COPY_RANKS)
 
 
-@functools.cache
 def _limits() -> dict:
-    """The kernels' size limits (ffi/kernels/buffer_layout.h), read from the extension."""
-    module, why = _native.load()
-    if module is None:
-        raise RuntimeError(why)
-    return module.limits()
+    """The kernels' size limits (``LIMITS``)."""
+    return LIMITS
 
 
 def _check_sources(op, path, count, expert_major):

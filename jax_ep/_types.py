@@ -118,6 +118,8 @@ class DispatchOutput(NamedTuple):
     num_dropped:  [] int32 rows addressed to this rank that did not fit in the capacity
                   (always 0 for source_slots).
     handle:       DispatchHandle for combine and the backward passes.
+    num_invalid:  [] int32 (token, k) entries of this rank's topk_idx outside [-1, E): they
+                  are treated as -1 (sent nowhere, never read), and counted here.
     """
 
     x: jax.Array
@@ -129,6 +131,7 @@ class DispatchOutput(NamedTuple):
     num_received: jax.Array
     num_dropped: jax.Array
     handle: DispatchHandle
+    num_invalid: jax.Array | None = None  # set by jax_ep.dispatch (backends leave it None)
 
 
 class DispatchLayout(NamedTuple):
@@ -146,11 +149,15 @@ class DispatchLayout(NamedTuple):
 # among its source's pairs for the same expert, in (token, k) order (computed at the source,
 # no exchange); a pair whose slot is >= M is dropped at the source and counted in the
 # source's num_dropped (only possible when a token lists one expert twice). Local expert
-# l's block is [R * M] rows; its first recv_count[l] rows are used, ordered by (source rank,
-# source token, k), i.e. row = (kept pairs of earlier sources for l) + slot; the rest have -1
-# handle entries and unspecified data (the reference backend zeroes it; the CUDA kernels
-# leave it, as a decode step must not write L*R*M rows). Combine weights each row by the
-# source's gate and sums a token's K rows in k order, in float32.
+# l's block is [R * M] rows; its first recv_count[l] rows are used. On rank ``me`` they are
+# ordered by source rank in the order me, me + 1, ..., R - 1, 0, ..., me - 1 (this rank's own
+# pairs first: the fused CUDA dispatch writes them while the peers' records are in flight),
+# then by (source token, k): row = (kept pairs for l of the sources before s in that order)
+# + slot. The rest have -1 handle entries and unspecified data (the reference backend zeroes
+# it; the CUDA kernels leave it, as a decode step must not write L*R*M rows). Combine weights
+# each row by the source's gate; each expert rank sums its rows of a token in k order in
+# float32 and rounds that partial to y's dtype; the token's owner adds the partials in rank
+# order (0, 1, ..., R - 1) in float32 and rounds to y's dtype.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,10 +223,12 @@ class LowLatencyOutput(NamedTuple):
     recv_count: [L] int32 rows used per local expert; num_dropped: [] int32 pairs of this
     rank's tokens dropped at the source because their per-(source, expert) slot was >= M
     (only possible when a token lists one expert twice);
-    handle: LowLatencyHandle."""
+    handle: LowLatencyHandle; num_invalid: [] int32 (token, k) entries of this rank's
+    topk_idx outside [-1, E), treated as -1 and counted."""
 
     x: jax.Array
     x_scales: jax.Array | None
     recv_count: jax.Array
     num_dropped: jax.Array
     handle: LowLatencyHandle
+    num_invalid: jax.Array | None = None  # set by the public calls (backends leave it None)

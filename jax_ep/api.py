@@ -100,9 +100,31 @@ def _check_topk(topk_idx, num_experts, num_ranks, what="dispatch"):
             raise ValueError(
                 f"{what}: topk_idx holds {int(bad.sum())} ids outside [-1, {num_experts}) "
                 f"(e.g. {int(ids[bad][0])}); -1 means 'no expert'")
-    if topk_idx.dtype != jnp.int32:  # traced wide ids must not wrap into valid experts
-        topk_idx = jnp.where((topk_idx < 0) | (topk_idx >= num_experts), -1, topk_idx)
+    if topk_idx.dtype != jnp.int32:  # other widths must neither wrap nor clip into experts
+        topk_idx = jnp.where(_invalid(topk_idx, num_experts) | (_widened(topk_idx) < 0), -1,
+                             topk_idx)
     return topk_idx.astype(jnp.int32)
+
+
+def _widened(ids):
+    """ids in a type that holds them and num_experts (compared without wrapping)."""
+    ids = jnp.asarray(ids)
+    if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+        return ids.astype(jnp.promote_types(ids.dtype, jnp.uint32))
+    return ids.astype(jnp.promote_types(ids.dtype, jnp.int32))
+
+
+def _invalid(topk_idx, num_experts):
+    """Mask of the ids outside [-1, num_experts)."""
+    ids = _widened(topk_idx)
+    if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+        return ids >= num_experts
+    return (ids < -1) | (ids >= num_experts)
+
+
+def _num_invalid(topk_idx, num_experts):
+    """[] int32: entries of topk_idx outside [-1, num_experts)."""
+    return jnp.sum(_invalid(topk_idx, num_experts), dtype=jnp.int32)
 
 
 def _split_x(x):
@@ -176,6 +198,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
     """
     data, scales = _split_x(x)
     num_ranks = _axis_size(axis_name)
+    raw_idx = topk_idx
     topk_idx = _check_topk(topk_idx, num_experts, num_ranks)
     T, H = data.shape
     if topk_idx.shape[0] != T:
@@ -208,7 +231,8 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         num_experts=int(num_experts), num_ranks=num_ranks, num_tokens=T, hidden=H, num_topk=K,
         capacity=int(capacity), layout=layout, alignment=int(expert_alignment),
         axis_name=axis_name, backend=_resolve_backend(backend))
-    return _dispatch(config, data, scales, topk_idx, topk_weights.astype(jnp.float32))
+    out = _dispatch(config, data, scales, topk_idx, topk_weights.astype(jnp.float32))
+    return out._replace(num_invalid=_num_invalid(raw_idx, num_experts))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

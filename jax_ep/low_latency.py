@@ -40,6 +40,7 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
                         "float32); use_fp8=True quantises them in the send")
     x, _ = api._split_x(x)
     R = api._axis_size(axis_name)
+    raw_idx = topk_idx
     topk_idx = api._check_topk(topk_idx, num_experts, R, "low_latency_dispatch")
     T, H = x.shape
     if topk_idx.shape[0] != T:
@@ -57,7 +58,7 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
         num_experts=int(num_experts), num_ranks=R, num_tokens=T, hidden=H,
         num_topk=topk_idx.shape[1], max_tokens_per_rank=int(max_tokens_per_rank),
         use_fp8=bool(use_fp8), ue8m0=bool(ue8m0), axis_name=axis_name, backend=resolved)
-    return x, topk_idx, config
+    return x, topk_idx, config, api._num_invalid(raw_idx, num_experts)
 
 
 def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,
@@ -79,22 +80,23 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
     With ``use_fp8`` the tokens are quantised (one scale per 128 channels) before sending and
     arrive as e4m3 data + float32 scales; then no gradient flows back to ``x``.
     """
-    x, topk_idx, config = _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
-                                  use_fp8, ue8m0, backend)
-    return _ll_dispatch(config, x, topk_idx)
+    x, topk_idx, config, num_invalid = _config(x, topk_idx, num_experts, max_tokens_per_rank,
+                                               axis_name, use_fp8, ue8m0, backend)
+    return _ll_dispatch(config, x, topk_idx)._replace(num_invalid=num_invalid)
 
 
 def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
                               use_fp8=True, ue8m0=False, backend="auto"):
     """First half of ``low_latency_dispatch`` (not differentiable): returns a pending pytree."""
-    x, topk_idx, config = _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name,
-                                  use_fp8, ue8m0, backend)
-    return _Pending(_backend(config).low_latency_send(x, topk_idx, config), config)
+    x, topk_idx, config, num_invalid = _config(x, topk_idx, num_experts, max_tokens_per_rank,
+                                               axis_name, use_fp8, ue8m0, backend)
+    return _Pending(_backend(config).low_latency_send(x, topk_idx, config), config, num_invalid)
 
 
 def low_latency_dispatch_receive(pending) -> LowLatencyOutput:
     """Second half: lay out what arrived."""
-    return _backend(pending.config).low_latency_receive(pending.arrays, pending.config)
+    out = _backend(pending.config).low_latency_receive(pending.arrays, pending.config)
+    return out._replace(num_invalid=pending.num_invalid)
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
@@ -124,17 +126,18 @@ def low_latency_combine_receive(pending, handle: LowLatencyHandle):
 
 @jax.tree_util.register_pytree_node_class
 class _Pending:
-    """Arrays in flight between a send and its receive, plus the static config."""
+    """Arrays in flight between a send and its receive, plus the static config (and, for a
+    dispatch, the count of invalid ids its output reports)."""
 
-    def __init__(self, arrays, config):
-        self.arrays, self.config = arrays, config
+    def __init__(self, arrays, config, num_invalid=None):
+        self.arrays, self.config, self.num_invalid = arrays, config, num_invalid
 
     def tree_flatten(self):
-        return (self.arrays,), self.config
+        return (self.arrays, self.num_invalid), self.config
 
     @classmethod
     def tree_unflatten(cls, config, children):
-        return cls(children[0], config)
+        return cls(children[0], config, children[1])
 
 
 def _check_combine(y, topk_weights, handle):

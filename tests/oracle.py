@@ -217,3 +217,17 @@ def low_latency_combine(y, topk_weights, topk_idx, num_experts, max_tokens):
                     total = total + partial.astype(y.dtype).astype(np.float32)
             out[s, t] = total.astype(y.dtype)
     return out
+
+
+def assert_low_latency_block_order(src_rank, src_token, src_k, recv_count):
+    """The contract's low-latency block order (jax_ep/_types.py), checked on gathered handles
+    [R, L, R*M]: on rank me, each block's used rows are a prefix of recv_count[l] rows sorted
+    by (source position in me, me + 1, ..., me - 1; source token; k), strictly."""
+    R, L, _ = src_rank.shape
+    for me in range(R):
+        for e in range(L):
+            n = int(recv_count[me, e])
+            assert (src_rank[me, e, :n] >= 0).all() and (src_rank[me, e, n:] == -1).all()
+            keys = [((int(s) - me) % R, int(t), int(k)) for s, t, k in
+                    zip(src_rank[me, e, :n], src_token[me, e, :n], src_k[me, e, :n])]
+            assert all(a < b for a, b in zip(keys, keys[1:])), (me, e, keys)

@@ -232,3 +232,17 @@ def test_low_latency_buffer_hint_covers_both_parities():
         assert got >= dispatch * 2 and got >= combine * 2
         assert got <= 1.02 * max(dispatch * 2, combine * 2) + (1 << 20)
         assert jax_ep.low_latency_buffer_size_hint(M, H, E, K, R, jnp.float32) > got
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_low_latency_block_order_and_invalid_ids(split):
+    """The block order the contract states, and ids outside [-1, E) counted per source."""
+    R, T, M, H, K, E = 4, 6, 6, 128, 3, 8
+    rng = np.random.default_rng(11)
+    x, idx, _ = make_inputs(rng, R, T, H, K, E, "random", 0.2)
+    idx[1, 0, 0], idx[1, 3, 2], idx[3, 5, 1] = E, -2, E + 100
+    out = ll_dispatch(x, idx, E, M, use_fp8=False, split=split)
+    h = out.handle
+    oracle.assert_low_latency_block_order(np.asarray(h.src_rank), np.asarray(h.src_token),
+                                          np.asarray(h.src_k), np.asarray(out.recv_count))
+    np.testing.assert_array_equal(out.num_invalid, [0, 2, 0, 1])

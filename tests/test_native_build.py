@@ -50,6 +50,14 @@ def test_module_exports_only_its_entry_point():
 
 
 @needs_module
+def test_python_copy_of_the_kernel_limits_matches_the_extension():
+    # Tracing checks the limits without loading the extension: its Python copy must agree.
+    from jax_ep import _cuda
+
+    assert module.limits() == _cuda.LIMITS
+
+
+@needs_module
 def test_ffi_targets_are_capsules():
     targets = module.ffi_targets()
     assert "jax_ep_layout" in targets

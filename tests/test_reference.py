@@ -219,18 +219,33 @@ def test_repeated_runs_are_identical():
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("layout", ["rank_major", "source_slots"])
-def test_out_of_range_ids_under_tracing_are_ignored(layout):
-    """Traced ids cannot be checked at trace time: outside [-1, E) they count as -1."""
+@pytest.mark.parametrize("layout", ["rank_major", "source_slots", "expert_major"])
+def test_out_of_range_ids_under_tracing_are_ignored_and_counted(layout):
+    """Traced ids cannot be checked at trace time: outside [-1, E) they act as -1 and every
+    such (token, k) entry is counted in num_invalid on its source rank."""
     R, T, H, K, E = 2, 6, 4, 2, 4
     rng = np.random.default_rng(0)
     x, idx, w = make_inputs(rng, R, T, H, K, E)
     bad = idx.copy()
-    bad[0, 0, 0], bad[1, 2, 1] = E + 3, -7
+    bad[0, 0, 0], bad[1, 2, 1], bad[1, 4, 0] = E + 3, -7, E
     masked = np.where((bad < 0) | (bad >= E), -1, bad).astype(np.int32)
     got = dispatch_all(x, bad, w, E, layout=layout)
     want, slot = oracle.dispatch(x, masked, w, E, got.x.shape[1], layout)
     assert_matches_oracle(got, want, slot)
+    np.testing.assert_array_equal(got.num_invalid, [1, 2])
+    np.testing.assert_array_equal(dispatch_all(x, masked, w, E, layout=layout).num_invalid,
+                                  [0, 0])
+
+
+def test_narrow_and_unsigned_ids_are_counted_without_wrapping():
+    R, T, H, K, E = 2, 4, 4, 2, 200
+    x = np.ones((R, T, H), np.float32)
+    for dtype, bad in ((np.int8, -100), (np.uint8, 250), (np.uint32, 2 ** 32 - 1)):
+        idx = np.zeros((R, T, K), dtype)
+        idx[0, 1, 1] = bad
+        got = dispatch_all(x, idx, np.ones((R, T, K), np.float32), E)
+        np.testing.assert_array_equal(got.num_invalid, [1, 0], err_msg=str(dtype))
+        np.testing.assert_array_equal(got.tokens_per_expert.sum(), R * T * K - 1)
 
 
 @pytest.mark.parametrize("R,cap", [(2, None), (4, None), (4, 0.6), (8, 0.4)])
