@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: build,test,copytest,slotstest,slotsweep,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,trace,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,trace,gemm,moelayer,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -19,7 +19,13 @@ SHARE=${GPUS:+--gpus $GPUS}
 SLOW=${GPUS:+2}; SLOW=${SLOW:-1}
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
-if [[ $WHAT == *build* ]]; then
+if [[ ,$WHAT, == *,prebuilt,* ]]; then  # an extension built elsewhere for this Python, carried
+  step "prebuilt extension"
+  nvidia-smi -L
+  ls -l jax_ep/_C*.so && $PY -c "from jax_ep import _native; m, why = _native.load(); print(m or why)"
+  $PY -m pytest -q tests/test_native_build.py 2>&1 | tail -2
+fi
+if [[ ,$WHAT, == *,build,* ]]; then
   step build
   nvidia-smi -L
   $PY -c "import jax, nvidia.nvshmem as m; print('jax', jax.__version__, 'nvshmem', list(m.__path__))"
@@ -150,6 +156,18 @@ if [[ ,$WHAT, == *,trace,* ]]; then  # the GPU timeline of chained calls (CUPTI,
   JAX_EP_COMMAND_BUFFERS=1 timeout 120 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/trace_calls.py \
     --rows ll_fp8,ll_split 2>&1 | tee "$OUT/trace_graphs_$N.log" |
     grep -E "^\[rank 0\] ( |=|[a-z_0-9]+: )" | sed 's/^\[rank 0\] //' | cut -c1-160
+fi
+if [[ ,$WHAT, == *,gemm,* ]]; then  # expert GEMMs on one GPU: tests, then the table
+  step "expert GEMM tests and benchmark on one GPU"
+  CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout 200 $PY -m pytest -q -p no:cacheprovider \
+    tests/test_experts.py 2>&1 | tee "$OUT/gemm_tests.log" | tail -4
+  CUDA_VISIBLE_DEVICES=0 timeout 280 $PY benchmarks/bench_expert_gemm.py ${GEMM_ARGS:-} 2>&1 |
+    tee "$OUT/bench_expert_gemm.log" | grep -vE "^(WARNING|I0000|W0000)"
+fi
+if [[ ,$WHAT, == *,moelayer,* ]]; then  # one MoE layer's training step, four ways of EP
+  step "MoE layer step on $N GPUs"
+  timeout 300 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_moe_layer.py ${LAYER_ARGS:-} \
+    2>&1 | tee "$OUT/bench_moe_layer_$N.log" | grep -E "^\[rank 0\]" | sed 's/^\[rank 0\] //'
 fi
 if [[ $WHAT == *example* && -n ${GPUS:-} ]]; then
   step "example skipped: its XLA collectives (NCCL) need one GPU per rank"

@@ -2,31 +2,262 @@
 
 Rows arrive from ``dispatch(..., layout="expert_major")`` grouped by local expert: group ``g``
 is rows ``[sum(group_sizes[:g]), sum(group_sizes[:g + 1]))``; rows past ``sum(group_sizes)``
-are padding and come out zero.
+are padding and come out zero. ``sum(group_sizes)`` must not exceed the number of rows.
+
+Grouped matmul implementations (``impl``):
+
+* ``"ragged_dot"``: ``jax.lax.ragged_dot`` and its own autodiff; runs everywhere, but XLA's
+  GPU ragged dot is slow and runs out of memory autotuning at DeepSeek-V3 shapes.
+* ``"mgpu"``: JAX's Pallas Mosaic-GPU Hopper kernels under a ``jax.custom_vjp``: forward
+  ``x @ w[e]`` and ``dx = dy @ w[e]^T`` through ``ragged_dot_mgpu.ragged_dot`` (dx reads
+  ``w [L, K, N]`` as ``[L, N_out=K, K_contract=N]`` with ``transpose_rhs=True``: K-major B is
+  WGMMA's native operand layout, so no transposed copy of the weights is made), and
+  ``dw = x_g^T @ dy_g`` through ``transposed_ragged_dot_mgpu.transposed_ragged_dot``, which
+  takes row-major ``x [M, K]`` and ``dy [M, N]`` as they are. bf16/f16 only (WGMMA cannot
+  transpose 32-bit operands); the kernels leave rows past ``sum(group_sizes)`` unwritten, so
+  they are zeroed here (a ``where`` that XLA fuses into neighbouring elementwise work).
+* ``"auto"`` (default): ``"mgpu"`` on an sm_90 GPU (H100/H200) for bf16/f16 operands whose
+  shapes fit some block config, ``"ragged_dot"`` otherwise. Decided at trace time.
+
+``swiglu_mlp_padded`` is the capacity-padded alternative: rows are copied into per-expert
+``[L, C, H]`` blocks (overflow dropped and counted), a batched einsum runs at full GEMM rate,
+and rows are copied back.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+IMPLS = ("auto", "ragged_dot", "mgpu")
 
-def grouped_matmul(x, w, group_sizes):
+
+# ----------------------------------------------------------------------------- configs
+
+
+class GemmConfig(NamedTuple):
+    """Block config of one Mosaic-GPU ragged GEMM (the kernels' keyword arguments).
+
+    fwd/dx (``ragged_dot``): block_m over rows, block_n over output columns, block_k over the
+    contraction. dw (``transposed_ragged_dot``): block_m over K, block_n over N, block_k over
+    rows (the ragged contraction).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    max_concurrent_steps: int
+    grid_block_n: int
+
+
+class GemmConfigs(NamedTuple):
+    """The three kernels' configs of one grouped matmul ``x [M, K] @ w [L, K, N]``."""
+
+    fwd: GemmConfig
+    dx: GemmConfig
+    dw: GemmConfig
+
+
+# (pass, K, N) of w [L, K, N] -> config; measured on an H100 (bench_expert_gemm.py --sweep).
+TUNED_CONFIGS: dict[tuple[str, int, int], GemmConfig] = {
+    ("fwd", 7168, 2048): GemmConfig(128, 128, 64, 4, 4),
+    ("dx", 7168, 2048): GemmConfig(128, 128, 64, 5, 4),
+    ("dw", 7168, 2048): GemmConfig(128, 128, 64, 4, 2),
+    ("fwd", 2048, 7168): GemmConfig(128, 128, 128, 2, 4),
+    ("dx", 2048, 7168): GemmConfig(128, 128, 64, 3, 4),
+    ("dw", 2048, 7168): GemmConfig(128, 128, 64, 4, 2),
+}
+
+_SMEM_BYTES = 227 * 1024  # per-block shared memory on sm_90
+
+
+def _smem_bytes(cfg: GemmConfig, itemsize: int) -> int:
+    step = (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
+    return cfg.max_concurrent_steps * step + cfg.block_m * cfg.block_n * itemsize
+
+
+def config_fits(kind: str, cfg: GemmConfig, m: int, k: int, n: int, itemsize: int = 2) -> bool:
+    """Whether ``cfg`` can run pass ``kind`` of ``x [m, k] @ w [L, k, n]`` (divisibility the
+    kernels need, shared memory)."""
+    if _smem_bytes(cfg, itemsize) > _SMEM_BYTES or cfg.max_concurrent_steps < 1:
+        return False
+    if cfg.block_m % 64 or cfg.block_n % 64 or cfg.block_k % 64 or m <= 0:
+        return False
+    if kind == "fwd":
+        rows, out, red = m, n, k
+    elif kind == "dx":
+        rows, out, red = m, k, n
+    elif kind == "dw":  # kernel m = K, n = N, k = rows
+        return k % cfg.block_m == 0 and n % cfg.block_n == 0 and m % cfg.block_k == 0
+    else:
+        raise ValueError(f"unknown pass {kind!r}")
+    return rows % cfg.block_m == 0 and out % cfg.block_n == 0 and red % cfg.block_k == 0
+
+
+def _heuristic_config(kind: str, m: int, k: int, n: int) -> GemmConfig:
+    def block(dim):
+        return 128 if dim % 128 == 0 else 64
+
+    if kind == "fwd":
+        bm, bn = block(m), block(n)
+    elif kind == "dx":
+        bm, bn = block(m), block(k)
+    else:
+        bm, bn = block(k), block(n)
+    return GemmConfig(bm, bn, 64, 4, 4)
+
+
+def select_configs(m: int, k: int, n: int, itemsize: int = 2,
+                 overrides=None) -> GemmConfigs | None:
+    """Configs for ``x [m, k] @ w [L, k, n]``: ``overrides`` (same keys as
+    ``TUNED_CONFIGS``), then the tuned table, then a heuristic; None when no config fits."""
+    picked = []
+    for kind in GemmConfigs._fields:
+        key = (kind, k, n)
+        candidates = [c for c in ((overrides or {}).get(key), TUNED_CONFIGS.get(key),
+                                  _heuristic_config(kind, m, k, n)) if c is not None]
+        cfg = next((c for c in candidates if config_fits(kind, c, m, k, n, itemsize)), None)
+        if cfg is None:
+            return None
+        picked.append(cfg)
+    return GemmConfigs(*picked)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _mgpu_ragged_dot(lhs, rhs, group_sizes, cfg: GemmConfig, transpose_rhs: bool):
+    """lhs [M, K'] @ rhs[g] ([L, K', N'] or, transposed, [L, N', K']) -> [M, N'] in lhs'
+    dtype; rows past sum(group_sizes) are left unwritten."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes,
+                                      transpose_rhs=transpose_rhs, **cfg._asdict())
+
+
+def _mgpu_transposed_ragged_dot(lhs, rhs, group_sizes, cfg: GemmConfig):
+    """lhs [M, K], rhs [M, N] -> [L, K, N]: lhs_g^T @ rhs_g per group (zero for empty ones)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        lhs, rhs, group_sizes=group_sizes, **cfg._asdict())
+
+
+class _Kernels(NamedTuple):
+    """The grouped-GEMM primitives the custom_vjp is built from (swappable for tests)."""
+
+    ragged_dot: Callable
+    transposed_ragged_dot: Callable
+    dtypes: tuple
+
+
+_MGPU_KERNELS = _Kernels(_mgpu_ragged_dot, _mgpu_transposed_ragged_dot,
+                         (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+@functools.cache
+def _is_hopper_gpu() -> bool:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu":
+        return False
+    try:  # the Mosaic-GPU Pallas backend ships with the CUDA plugin
+        from jax.experimental.pallas.ops.gpu import (  # noqa: F401
+            ragged_dot_mgpu,
+            transposed_ragged_dot_mgpu,
+        )
+    except ImportError:
+        return False
+    cc = str(getattr(dev, "compute_capability", ""))  # "9.0" on H100/H200
+    if cc:
+        return cc == "9.0"
+    kind = dev.device_kind.upper()
+    return any(name in kind for name in ("H100", "H200", "H800", "H20"))
+
+
+# ----------------------------------------------------------------------------- grouped matmul
+
+
+def _zero_padding_rows(y, group_sizes):
+    keep = jnp.arange(y.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
+    return jnp.where(keep[:, None], y, jnp.zeros((), y.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _custom_gmm(x, w, group_sizes, kernels: _Kernels, cfgs: GemmConfigs):
+    y = kernels.ragged_dot(x, w, group_sizes, cfgs.fwd, False)
+    return _zero_padding_rows(y, group_sizes)
+
+
+def _custom_gmm_fwd(x, w, group_sizes, kernels, cfgs):
+    return _custom_gmm(x, w, group_sizes, kernels, cfgs), (x, w, group_sizes)
+
+
+def _custom_gmm_bwd(kernels, cfgs, res, dy):
+    x, w, group_sizes = res
+    dy = _zero_padding_rows(dy.astype(x.dtype), group_sizes)  # dw reads a few padding rows
+    dx = _zero_padding_rows(kernels.ragged_dot(dy, w, group_sizes, cfgs.dx, True), group_sizes)
+    dw = kernels.transposed_ragged_dot(x, dy, group_sizes, cfgs.dw).astype(w.dtype)
+    return dx, dw, None
+
+
+_custom_gmm.defvjp(_custom_gmm_fwd, _custom_gmm_bwd)
+
+
+def _choose(impl, x, w, overrides=None):
+    """(impl actually used, configs or None)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "ragged_dot":
+        return "ragged_dot", None
+    m, k = x.shape
+    _, k2, n = w.shape
+    dtype_ok = x.dtype == w.dtype and jnp.dtype(x.dtype) in _MGPU_KERNELS.dtypes and k == k2
+    cfgs = select_configs(m, k, n, jnp.dtype(x.dtype).itemsize, overrides) if dtype_ok else None
+    if impl == "mgpu":
+        if cfgs is None:
+            raise ValueError(f"impl='mgpu' cannot take x {x.shape} {x.dtype} @ w {w.shape} "
+                             f"{w.dtype}: needs equal bf16/f16 dtypes and rows, K, N that "
+                             "are multiples of 64")
+        return "mgpu", cfgs
+    if cfgs is not None and _is_hopper_gpu():
+        return "mgpu", cfgs
+    return "ragged_dot", None
+
+
+def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None):
     """``x [M, K]`` rows grouped by expert times ``w [L, K, N]`` -> ``[M, N]`` in x's dtype,
-    accumulated in float32."""
+    accumulated in float32; rows past ``sum(group_sizes)`` are zero.
+
+    impl: ``"auto"``, ``"ragged_dot"`` or ``"mgpu"`` (see the module docstring).
+    mgpu_configs: optional ``{(pass, K, N): GemmConfig}`` overriding ``TUNED_CONFIGS``.
+    """
+    used, cfgs = _choose(impl, x, w, overrides=mgpu_configs)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if used == "mgpu":
+        return _custom_gmm(x, w, group_sizes, _MGPU_KERNELS, cfgs)
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def swiglu_mlp(rows, w_gate, w_up, w_down, group_sizes):
+def swiglu_mlp(rows, w_gate, w_up, w_down, group_sizes, *, impl="auto", mgpu_configs=None):
     """SwiGLU experts: ``(silu(rows @ w_gate[e]) * (rows @ w_up[e])) @ w_down[e]`` per group.
 
     rows [M, H]; w_gate, w_up [L, H, F]; w_down [L, F, H] -> [M, H] in rows' dtype.
+    impl, mgpu_configs: as in ``grouped_matmul``.
     """
-    gate = grouped_matmul(rows, w_gate, group_sizes)
-    up = grouped_matmul(rows, w_up, group_sizes)
+    gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=impl,
+                            mgpu_configs=mgpu_configs)
+    gate = gmm(rows, w_gate)
+    up = gmm(rows, w_up)
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows.dtype)
-    return grouped_matmul(h, w_down, group_sizes)
+    return gmm(h, w_down)
 
 
 def dense_swiglu(x, w_gate, w_up, w_down):
@@ -35,3 +266,114 @@ def dense_swiglu(x, w_gate, w_up, w_down):
     up = jnp.einsum("th,lhf->tlf", x, w_up, preferred_element_type=jnp.float32)
     h = (jax.nn.silu(gate) * up).astype(x.dtype)
     return jnp.einsum("tlf,lfh->tlh", h, w_down, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- padded path
+
+
+def _padded_index(group_sizes, rows_per_expert, capacity):
+    """Flat row index of each [L, C] slot and whether the slot holds a row."""
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    slot = jnp.arange(capacity, dtype=jnp.int32)
+    valid = slot[None, :] < jnp.minimum(rows_per_expert, group_sizes)[:, None]
+    return starts[:, None] + slot[None, :], valid
+
+
+def _gather_to_padded(x, group_sizes, rows_per_expert, capacity):
+    idx, valid = _padded_index(group_sizes, rows_per_expert, capacity)
+    xp = jnp.take(x, idx.reshape(-1), axis=0, mode="clip").reshape(*idx.shape, x.shape[1])
+    return jnp.where(valid[..., None], xp, jnp.zeros((), x.dtype))
+
+
+def _gather_from_padded(yp, group_sizes, rows_per_expert, num_rows):
+    num_experts, capacity, _ = yp.shape
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    expert = jnp.sum(row[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)  # L if padding
+    e = jnp.minimum(expert, num_experts - 1)
+    pos = row - (ends[e] - group_sizes[e])
+    valid = (expert < num_experts) & (pos < jnp.minimum(rows_per_expert[e], capacity))
+    y = jnp.take(yp.reshape(num_experts * capacity, -1), e * capacity + pos, axis=0,
+                 mode="clip")
+    return jnp.where(valid[:, None], y, jnp.zeros((), yp.dtype))
+
+
+# The two copies are partial permutations transposed to each other: each one's VJP is the
+# other (gathers only; XLA's default transpose of a gather is a slower scatter-add).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _to_padded(x, group_sizes, rows_per_expert, capacity):
+    return _gather_to_padded(x, group_sizes, rows_per_expert, capacity)
+
+
+def _to_padded_fwd(x, group_sizes, rows_per_expert, capacity):
+    return (_gather_to_padded(x, group_sizes, rows_per_expert, capacity),
+            (group_sizes, rows_per_expert, x.shape[0]))
+
+
+def _to_padded_bwd(capacity, res, dxp):
+    group_sizes, rows_per_expert, num_rows = res
+    return _from_padded(dxp, group_sizes, rows_per_expert, num_rows), None, None
+
+
+_to_padded.defvjp(_to_padded_fwd, _to_padded_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _from_padded(yp, group_sizes, rows_per_expert, num_rows):
+    return _gather_from_padded(yp, group_sizes, rows_per_expert, num_rows)
+
+
+def _from_padded_fwd(yp, group_sizes, rows_per_expert, num_rows):
+    return (_gather_from_padded(yp, group_sizes, rows_per_expert, num_rows),
+            (group_sizes, rows_per_expert, yp.shape[1]))
+
+
+def _from_padded_bwd(num_rows, res, dy):
+    group_sizes, rows_per_expert, capacity = res
+    return _to_padded(dy, group_sizes, rows_per_expert, capacity), None, None
+
+
+_from_padded.defvjp(_from_padded_fwd, _from_padded_bwd)
+
+
+def _rows_per_expert(group_sizes, rows_per_expert):
+    group_sizes = group_sizes.astype(jnp.int32)
+    if rows_per_expert is None:
+        return group_sizes, group_sizes
+    return group_sizes, rows_per_expert.astype(jnp.int32)
+
+
+def to_padded(x, group_sizes, capacity, *, rows_per_expert=None):
+    """expert_major rows ``x [M, H]`` -> ``([L, C, H], num_overflow)``, C = ``capacity``.
+
+    Slot ``[e, c]`` holds row ``start[e] + c`` for ``c < min(rows_per_expert[e], C)`` and zero
+    otherwise. ``rows_per_expert`` (default ``group_sizes``) is how many leading rows of each
+    group are real, e.g. ``DispatchOutput.tokens_per_expert``, so alignment padding is neither
+    copied nor counted. num_overflow: [] int32 real rows that did not fit (dropped).
+    """
+    group_sizes, rows_per_expert = _rows_per_expert(group_sizes, rows_per_expert)
+    overflow = jnp.sum(jnp.maximum(rows_per_expert - capacity, 0))
+    return _to_padded(x, group_sizes, rows_per_expert, int(capacity)), overflow
+
+
+def from_padded(yp, group_sizes, num_rows, *, rows_per_expert=None):
+    """Inverse of ``to_padded``: ``[L, C, H]`` -> expert_major ``[num_rows, H]``; rows that
+    were not copied in (overflow, alignment and trailing padding) come out zero."""
+    group_sizes, rows_per_expert = _rows_per_expert(group_sizes, rows_per_expert)
+    return _from_padded(yp, group_sizes, rows_per_expert, int(num_rows))
+
+
+def swiglu_mlp_padded(rows, w_gate, w_up, w_down, group_sizes, *, capacity,
+                      rows_per_expert=None):
+    """``swiglu_mlp`` through per-expert ``[L, capacity, H]`` blocks and batched einsums.
+
+    Returns ``(out [M, H], num_overflow)``: rows past an expert's capacity are dropped (zero
+    output, zero gradient) and counted.
+    """
+    xp, overflow = to_padded(rows, group_sizes, capacity, rows_per_expert=rows_per_expert)
+    gate = jnp.einsum("lch,lhf->lcf", xp, w_gate)
+    up = jnp.einsum("lch,lhf->lcf", xp, w_up)
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows.dtype)
+    yp = jnp.einsum("lcf,lfh->lch", h, w_down)
+    out = from_padded(yp, group_sizes, rows.shape[0], rows_per_expert=rows_per_expert)
+    return out, overflow

@@ -1,0 +1,361 @@
+"""Expert GEMMs: grouped_matmul / swiglu_mlp (every impl), the padded path, the mgpu custom_vjp.
+
+CPU: each impl against the dense oracle and a per-group loop, forward and gradients, with an
+empty group and padding rows; the mgpu custom_vjp runs on emulated kernels (same contracts as
+the Pallas ones: unwritten padding rows hold NaN, dw reads whole row blocks) and the real
+kernels are lowered for CUDA. GPU (sm_90 only): the real kernels against jax.lax.ragged_dot.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ep import experts
+
+L, M, H, F = 4, 128, 64, 64
+GROUPS = (40, 0, 50, 20)  # an empty group; rows 110..127 are padding
+
+
+def _inputs(dtype=jnp.float32, groups=GROUPS, m=M, h=H, f=F, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    total = sum(groups)
+    rows = jax.random.normal(k[0], (m, h), jnp.float32)
+    rows = jnp.where((jnp.arange(m) < total)[:, None], rows, 0).astype(dtype)
+    w_gate = (jax.random.normal(k[1], (len(groups), h, f)) * h ** -0.5).astype(dtype)
+    w_up = (jax.random.normal(k[2], (len(groups), h, f)) * h ** -0.5).astype(dtype)
+    w_down = (jax.random.normal(k[3], (len(groups), f, h)) * f ** -0.5).astype(dtype)
+    ct = jax.random.normal(k[4], (m, h), jnp.float32).astype(dtype)
+    return rows, w_gate, w_up, w_down, jnp.array(groups, jnp.int32), ct
+
+
+def _expert_of_row(groups, m):
+    ends = np.cumsum(groups)
+    e = np.searchsorted(ends, np.arange(m), side="right")
+    return np.minimum(e, len(groups) - 1), np.arange(m) < ends[-1]
+
+
+def _oracle_swiglu(rows, w_gate, w_up, w_down, groups):
+    """Each row through its own expert by the dense oracle; padding rows zero."""
+    e, used = _expert_of_row(groups, rows.shape[0])
+    every = experts.dense_swiglu(rows, w_gate, w_up, w_down)  # [M, L, H] f32
+    out = jnp.take_along_axis(every, jnp.asarray(e)[:, None, None], axis=1)[:, 0]
+    return jnp.where(jnp.asarray(used)[:, None], out, 0).astype(rows.dtype)
+
+
+def _loop_matmul(x, w, groups):
+    """Per-group Python loop oracle of grouped_matmul."""
+    out, start = [], 0
+    for g, size in enumerate(groups):
+        out.append(jnp.dot(x[start:start + size], w[g], preferred_element_type=jnp.float32))
+        start += size
+    out.append(jnp.zeros((x.shape[0] - start, w.shape[2]), jnp.float32))
+    return jnp.concatenate(out).astype(x.dtype)
+
+
+def _vjp(f, args, ct):
+    out, pullback = jax.vjp(f, *args)
+    return out, pullback(ct)
+
+
+def _close(a, b, tol, what=""):
+    """|a - b| <= tol * max|b| elementwise."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.all(np.isfinite(a)), f"{what}: non-finite values"
+    scale = max(float(np.max(np.abs(b))), 1e-6)
+    np.testing.assert_allclose(a / scale, b / scale, atol=tol, rtol=0, err_msg=what)
+
+
+# ----------------------------------------------------------------------------- emulated kernels
+
+
+def _emu_ragged_dot(lhs, rhs, group_sizes, cfg, transpose_rhs):
+    if transpose_rhs:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    y = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes)
+    keep = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(keep[:, None], y, jnp.nan).astype(lhs.dtype)  # unwritten rows
+
+
+def _emu_transposed_ragged_dot(lhs, rhs, group_sizes, cfg):
+    """Like the kernel: each group reads whole block_k row blocks, masks lhs by multiplying
+    with 0/1 and rhs not at all."""
+    bk = cfg.block_k
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    r = jnp.arange(lhs.shape[0])[None, :]
+    member = (r >= starts[:, None]) & (r < ends[:, None])
+    read = (r >= starts[:, None] // bk * bk) & (r < -(-ends[:, None] // bk) * bk)
+    read &= (group_sizes > 0)[:, None]
+    lhs_g = lhs[None].astype(jnp.float32) * member[..., None]
+    rhs_g = jnp.where(read[..., None], rhs[None].astype(jnp.float32), 0)
+    return jnp.einsum("gmk,gmn->gkn", lhs_g, rhs_g).astype(lhs.dtype)
+
+
+@pytest.fixture(autouse=True)
+def _exact_f32_matmuls():
+    """f32 oracles compare at 1e-5: no TF32 where a GPU runs them."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+_EMULATED = experts._Kernels(_emu_ragged_dot, _emu_transposed_ragged_dot,
+                             (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(experts, "_MGPU_KERNELS", _EMULATED)
+
+
+# ----------------------------------------------------------------------------- grouped_matmul
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "auto"])
+def test_grouped_matmul_matches_loop(impl):
+    x, w, _, _, gs, _ = _inputs()
+    ct = jax.random.normal(jax.random.key(7), (M, F))
+    f = functools.partial(experts.grouped_matmul, group_sizes=gs, impl=impl)
+    got, (dx, dw) = _vjp(f, (x, w), ct)
+    want, (dx_w, dw_w) = _vjp(lambda x, w: _loop_matmul(x, w, GROUPS), (x, w), ct)
+    _close(got, want, 1e-5)
+    _close(dx, dx_w, 1e-5)
+    _close(dw, dw_w, 1e-5)
+    assert not np.any(np.asarray(got[sum(GROUPS):]))
+    assert not np.any(np.asarray(dx[sum(GROUPS):]))
+    assert not np.any(np.asarray(dw[1]))  # the empty group
+
+
+def test_grouped_matmul_mgpu_vjp_emulated(emulated):
+    x, w, _, _, gs, _ = _inputs()
+    ct = jax.random.normal(jax.random.key(7), (M, F))
+    ct_nan = ct.at[sum(GROUPS):].set(jnp.nan)  # padding-row cotangents must not leak into dw
+    f = jax.jit(functools.partial(experts.grouped_matmul, group_sizes=gs, impl="mgpu"))
+    got, (dx, dw) = _vjp(f, (x, w), ct_nan)
+    want, (dx_w, dw_w) = _vjp(lambda x, w: _loop_matmul(x, w, GROUPS), (x, w), ct)
+    _close(got, want, 1e-5)
+    _close(dx, dx_w, 1e-5)
+    _close(dw, dw_w, 1e-5)
+    assert not np.any(np.asarray(got[sum(GROUPS):]))
+    assert not np.any(np.asarray(dx[sum(GROUPS):]))
+
+
+def test_auto_is_ragged_dot_off_hopper():
+    x, w, _, _, _, _ = _inputs(jnp.bfloat16)
+    assert experts._choose("auto", x, w)[0] == ("mgpu" if experts._is_hopper_gpu()
+                                                else "ragged_dot")
+    assert experts._choose("auto", x.astype(jnp.float32), w.astype(jnp.float32))[0] == (
+        "ragged_dot")
+    with pytest.raises(ValueError, match="impl must be"):
+        experts.grouped_matmul(x, w, jnp.array(GROUPS), impl="nope")
+    with pytest.raises(ValueError, match="cannot take"):
+        experts.grouped_matmul(x[:100], w, jnp.array(GROUPS), impl="mgpu")
+
+
+def test_select_configs():
+    c = experts.select_configs(40960, 7168, 2048)
+    assert c.fwd == experts.TUNED_CONFIGS[("fwd", 7168, 2048)]
+    for kind, cfg in c._asdict().items():
+        assert experts.config_fits(kind, cfg, 40960, 7168, 2048)
+    assert experts.select_configs(100, 64, 64) is None  # rows not a multiple of 64
+    assert experts.select_configs(128, 64, 96) is None
+    c = experts.select_configs(192, 64, 128)
+    assert c.fwd.block_m == 64 and c.dx.block_n == 64 and c.dw.block_n == 128
+    big = experts.GemmConfig(256, 256, 128, 6, 1)  # far over shared memory
+    assert not experts.config_fits("fwd", big, 4096, 4096, 4096)
+    over = {("fwd", 64, 128): experts.GemmConfig(64, 128, 64, 2, 1)}
+    assert experts.select_configs(192, 64, 128, overrides=over).fwd == over[("fwd", 64, 128)]
+
+
+# ----------------------------------------------------------------------------- swiglu_mlp
+
+
+def _swiglu_grads(f, dtype=jnp.float32, ct_padding=None):
+    rows, wg, wu, wd, gs, ct = _inputs(dtype)
+    if ct_padding is not None:
+        ct = ct.at[sum(GROUPS):].set(ct_padding)
+    return _vjp(lambda *a: f(*a, gs), (rows, wg, wu, wd), ct)
+
+
+def _oracle_grads(dtype=jnp.float32):
+    """The oracle in float32 on the inputs rounded to dtype."""
+    args = tuple(a.astype(jnp.float32) for a in _inputs(dtype))
+    rows, wg, wu, wd, _, ct = args
+    return _vjp(lambda *a: _oracle_swiglu(*a, GROUPS), (rows, wg, wu, wd), ct)
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "mgpu"])
+def test_swiglu_mlp_matches_dense_oracle(impl, monkeypatch):
+    if impl == "mgpu":
+        monkeypatch.setattr(experts, "_MGPU_KERNELS", _EMULATED)
+    f = jax.jit(functools.partial(experts.swiglu_mlp, impl=impl))
+    got, grads = _swiglu_grads(f, ct_padding=jnp.nan if impl == "mgpu" else None)
+    want, grads_w = _oracle_grads()
+    _close(got, want, 1e-5)
+    for name, g, gw in zip(("rows", "w_gate", "w_up", "w_down"), grads, grads_w):
+        _close(g, gw, 1e-5, name)
+    assert not np.any(np.asarray(got[sum(GROUPS):]))
+    assert not np.any(np.asarray(grads[0][sum(GROUPS):]))
+    assert not np.any(np.asarray(grads[1][1])) and not np.any(np.asarray(grads[3][1]))
+
+
+def test_swiglu_mlp_bf16_mgpu_emulated(emulated):
+    f = jax.jit(functools.partial(experts.swiglu_mlp, impl="mgpu"))
+    got, grads = _swiglu_grads(f, jnp.bfloat16)
+    want, grads_w = _oracle_grads(jnp.bfloat16)
+    _close(got, want, 3e-2)
+    for g, gw in zip(grads, grads_w):
+        _close(g, gw, 3e-2)
+
+
+def test_mgpu_path_lowers_for_cuda(monkeypatch):
+    """The real Pallas kernels trace and lower for CUDA (shapes, signatures): 3 GEMMs forward,
+    6 backward."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
+
+    class _Device:  # the transposed kernel asks the default device for its SM count
+        core_count = 132
+
+    class _Jax:
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        def devices(self, *a):
+            return [_Device()]
+
+    monkeypatch.setattr(trd, "jax", _Jax())
+    rows, wg, wu, wd, gs, _ = _inputs(jnp.bfloat16, groups=(64, 0, 100, 30), m=256, h=128,
+                                      f=128)
+
+    def loss(*a):
+        out = experts.swiglu_mlp(*a, gs, impl="mgpu")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    lowered = step.trace(rows, wg, wu, wd).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("stablehlo.custom_call @mosaic_gpu") == 9
+
+
+# ----------------------------------------------------------------------------- padded path
+
+
+def test_padded_round_trip_and_overflow():
+    x, _, _, _, gs, _ = _inputs()
+    real = jnp.array([35, 0, 50, 12], jnp.int32)  # the rest of each group is alignment
+    xp, over = experts.to_padded(x, gs, 48, rows_per_expert=real)
+    assert xp.shape == (L, 48, H) and int(over) == 2  # group 2 has 50 real rows
+    np.testing.assert_array_equal(xp[0, :35], x[:35])
+    assert not np.any(np.asarray(xp[0, 35:])) and not np.any(np.asarray(xp[1]))
+    np.testing.assert_array_equal(xp[2], x[40:88])
+    np.testing.assert_array_equal(xp[3, :12], x[90:102])
+    back = experts.from_padded(xp, gs, M, rows_per_expert=real)
+    keep = np.zeros(M, bool)
+    keep[:35] = keep[40:88] = keep[90:102] = True
+    np.testing.assert_array_equal(back, np.where(keep[:, None], x, 0))
+
+
+def test_padded_copies_are_transposes():
+    x, _, _, _, gs, _ = _inputs()
+    yp = jax.random.normal(jax.random.key(3), (L, 32, H))
+    _, vjp_to = jax.vjp(lambda x: experts.to_padded(x, gs, 32)[0], x)
+    _, vjp_from = jax.vjp(lambda y: experts.from_padded(y, gs, M), yp)
+    (dx,) = vjp_to(yp)
+    (dyp,) = vjp_from(x)
+    # <to_padded(x), yp> == <x, from_padded(yp)>, and the VJPs are the other copy.
+    np.testing.assert_allclose(jnp.vdot(experts.to_padded(x, gs, 32)[0], yp),
+                               jnp.vdot(x, experts.from_padded(yp, gs, M)), rtol=1e-5)
+    np.testing.assert_array_equal(dx, experts.from_padded(yp, gs, M))
+    np.testing.assert_array_equal(dyp, experts.to_padded(x, gs, 32)[0])
+
+
+@pytest.mark.parametrize("capacity", [64, 45])
+def test_swiglu_mlp_padded_matches_oracle(capacity):
+    rows, wg, wu, wd, gs, ct = _inputs()
+    f = jax.jit(functools.partial(experts.swiglu_mlp_padded, capacity=capacity))
+    (got, over), pullback = jax.vjp(lambda *a: f(*a, gs), rows, wg, wu, wd)
+    grads = pullback((ct, jnp.zeros((), jnp.int32)))
+    # Rows past an expert's capacity are dropped: the oracle on rows that fit.
+    e, used = _expert_of_row(GROUPS, M)
+    pos = np.arange(M) - (np.cumsum(GROUPS) - GROUPS)[e]
+    kept = jnp.asarray(used & (pos < capacity))[:, None]
+    assert int(over) == sum(max(g - capacity, 0) for g in GROUPS)
+    want, grads_w = _vjp(lambda *a: jnp.where(kept, _oracle_swiglu(*a, GROUPS), 0),
+                         (rows, wg, wu, wd), ct)
+    _close(got, want, 1e-5)
+    for g, gw in zip(grads, grads_w):
+        _close(g, gw, 1e-5)
+
+
+# ----------------------------------------------------------------------------- GPU (sm_90)
+
+
+def _hopper_skip_reason():
+    if jax.default_backend() != "gpu":
+        return f"needs a GPU (default backend is {jax.default_backend()})"
+    if not experts._is_hopper_gpu():
+        return f"mgpu kernels need an sm_90 GPU, have {jax.devices()[0].device_kind}"
+    return None
+
+
+hopper = pytest.mark.skipif(_hopper_skip_reason() is not None,
+                            reason=str(_hopper_skip_reason()))
+
+# An empty group, ragged sizes not multiples of any block, 100 padding rows.
+GPU_GROUPS = (300, 0, 517, 64, 1, 330, 0, 212)
+
+
+def _ragged_f32(x, w, gs):
+    return jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), gs,
+                              precision=jax.lax.Precision.HIGHEST)
+
+
+@hopper
+@pytest.mark.parametrize("k,n", [(256, 512), (512, 256)])
+def test_gpu_mgpu_grouped_matmul_vs_ragged_dot(k, n):
+    m = sum(GPU_GROUPS) + 100
+    m += -m % 128
+    kx, kw, kc = jax.random.split(jax.random.key(1), 3)
+    total = sum(GPU_GROUPS)
+    x = jnp.where((jnp.arange(m) < total)[:, None], jax.random.normal(kx, (m, k)), 0)
+    x = x.astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (len(GPU_GROUPS), k, n)) * k ** -0.5).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (m, n), jnp.float32).astype(jnp.bfloat16)
+    gs = jnp.array(GPU_GROUPS, jnp.int32)
+    assert experts._choose("auto", x, w)[0] == "mgpu"
+    f = jax.jit(functools.partial(experts.grouped_matmul, group_sizes=gs, impl="mgpu"))
+    got, (dx, dw) = _vjp(f, (x, w), ct)
+    want, (dx_w, dw_w) = _vjp(lambda x, w: _ragged_f32(x, w, gs), (x.astype(jnp.float32),
+                                                                 w.astype(jnp.float32)),
+                              ct.astype(jnp.float32))
+    assert got.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    _close(got, want, 1e-2)
+    _close(dx, dx_w, 1e-2)
+    _close(dw, dw_w, 1e-2)
+    assert not np.any(np.asarray(got[total:].astype(jnp.float32)))
+    assert not np.any(np.asarray(dx[total:].astype(jnp.float32)))
+    assert not np.any(np.asarray(dw[1].astype(jnp.float32)))
+
+
+@hopper
+def test_gpu_mgpu_swiglu_vs_ragged_dot():
+    m = 2048
+    rows, wg, wu, wd, _, ct = _inputs(jnp.bfloat16, groups=GPU_GROUPS, m=m, h=256, f=128)
+    gs = jnp.array(GPU_GROUPS, jnp.int32)
+    args = (rows, wg, wu, wd)
+    f32 = tuple(a.astype(jnp.float32) for a in args)
+    got, grads = _vjp(jax.jit(lambda *a: experts.swiglu_mlp(*a, gs, impl="mgpu")), args, ct)
+    want, grads_w = _vjp(jax.jit(lambda *a: experts.swiglu_mlp(*a, gs, impl="ragged_dot")),
+                         f32, ct.astype(jnp.float32))
+    _close(got, want, 2e-2)
+    for g, gw in zip(grads, grads_w):
+        _close(g, gw, 2e-2)
+    assert not np.any(np.asarray(got[sum(GPU_GROUPS):].astype(jnp.float32)))
+
+
+@hopper
+def test_gpu_auto_uses_mgpu_kernels():
+    rows, wg, wu, wd, gs, _ = _inputs(jnp.bfloat16, m=256, h=128, f=128)
+    text = jax.jit(lambda *a: experts.swiglu_mlp(*a, gs)).lower(rows, wg, wu, wd).as_text()
+    assert "mosaic_gpu" in text
