@@ -1,16 +1,23 @@
-"""A complete expert-parallel MoE feed-forward block built on dispatch/combine.
+"""Expert-parallel MoE feed-forward layers built on dispatch/combine.
 
 Router -> top-k -> dispatch -> per-expert MLP (``jax.lax.ragged_dot``) -> combine. Runs per
 device inside ``jax.shard_map``: tokens are sharded over the EP axis, and each rank holds the
 weights of its ``num_experts // R`` local experts.
+
+``moe_layer`` is the full layer (SwiGLU experts, optional shared expert, auxiliary losses);
+``moe_block`` is the minimal one (GELU experts, any layout).
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jax_ep import api
+from jax_ep import api, experts
 from jax_ep._types import EXPERT_MAJOR, RANK_MAJOR, SOURCE_SLOTS
 
 
@@ -69,3 +76,178 @@ def dense_moe_block(x, router_weights, w_in, w_out, *, top_k):
     y = jnp.einsum("tef,efh->teh", h.astype(x.dtype), w_out, preferred_element_type=jnp.float32)
     picked = jnp.take_along_axis(y, topk_idx[:, :, None], axis=1)  # [T, K, H]
     return jnp.sum(gates[:, :, None] * picked, axis=1).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- moe_layer
+
+
+class MoEParams(NamedTuple):
+    """Weights of one ``moe_layer`` (a pytree; the shared expert's three are all set or None).
+
+    Inside ``shard_map`` the expert weights are this rank's ``L = E // R`` experts; outside,
+    the global ``[E, ...]`` arrays split on dim 0 over the EP axis (``partition_specs``).
+
+    router:      [H, E] replicated; logits are computed in float32.
+    w_gate, w_up: [E or L, H, F] routed experts' SwiGLU input projections.
+    w_down:      [E or L, F, H].
+    shared_gate, shared_up: [H, S]; shared_down: [S, H]: a dense SwiGLU every token goes
+                 through (replicated), or None.
+    """
+
+    router: jax.Array
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+    shared_gate: jax.Array | None = None
+    shared_up: jax.Array | None = None
+    shared_down: jax.Array | None = None
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_gate is not None
+
+    def partition_specs(self, axis_name) -> MoEParams:
+        """``shard_map`` in_specs for these weights: experts split over ``axis_name``."""
+        rep = None if not self.has_shared_expert else P()
+        return MoEParams(P(), P(axis_name), P(axis_name), P(axis_name), rep, rep, rep)
+
+
+class MoEAux(NamedTuple):
+    """Auxiliary outputs of ``moe_layer``; each is the same on every rank of the EP axis.
+
+    load_balancing_loss: [] float32 ``E * sum_e f_e * P_e`` (Switch / DeepSeek): f_e the
+        fraction of (token, k) choices that picked expert e, P_e the mean router probability
+        of e, both over the tokens of all ranks. 1 when routing is uniform; its gradient
+        reaches the router through P only.
+    router_z_loss: [] float32 mean over all tokens of ``logsumexp(logits) ** 2`` (ST-MoE):
+        keeps the logits small.
+    tokens_per_expert: [E] int32 (token, k) choices per expert, all ranks, before capacity.
+    num_dropped: [] int32 (token, k) rows dropped for lack of capacity, all ranks.
+    """
+
+    load_balancing_loss: jax.Array
+    router_z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    num_dropped: jax.Array
+
+
+def router(x, router_weights, top_k, *, renormalize=True):
+    """Softmax top-k gating in float32.
+
+    Returns (expert ids [T, K] int32, gates [T, K] float32, probs [T, E], logits [T, E]):
+    gates are the chosen experts' softmax probabilities over all E experts, divided by their
+    sum when ``renormalize`` (then equal to ``route``'s softmax over the top-k logits).
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router_weights.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, topk_idx = jax.lax.top_k(logits, top_k)  # by logit: the order softmax keeps
+    gates = jnp.take_along_axis(probs, topk_idx, axis=-1)
+    if renormalize:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return topk_idx.astype(jnp.int32), gates, probs, logits
+
+
+def _router_stats(topk_idx, probs, logits, num_experts, axis_name):
+    """(choices per expert [E], load-balancing loss, z-loss) over the tokens of every rank."""
+    counts = jnp.bincount(topk_idx.ravel(), length=num_experts).astype(jnp.int32)
+    sums = (jnp.sum(probs, axis=0), jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2))
+    num_tokens = probs.shape[0]
+    if axis_name is not None:
+        counts, sums = jax.lax.psum((counts, sums), axis_name)
+        num_tokens = num_tokens * jax.lax.axis_size(axis_name)
+    prob_sums, z_sum = sums
+    fraction = counts.astype(jnp.float32) / (num_tokens * topk_idx.shape[1])
+    balance = num_experts * jnp.sum(fraction * prob_sums / num_tokens)
+    return counts, balance, z_sum / num_tokens
+
+
+def shared_expert(x, w_gate, w_up, w_down):
+    """Dense SwiGLU on local tokens (no communication): [T, H] -> [T, H] in x's dtype."""
+    dot = lambda a, w: jnp.dot(a, w.astype(a.dtype),  # noqa: E731
+                               preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(dot(x, w_gate)) * dot(x, w_up)).astype(x.dtype)
+    return dot(h, w_down).astype(x.dtype)
+
+
+def expert_major_capacity(capacity_factor, *, num_tokens, num_ranks, top_k,
+                          num_local_experts, expert_alignment=1) -> int:
+    """expert_major rows per rank for a capacity factor: ``factor * T * K`` (the rows a rank
+    receives under uniform routing) plus the groups' alignment padding, at most the worst
+    case (then nothing is dropped)."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    worst = api.default_capacity(num_tokens, num_ranks, top_k, num_local_experts,
+                                 EXPERT_MAJOR, expert_alignment)
+    rows = math.ceil(capacity_factor * num_tokens * top_k)
+    return min(worst, rows + num_local_experts * (expert_alignment - 1))
+
+
+def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity_factor=None,
+              expert_alignment=1, renormalize=True, backend="auto"):
+    """SwiGLU mixture of experts on this rank's tokens (call inside ``jax.shard_map``).
+
+    Router (float32 softmax, top-k) -> ``dispatch(layout="expert_major")`` ->
+    ``experts.swiglu_mlp`` -> ``combine`` weighted by the gates, plus the shared expert when
+    ``params`` has one. Expert matmuls run in x's dtype (weights are cast to it).
+
+    Args:
+      x: [T, H] local tokens.
+      params: ``MoEParams`` holding this rank's ``L`` experts (E = L * R).
+      top_k: experts per token.
+      axis_name: the expert-parallel mesh axis.
+      capacity: received rows per rank (static); None: the worst case, nothing dropped.
+      capacity_factor: instead of ``capacity``: see ``expert_major_capacity``.
+      expert_alignment: each expert's row group is padded to a multiple of this.
+      renormalize: gates sum to 1 per token (else they are the raw top-k probabilities).
+      backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
+    Returns:
+      ([T, H] output in x's dtype, ``MoEAux``).
+    """
+    if capacity is not None and capacity_factor is not None:
+        raise ValueError("give capacity or capacity_factor, not both")
+    num_ranks = jax.lax.axis_size(axis_name)
+    num_local = params.w_gate.shape[0]
+    num_experts = num_local * num_ranks
+    if params.router.shape != (x.shape[-1], num_experts):
+        raise ValueError(f"router must be [H={x.shape[-1]}, E={num_experts}] (E = local experts "
+                         f"{num_local} x {num_ranks} ranks), got {params.router.shape}")
+    if capacity_factor is not None:
+        capacity = expert_major_capacity(
+            capacity_factor, num_tokens=x.shape[0], num_ranks=num_ranks, top_k=top_k,
+            num_local_experts=num_local, expert_alignment=expert_alignment)
+    # The shared expert reads only x: no data dependency on the dispatch, so XLA may run it
+    # while rows are in flight.
+    shared = None
+    if params.has_shared_expert:
+        shared = shared_expert(x, params.shared_gate, params.shared_up, params.shared_down)
+    topk_idx, gates, probs, logits = router(x, params.router, top_k, renormalize=renormalize)
+    out = api.dispatch(x, topk_idx, gates, num_experts=num_experts, axis_name=axis_name,
+                       capacity=capacity, layout=EXPERT_MAJOR,
+                       expert_alignment=expert_alignment, backend=backend)
+    cast = lambda w: w.astype(x.dtype)  # noqa: E731
+    rows = experts.swiglu_mlp(out.x, cast(params.w_gate), cast(params.w_up),
+                              cast(params.w_down), out.group_sizes)
+    y = api.combine(rows, out.handle, weights=out.topk_weights)
+    if shared is not None:
+        y = y + shared
+    counts, balance, z_loss = _router_stats(topk_idx, probs, logits, num_experts, axis_name)
+    aux = MoEAux(load_balancing_loss=balance, router_z_loss=z_loss, tokens_per_expert=counts,
+                 num_dropped=jax.lax.psum(out.num_dropped, axis_name))
+    return y, aux
+
+
+def dense_moe_layer(x, params: MoEParams, *, top_k, renormalize=True):
+    """Single-device oracle of ``moe_layer``: every expert on every token, all weights global.
+
+    Returns ([T, H], ``MoEAux`` over these tokens; ``num_dropped`` is 0).
+    """
+    topk_idx, gates, probs, logits = router(x, params.router, top_k, renormalize=renormalize)
+    cast = lambda w: w.astype(x.dtype)  # noqa: E731
+    every = experts.dense_swiglu(x, cast(params.w_gate), cast(params.w_up), cast(params.w_down))
+    picked = jnp.take_along_axis(every.astype(x.dtype), topk_idx[:, :, None], axis=1)
+    y = jnp.sum(gates[:, :, None] * picked.astype(jnp.float32), axis=1).astype(x.dtype)
+    if params.has_shared_expert:
+        y = y + shared_expert(x, params.shared_gate, params.shared_up, params.shared_down)
+    counts, balance, z_loss = _router_stats(topk_idx, probs, logits, params.router.shape[1],
+                                            None)
+    return y, MoEAux(balance, z_loss, counts, jnp.zeros((), jnp.int32))

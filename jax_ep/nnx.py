@@ -1,0 +1,109 @@
+"""Flax NNX module of the expert-parallel MoE layer (``jax_ep.moe.moe_layer``).
+
+Flax is an optional dependency: ``import jax_ep`` never imports it, this module needs it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+try:
+    from flax import nnx
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError("jax_ep.nnx needs Flax: pip install jax_ep[flax]") from e
+
+from jax_ep import moe
+
+__all__ = ["MoE"]
+
+# fan-in of [E, H, F] / [E, F, H] expert weights is the middle dim: dim 0 is the expert batch
+_expert_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+_router_init = nnx.initializers.normal(0.02)
+_shared_init = nnx.initializers.lecun_normal()
+
+
+class MoE(nnx.Module):
+    """Router + ``num_experts`` routed SwiGLU experts + an optional shared SwiGLU expert.
+
+    Expert weights are ``[E, ...]`` Params annotated ``(axis_name, None, None)`` (each rank of
+    the EP axis holds ``E / R`` experts); router and shared expert are replicated. Built with a
+    mesh (``mesh=`` or the ``jax.set_mesh`` context) the Params are created sharded.
+
+    ``__call__(x)``: x ``[..., H]``, its leading (token) dims flattened and sharded over
+    ``axis_name`` (other mesh axes replicate it); runs ``moe.moe_layer`` under
+    ``jax.shard_map`` on ``mesh`` (default: the mesh current at call time) and returns
+    ``(y like x, moe.MoEAux)``. Add ``aux.load_balancing_loss`` (and ``router_z_loss``) to
+    the training loss with the coefficients you want.
+    """
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, *, top_k: int,
+                 shared_ffn: int | None = None, axis_name="ep", mesh=None, capacity=None,
+                 capacity_factor=None, expert_alignment: int = 1, renormalize: bool = True,
+                 backend: str = "auto", param_dtype=jnp.float32,
+                 router_init=_router_init, expert_init=_expert_init,
+                 shared_init=_shared_init, rngs: nnx.Rngs):
+        where = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        if where.empty:
+            raise ValueError("MoE needs a mesh with the EP axis: pass mesh= or build it under "
+                             "jax.set_mesh(mesh)")
+        if axis_name not in where.axis_names:
+            raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
+                             f"{where.axis_names}")
+        ranks = where.shape[axis_name]
+        if num_experts % ranks:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the {ranks} "
+                             f"ranks of axis {axis_name!r}")
+        if capacity is not None and capacity_factor is not None:
+            raise ValueError("give capacity or capacity_factor, not both")
+        self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
+        self.shared_ffn, self.axis_name, self.mesh = shared_ffn, axis_name, mesh
+        self.capacity, self.capacity_factor = capacity, capacity_factor
+        self.expert_alignment, self.renormalize, self.backend = (expert_alignment, renormalize,
+                                                                 backend)
+
+        def param(init, shape, sharding):
+            init = nnx.with_partitioning(init, sharding, mesh=mesh)
+            return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+        H, F, E, S = hidden, ffn, num_experts, shared_ffn
+        experts = (axis_name, None, None)
+        self.router = param(router_init, (H, E), (None, None))
+        self.w_gate = param(expert_init, (E, H, F), experts)
+        self.w_up = param(expert_init, (E, H, F), experts)
+        self.w_down = param(expert_init, (E, F, H), experts)
+        if S:
+            self.shared_gate = param(shared_init, (H, S), (None, None))
+            self.shared_up = param(shared_init, (H, S), (None, None))
+            self.shared_down = param(shared_init, (S, H), (None, None))
+        else:
+            self.shared_gate = self.shared_up = self.shared_down = None
+
+    def moe_params(self) -> moe.MoEParams:
+        """The weights as global arrays (e.g. for ``moe.dense_moe_layer``)."""
+        value = lambda v: None if v is None else v[...]  # noqa: E731
+        return moe.MoEParams(*(value(getattr(self, f)) for f in moe.MoEParams._fields))
+
+    def __call__(self, x):
+        params = self.moe_params()
+        mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError("MoE was built without mesh=: call it under jax.set_mesh(mesh)")
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        ranks = mesh.shape[self.axis_name]
+        if x.shape[0] % ranks:
+            raise ValueError(f"{x.shape[0]} tokens do not split over the {ranks} ranks of axis "
+                             f"{self.axis_name!r}")
+        layer = partial(moe.moe_layer, top_k=self.top_k, axis_name=self.axis_name,
+                        capacity=self.capacity, capacity_factor=self.capacity_factor,
+                        expert_alignment=self.expert_alignment, renormalize=self.renormalize,
+                        backend=self.backend)
+        run = jax.shard_map(lambda x, p: layer(x, p), mesh=mesh,
+                            in_specs=(P(self.axis_name), params.partition_specs(self.axis_name)),
+                            out_specs=(P(self.axis_name), P()))
+        y, aux = run(x, params)
+        return y.reshape(shape), aux
