@@ -196,7 +196,11 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
       top_k: experts per token.
       axis_name: the expert-parallel mesh axis.
       capacity: received rows per rank (static); None: the worst case, nothing dropped.
-      capacity_factor: instead of ``capacity``: see ``expert_major_capacity``.
+      capacity_factor: instead of ``capacity``: the dispatch keeps ``expert_major_capacity``
+        rows and the experts run as per-expert blocks of ``expert_capacity`` rows (batched
+        GEMMs, ~1.8x the grouped GEMMs' rate on an H100 at DeepSeek-V3 shapes); rows past
+        either are dropped and counted in ``num_dropped``. None: the experts run grouped
+        GEMMs over exactly the rows received (dropless with ``capacity=None``).
       expert_alignment: each expert's row group is padded to a multiple of this.
       renormalize: gates sum to 1 per token (else they are the raw top-k probabilities).
       backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
@@ -225,15 +229,32 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
                        capacity=capacity, layout=EXPERT_MAJOR,
                        expert_alignment=expert_alignment, backend=backend)
     cast = lambda w: w.astype(x.dtype)  # noqa: E731
-    rows = experts.swiglu_mlp(out.x, cast(params.w_gate), cast(params.w_up),
-                              cast(params.w_down), out.group_sizes)
+    weights = cast(params.w_gate), cast(params.w_up), cast(params.w_down)
+    dropped = out.num_dropped
+    if capacity_factor is None:  # dropless: grouped GEMMs over the exact groups
+        rows = experts.swiglu_mlp(out.x, *weights, out.group_sizes)
+    else:  # per-expert [L, C, H] blocks: batched GEMMs at full rate, overflow counted
+        rows, overflow = experts.swiglu_mlp_padded(
+            out.x, *weights, out.group_sizes, rows_per_expert=out.tokens_per_expert,
+            capacity=expert_capacity(capacity_factor, num_tokens=x.shape[0],
+                                     num_ranks=num_ranks, top_k=top_k,
+                                     num_local_experts=num_local))
+        dropped = dropped + overflow.astype(dropped.dtype)
     y = api.combine(rows, out.handle, weights=out.topk_weights)
     if shared is not None:
         y = y + shared
     counts, balance, z_loss = _router_stats(topk_idx, probs, logits, num_experts, axis_name)
     aux = MoEAux(load_balancing_loss=balance, router_z_loss=z_loss, tokens_per_expert=counts,
-                 num_dropped=jax.lax.psum(out.num_dropped, axis_name))
+                 num_dropped=jax.lax.psum(dropped, axis_name))
     return y, aux
+
+
+def expert_capacity(capacity_factor, *, num_tokens, num_ranks, top_k, num_local_experts,
+                    multiple=8) -> int:
+    """Rows per expert block of the padded expert GEMMs: ``factor`` times the rows an expert
+    gets under uniform routing (``R * T * K / E``), rounded up to ``multiple``."""
+    per_expert = capacity_factor * num_tokens * top_k / num_local_experts
+    return max(multiple, math.ceil(per_expert / multiple) * multiple)
 
 
 def dense_moe_layer(x, params: MoEParams, *, top_k, renormalize=True):

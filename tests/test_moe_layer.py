@@ -79,22 +79,24 @@ def numpy_router_stats(x, router, top_k):
     return counts, E * np.sum(f * probs.mean(0)), np.mean(lse ** 2)
 
 
-CASES = [  # R, E, top_k, shared expert width, renormalize, expert_alignment
-    (4, 8, 2, None, True, 1),
-    (4, 8, 2, 6, True, 1),
-    (8, 8, 3, 5, False, 4),
+CASES = [  # R, E, top_k, shared expert width, renormalize, expert_alignment, capacity factor
+    (4, 8, 2, None, True, 1, None),
+    (4, 8, 2, 6, True, 1, None),
+    (8, 8, 3, 5, False, 4, None),
+    (4, 8, 2, 6, True, 4, 8.0),  # padded expert blocks, large enough that nothing drops
 ]
 
 
-@pytest.mark.parametrize("R,E,top_k,S,renormalize,alignment", CASES)
-def test_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize, alignment):
+@pytest.mark.parametrize("R,E,top_k,S,renormalize,alignment,factor", CASES)
+def test_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize, alignment, factor):
     T, H, F = 6, 8, 10
     key = jax.random.key(R * 100 + E + top_k)
     params = make_params(key, H, F, E, S)
     x = jax.random.normal(jax.random.fold_in(key, 1), (R * T, H), jnp.float32)
     target = jax.random.normal(jax.random.fold_in(key, 2), (R * T, H), jnp.float32)
     kw = dict(top_k=top_k, renormalize=renormalize)
-    _, value_and_grad, place = ep_fns(R, params, expert_alignment=alignment, **kw)
+    _, value_and_grad, place = ep_fns(R, params, expert_alignment=alignment,
+                                      capacity_factor=factor, **kw)
 
     (loss, (y, aux)), got = value_and_grad(*place(params, x, target))
     (want_loss, (want_y, want_aux)), want = dense_value_and_grad(params, x, target, **kw)
