@@ -33,7 +33,12 @@ def parse_args():
     p.add_argument("--capacity-factor", type=float, default=2.0,
                    help="receive rows = factor x the average; 0 = worst case (source_slots: R*T)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
-    p.add_argument("--lr", type=float, default=3e-2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="tokens and expert matmuls (parameters and optimizer stay float32)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="Adam step; default 3e-2 * 64 / hidden (the step of a hidden weight "
+                        "scales as 1 / fan-in: 3e-2 diverges at hidden 2048)")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     return p.parse_args()
 
 
@@ -103,27 +108,33 @@ def main():
             1, int(args.capacity_factor * T * min(K, L)))
     specs = [dict(router=P(), w_in=P(AXIS), w_out=P(AXIS))] * 2
 
+    dtype = jnp.dtype(args.dtype)
+    lr = args.lr if args.lr is not None else 3e-2 * 64 / H
+
     @partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS), P(AXIS)), out_specs=(P(), P()))
     def loss_fn(params, x, target):
-        h, dropped = x, 0
+        h, dropped = x.astype(dtype), 0
         for layer in params:
-            out, d = moe.moe_block(h, layer["router"], layer["w_in"], layer["w_out"], top_k=K,
-                                   axis_name=AXIS, capacity=capacity, layout=args.layout,
-                                   backend=args.backend)
+            out, d = moe.moe_block(h, layer["router"], layer["w_in"].astype(dtype),
+                                   layer["w_out"].astype(dtype), top_k=K, axis_name=AXIS,
+                                   capacity=capacity, layout=args.layout, backend=args.backend)
             h, dropped = h + out, dropped + d
-        loss = jnp.mean((h - target) ** 2)
+        loss = jnp.mean((h.astype(jnp.float32) - target) ** 2)
         return jax.lax.pmean(loss, AXIS), jax.lax.psum(dropped, AXIS)
 
     @jax.jit
     def train_step(params, opt, x, target):
         (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, target)
+        if args.clip > 0:
+            norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, args.clip / (norm + 1e-6)), grads)
         step, m, v = opt
         step = step + 1
         m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m, grads)
         v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, v, grads)
         bc1, bc2 = 1 - 0.9 ** step, 1 - 0.999 ** step
         params = jax.tree.map(
-            lambda p, m, v: p - args.lr * (m / bc1) / (jnp.sqrt(v / bc2) + 1e-8), params, m, v)
+            lambda p, m, v: p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + 1e-8), params, m, v)
         return params, (step, m, v), loss, dropped
 
     key = jax.random.key(0)
@@ -136,7 +147,8 @@ def main():
     backend = jax_ep.api._resolve_backend(args.backend)
     if jax.process_index() == 0:
         print(f"{R} devices ({jax.default_backend()}), backend={backend}, layout={args.layout}, "
-              f"T={T}/rank H={H} F={F} E={E} top-{K}, capacity={capacity or 'worst case'}")
+              f"T={T}/rank H={H} F={F} E={E} top-{K}, capacity={capacity or 'worst case'}, "
+              f"{args.dtype}, lr {lr:.2g}")
     for step in range(args.steps):
         xkey = jax.random.fold_in(key, 1000 + step)
         x = jax.random.normal(xkey, (R * T, H), jnp.float32)

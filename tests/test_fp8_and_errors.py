@@ -13,6 +13,9 @@ import oracle
 from ep import AXIS, run
 from test_reference import assert_matches_oracle, make_inputs
 
+# jax.enable_x64 is jax >= 0.8; before that it was jax.experimental.enable_x64.
+enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
+
 
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_fp8_round_trip_error_bound(ue8m0):
@@ -163,7 +166,7 @@ def test_wide_traced_ids_out_of_range_count_as_no_expert():
     """int64 ids are narrowed to int32 for the kernels: an id past int32 must not wrap into a
     valid expert (2**32 + 1 would become expert 1)."""
     R, T, H, K, E = 2, 2, 4, 1, 4
-    with jax.enable_x64(True):
+    with enable_x64(True):
         def fn(x, idx):
             return jax_ep.dispatch(x, idx, num_experts=E, axis_name=AXIS,
                                    backend="reference").tokens_per_expert

@@ -40,8 +40,8 @@ def _values(text):
             continue
         name, op = m.groups()
         defined[name] = op.strip('"')
-        call = re.search(r"stablehlo\.custom_call @(\w+)\(([^)]*)\)", line)
-        if call:
+        call = re.search(r"stablehlo\.custom_call @(jax_ep_\w+)\(([^)]*)\)", line)
+        if call:  # ours only: jax 0.6 also lowers shard_map to Sharding/SPMD* custom calls
             operands = [o.strip().split("#")[0] for o in call.group(2).split(",") if o.strip()]
             calls.append((call.group(1), operands, name))
     return defined, calls
