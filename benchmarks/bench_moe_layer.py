@@ -575,8 +575,15 @@ def main(argv=None):
     mode = "multi-process" if jax.process_count() > 1 else "single-process"
     if platform == "cpu" or args.single_process or jax.process_count() == 1 and R > 1:
         backend = "reference"  # jax_ep's CUDA backend runs one process per GPU
-    else:
-        backend = jax_ep.api._resolve_backend(args.backend)
+    elif args.backend == "reference":
+        backend = "reference"
+    else:  # one process per GPU: the kernels, once the runtime below is initialised
+        from jax_ep import _native
+
+        module, why = _native.load()
+        backend = "cuda" if module is not None else "reference"
+        if module is None:
+            print(f"note: jax_ep's CUDA extension cannot load ({why})")
     if args.backend == "cuda" and backend != "cuda":
         print(f"note: --backend cuda needs one process per GPU (jax_ep.launch); ways a, b use "
               f"the reference backend here ({mode}, {platform})")

@@ -184,6 +184,37 @@ def _is_hopper_gpu() -> bool:
 # ----------------------------------------------------------------------------- grouped matmul
 
 
+def _varying_axes(aval) -> frozenset:
+    """The mesh axes a value varies over inside shard_map (named differently across jax)."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _vary_alike(*arrays):
+    """Each array made to vary over every mesh axis any of them varies over.
+
+    Inside ``shard_map`` a custom_vjp's cotangents must vary over exactly the axes of their
+    primal inputs; rows that JAX types as invariant (e.g. a collective's output) combined with
+    varying group sizes would get a varying cotangent and fail that check.
+    """
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return arrays
+    vmas = [_varying_axes(typeof(a)) for a in arrays]
+    union = frozenset().union(*vmas)
+    out = []
+    for a, vma in zip(arrays, vmas):
+        missing = tuple(sorted(union - vma))
+        if missing and hasattr(jax.lax, "pcast"):
+            a = jax.lax.pcast(a, missing, to="varying")
+        elif missing:
+            a = jax.lax.pvary(a, missing)
+        out.append(a)
+    return tuple(out)
+
+
 def _zero_padding_rows(y, group_sizes):
     keep = jnp.arange(y.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
     return jnp.where(keep[:, None], y, jnp.zeros((), y.dtype))
@@ -241,7 +272,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None):
     used, cfgs = _choose(impl, x, w, overrides=mgpu_configs)
     group_sizes = group_sizes.astype(jnp.int32)
     if used == "mgpu":
-        return _custom_gmm(x, w, group_sizes, _MGPU_KERNELS, cfgs)
+        return _custom_gmm(*_vary_alike(x, w, group_sizes), _MGPU_KERNELS, cfgs)
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -353,6 +384,7 @@ def to_padded(x, group_sizes, capacity, *, rows_per_expert=None):
     """
     group_sizes, rows_per_expert = _rows_per_expert(group_sizes, rows_per_expert)
     overflow = jnp.sum(jnp.maximum(rows_per_expert - capacity, 0))
+    x, group_sizes, rows_per_expert = _vary_alike(x, group_sizes, rows_per_expert)
     return _to_padded(x, group_sizes, rows_per_expert, int(capacity)), overflow
 
 
@@ -360,6 +392,7 @@ def from_padded(yp, group_sizes, num_rows, *, rows_per_expert=None):
     """Inverse of ``to_padded``: ``[L, C, H]`` -> expert_major ``[num_rows, H]``; rows that
     were not copied in (overflow, alignment and trailing padding) come out zero."""
     group_sizes, rows_per_expert = _rows_per_expert(group_sizes, rows_per_expert)
+    yp, group_sizes, rows_per_expert = _vary_alike(yp, group_sizes, rows_per_expert)
     return _from_padded(yp, group_sizes, rows_per_expert, int(num_rows))
 
 

@@ -256,6 +256,43 @@ def test_padded_round_trip_and_overflow():
     np.testing.assert_array_equal(back, np.where(keep[:, None], x, 0))
 
 
+def test_padded_gradients_inside_shard_map_with_invariant_rows():
+    """Rows JAX types as invariant over the mesh axis (here: replicated) with varying group
+    sizes: the custom VJPs must still give cotangents of their inputs' types."""
+    from functools import partial
+
+    from jax.sharding import PartitionSpec as P
+
+    R, L, M, H, F = 2, 2, 16, 8, 4
+    mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((M, H)), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s), jnp.float32) * 0.3
+         for s in ((R * L, H, F), (R * L, H, F), (R * L, F, H))]
+    gs = jnp.asarray([[5, 6], [3, 0]], jnp.int32)
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("ep"), P("ep"), P("ep"), P("ep")),
+             out_specs=P())
+    def loss(x, wg, wu, wd, gs):
+        y, _ = experts.swiglu_mlp_padded(x, wg, wu, wd, gs[0], capacity=8)
+        return jax.lax.psum(jnp.sum(y * y), "ep")
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, *w, gs)
+
+    def dense(x, wg, wu, wd):
+        total = 0.0
+        for r in range(R):
+            y = experts.swiglu_mlp(x, wg[r * L:(r + 1) * L], wu[r * L:(r + 1) * L],
+                                   wd[r * L:(r + 1) * L], gs[r], impl="ragged_dot")
+            total = total + jnp.sum(y * y)
+        return total
+
+    want = jax.grad(dense, argnums=(0, 1))(x, *w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_padded_copies_are_transposes():
     x, _, _, _, gs, _ = _inputs()
     yp = jax.random.normal(jax.random.key(3), (L, 32, H))
