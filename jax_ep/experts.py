@@ -235,6 +235,10 @@ def _custom_gmm_bwd(kernels, cfgs, res, dy):
     dy = _zero_padding_rows(dy.astype(x.dtype), group_sizes)  # dw reads a few padding rows
     dx = _zero_padding_rows(kernels.ragged_dot(dy, w, group_sizes, cfgs.dx, True), group_sizes)
     dw = kernels.transposed_ragged_dot(x, dy, group_sizes, cfgs.dw).astype(w.dtype)
+    # the Pallas kernels' results are typed invariant over the mesh axes: the cotangents must
+    # vary as their inputs do
+    dx, _ = _vary_alike(dx, x)
+    dw, _ = _vary_alike(dw, w)
     return dx, dw, None
 
 
