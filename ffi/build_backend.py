@@ -41,7 +41,7 @@ def _native_requires():
     major = _cuda_major()
     if major is None:
         return []
-    return ["jaxlib>=0.6", f"nvidia-nvshmem-cu{major}>=3.3"]
+    return ["jaxlib>=0.6.1", f"nvidia-nvshmem-cu{major}>=3.3"]
 
 
 def get_requires_for_build_wheel(config_settings=None):
