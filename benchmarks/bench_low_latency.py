@@ -98,7 +98,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     def dispatch_overlapped(x, idx, weight):
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
         # the matmul after the send and the receive after the matmul: nothing else orders them
-        # (session 5's traces show XLA running the receive right after the send otherwise)
+        # (profiler traces showed XLA running the receive right after the send otherwise)
         x_after, pending = jax.lax.optimization_barrier((x, pending))
         s = matmul(x_after, idx, weight)
         s, pending = jax.lax.optimization_barrier((s, pending))

@@ -258,7 +258,10 @@ def routed_c(s: Setup, x, topk_idx, gates, expert_fn):
     kept_sl = jnp.diff(mine, axis=1, prepend=0)
     bounds = jnp.cumsum(kept_sl.reshape(-1))
     rows = jnp.arange(cap)
-    local = jnp.where(rows < bounds[-1], jnp.searchsorted(bounds, rows, side="right") % L, L)
+    # searchsorted(bounds, rows, side="right") as a count (jax 0.6's searchsorted fails the
+    # shard_map type check with varying bounds)
+    after = jnp.sum(bounds[None, :] <= rows[:, None], axis=1, dtype=jnp.int32)
+    local = jnp.where(rows < bounds[-1], after % L, L)
     perm = jnp.argsort(local, stable=True)
     y = expert_fn(jnp.take(got, perm, axis=0), kept_sl.sum(0).astype(jnp.int32))
     y = jnp.take(y, jnp.argsort(perm), axis=0)

@@ -153,7 +153,8 @@ def _router_stats(topk_idx, probs, logits, num_experts, axis_name):
     sums = (jnp.sum(probs, axis=0), jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2))
     num_tokens = probs.shape[0]
     if axis_name is not None:
-        counts, sums = jax.lax.psum((counts, sums), axis_name)
+        # two psums: jax 0.6 cannot differentiate one psum of integer and float operands
+        counts, sums = jax.lax.psum(counts, axis_name), jax.lax.psum(sums, axis_name)
         num_tokens = num_tokens * jax.lax.axis_size(axis_name)
     prob_sums, z_sum = sums
     fraction = counts.astype(jnp.float32) / (num_tokens * topk_idx.shape[1])

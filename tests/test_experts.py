@@ -213,7 +213,10 @@ def test_swiglu_mlp_bf16_mgpu_emulated(emulated):
 def test_mgpu_path_lowers_for_cuda(monkeypatch):
     """The real Pallas kernels trace and lower for CUDA (shapes, signatures): 3 GEMMs forward,
     6 backward."""
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
+    try:
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
+    except ImportError as e:  # older jax, or one without the Mosaic-GPU kernels' needs
+        pytest.skip(f"jax's Mosaic-GPU ragged dot kernels cannot be imported here: {e}")
 
     class _Device:  # the transposed kernel asks the default device for its SM count
         core_count = 132
