@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-2}
-ARGS=${2:---modes push,fused --skip-baselines}
+ARGS=${2:---modes fused --skip-baselines}
 LL=${3:-}
 OUT=${OUT:-$PWD/out}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 JAX_EP_TIMEOUT_S=${JAX_EP_TIMEOUT_S:-20}

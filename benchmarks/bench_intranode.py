@@ -34,7 +34,7 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")
-    p.add_argument("--modes", default="pull,push,fused,bulk,copy,slots",
+    p.add_argument("--modes", default="pull,fused,copy,slots",
                    help="dispatch modes to time (JAX_EP_DISPATCH values, and slots: the "
                    "source_slots layout, its combine in every --combine-modes; slots-engine: "
                    "with JAX_EP_SLOTS_COPY=engine), comma-separated")

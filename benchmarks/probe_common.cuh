@@ -1,5 +1,5 @@
 // What the standalone probes (nvlink_store_probe.cu, local_copy_probe.cu) share: the
-// extension's bulk-copy helpers and a CUDA error check that ends the probe.
+// bulk-copy helpers (bulk_copy.cuh) and a CUDA error check that ends the probe.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "../ffi/kernels/bulk_copy.cuh"
+#include "bulk_copy.cuh"
 
 using jax_ep::barrier_init;
 using jax_ep::barrier_wait;

@@ -68,10 +68,9 @@ def seconds_per_call(f, *a, calls, repeats):
 
 
 # Slots of Control::profile (ffi/kernels/buffer_layout.h, ProfileSlot).
-KERNELS = ["dispatch_stage", "dispatch_gather", "dispatch_push", "dispatch_receive",
-           "cached_stage", "cached_gather", "combine_stage", "combine_reduce", "dispatch_fused",
-           "ll_dispatch_send", "ll_dispatch_receive", "ll_combine_send", "ll_combine_receive",
-           "ll_dispatch_slots"]
+KERNELS = ["dispatch_stage", "dispatch_gather", "cached_stage", "cached_gather",
+           "combine_stage", "combine_reduce", "dispatch_fused", "ll_dispatch_send",
+           "ll_dispatch_receive", "ll_combine_send", "ll_combine_receive", "ll_dispatch_slots"]
 PROFILE_KERNELS = 16  # kProfileKernels: slots per row of the profile ring
 PROFILE_PHASES = 5  # kProfilePhases: enter, waited, first end, last end, retired
 

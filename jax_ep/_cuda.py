@@ -43,7 +43,9 @@ def _num_blocks() -> np.int64:
     return np.int64(int(os.environ.get("JAX_EP_NUM_BLOCKS", "0")))
 
 
-_DISPATCH_MODES = {"pull": 0, "push": 1, "fused": 2, "bulk": 3, "copy": 4}
+# JAX_EP_DISPATCH values -> the dispatch's `push` attribute (ffi/handlers/intranode.cu decodes
+# it and refuses any other value).
+_DISPATCH_MODES = {"pull": 0, "fused": 2, "copy": 4}
 # `auto` picks the copy-engine paths where a peer is expected to need at least this share of
 # a rank's tokens: they send every token to every peer (2 and 4 ranks at DeepSeek-V3 shapes).
 _COPY_MIN_TOKEN_SHARE = 0.85
@@ -51,7 +53,7 @@ _COPY_MIN_TOKEN_SHARE = 0.85
 # check made while tracing need no extension; a GPU test keeps them equal to module.limits().
 LIMITS = {
     "max_ranks": 1024,             # kMaxRanks
-    "max_sources": 16,             # kMaxSources: a token's destinations in the push dispatches
+    "max_sources": 16,             # kMaxSources: a token's destinations in the push dispatch
                                    # and the rows one token sums in every combine
     "max_copy_ranks": 32,          # kMaxCopyRanks: ranks of the copy-engine paths
     "low_latency_max_topk": 32,    # kLLMaxTopk
@@ -78,10 +80,10 @@ def _copy_pays(num_ranks, num_topk, num_experts, layout) -> bool:
 def _push_dispatch(num_ranks=1, num_topk=1, num_experts=1, layout=None) -> np.int64:
     """JAX_EP_DISPATCH selects the data path: fused (default: senders store rows into the
     receivers' buffers over NVLink and, in the same kernel, the receivers copy complete chunks
-    out as they arrive), push (the same stores, the copy-out in a kernel after the last push),
-    pull (receivers load rows from the senders' buffers), bulk (push with TMA copies) or copy
-    (every sender's copy engines send all of its rows to every peer, the receivers' CTAs only
-    copy locally: for few ranks, where a peer needs nearly every token; at most 32 ranks).
+    out as they arrive; at most 16 destinations per token), pull (receivers load rows from the
+    senders' buffers: no such limit) or copy (every sender's copy engines send all of its rows
+    to every peer, the receivers' CTAs only copy locally: for few ranks, where a peer needs
+    nearly every token; at most 32 ranks).
     auto: copy for rank_major where a peer is expected to need >= 85 % of the tokens, else
     fused. The source_slots layout always moves its rows by the copy engines. Measurements:
     benchmarks/RESULTS.md."""
@@ -118,7 +120,7 @@ def _limits() -> dict:
 
 
 def _check_sources(op, path, count, expert_major):
-    """The push dispatches and every combine keep one token's destinations (ranks, or top-k
+    """The push dispatch and every combine keep one token's destinations (ranks, or top-k
     slots for expert_major) in registers: at most max_sources of them."""
     limit = _limits()["max_sources"]
     if count > limit:
@@ -136,9 +138,8 @@ def _check_dispatch_limits(num_ranks, num_topk, expert_major, push_mode, source_
         raise ValueError(f"dispatch: the copy-engine path ({path}) supports at most {limit} "
                          f"ranks, the mesh axis has {num_ranks}")
     if not copy_engine and push_mode != _DISPATCH_MODES["pull"]:
-        _check_sources("dispatch", "push dispatch (JAX_EP_DISPATCH=fused, push or bulk; pull "
-                       "has no such limit)", num_topk if expert_major else num_ranks,
-                       expert_major)
+        _check_sources("dispatch", "push dispatch (JAX_EP_DISPATCH=fused; pull has no such "
+                       "limit)", num_topk if expert_major else num_ranks, expert_major)
 
 
 def _copy_engine_selected(num_ranks, num_topk, num_experts, layout) -> bool:
@@ -209,7 +210,7 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
-                   expert_major, alignment, axis_name, block=0, source_slots=False):
+                   expert_major, alignment, axis_name, source_slots=False):
     """The jax_ep_dispatch custom call; returns its 12 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
@@ -238,8 +239,7 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         num_experts=np.int64(num_experts), capacity=np.int64(C),
         expert_major=np.int64(expert_major), alignment=np.int64(alignment),
         has_scales=np.int64(has_scales), num_blocks=_num_blocks(),
-        push=push,
-        block=np.int64(block), source_slots=np.int64(source_slots))
+        push=push, source_slots=np.int64(source_slots))
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:

@@ -127,7 +127,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["pull", "push", "fused", "bulk", "copy"])
+@pytest.fixture(params=["pull", "fused", "copy"])
 def dispatch_mode(request, monkeypatch):
     """JAX_EP_DISPATCH; "copy" also selects the copy-engine combine (rank_major)."""
     monkeypatch.setenv("JAX_EP_DISPATCH", request.param)

@@ -160,6 +160,15 @@ def test_combine_lowering_carries_the_copy_engine_attribute(monkeypatch):
         assert re.search(rf"push = {dispatch_push} : i64", text), mode
 
 
+def test_dispatch_lowering_carries_the_data_path(monkeypatch):
+    """JAX_EP_DISPATCH -> the dispatch's `push` attribute, the values the handler accepts."""
+    monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
+    for mode, value in [("pull", 0), ("fused", 2), ("copy", 4)]:
+        monkeypatch.setenv("JAX_EP_DISPATCH", mode)
+        text = _lowered_dispatch_combine("rank_major")
+        assert re.search(rf"push = {value} : i64", text), mode
+
+
 def test_source_slots_selects_the_copy_engines(monkeypatch):
     """source_slots: the dispatch passes its layout to the kernels (which always use the copy
     engines), the combine defaults to copy and JAX_EP_COMBINE=pull still picks pull."""

@@ -83,12 +83,13 @@ def test_dispatch_modes_are_checked(monkeypatch):
 
     monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
     assert _cuda._push_dispatch() == 2  # fused by default
-    for mode, value in (("pull", 0), ("push", 1), ("fused", 2)):
+    for mode, value in (("pull", 0), ("fused", 2), ("copy", 4)):
         monkeypatch.setenv("JAX_EP_DISPATCH", mode)
         assert _cuda._push_dispatch() == value
-    monkeypatch.setenv("JAX_EP_DISPATCH", "bogus")
-    with pytest.raises(ValueError, match="JAX_EP_DISPATCH"):
-        _cuda._push_dispatch()
+    for mode in ("bogus", "push", "bulk"):
+        monkeypatch.setenv("JAX_EP_DISPATCH", mode)
+        with pytest.raises(ValueError, match="JAX_EP_DISPATCH"):
+            _cuda._push_dispatch()
 
 
 def test_missing_extension_is_reported_clearly():

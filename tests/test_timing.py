@@ -29,13 +29,13 @@ def _ring(calls):
 def test_profile_rows():
     values = _ring({
         0: {"dispatch_stage": (1000, 1100, 1900, 2000, 2500),
-            "dispatch_push": (3000, 3100, 8000, 9000, 9400)},
+            "dispatch_fused": (3000, 3100, 8000, 9000, 9400)},
         # a low-latency kernel: no retirement stamp, its last end counts
         2: {"ll_dispatch_send": (20000, 20500, 21000, 22000, 0)},
     })
     rows = timing.profile_rows(values)
     assert [r for r, _ in rows] == [0, 2]
-    assert dict(rows[0][1])["dispatch_push"] == (3000, 3100, 8000, 9000, 9400)
+    assert dict(rows[0][1])["dispatch_fused"] == (3000, 3100, 8000, 9000, 9400)
     assert dict(rows[1][1])["ll_dispatch_send"][4] == 22000
 
 
@@ -80,9 +80,9 @@ def test_kernel_names():
     stage = ("_ZN6jax_ep54_GLOBAL__N__f8511027_21_intranode_dispatch_cu_186ab7df20dispatch_stage_"
              "ranksILb0EEEvNS_12DispatchArgsE")
     assert timing.kernel_name(stage) == "dispatch_stage_ranks"
-    push = ("_ZN6jax_ep54_GLOBAL__N__f8511027_21_intranode_dispatch_cu_186ab7df13dispatch_push"
-            "ILb0ELi2EEEvNS_12DispatchArgsE")
-    assert timing.kernel_name(push) == "dispatch_push"
+    fused = ("_ZN6jax_ep54_GLOBAL__N__f8511027_21_intranode_dispatch_cu_186ab7df14dispatch_fused"
+             "ILb0ELi2EEEvNS_12DispatchArgsE")
+    assert timing.kernel_name(fused) == "dispatch_fused"
     assert timing.kernel_name("sm90_xmma_gemm") == "sm90_xmma_gemm"
     assert timing.kernel_name("loop_add_fusion_1") == "loop_add_fusion_1"
 

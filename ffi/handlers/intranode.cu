@@ -17,6 +17,8 @@ namespace jax_ep {
 namespace {
 
 constexpr int kDefaultBlocks = 64;
+// Values of the dispatch's `push` attribute (the data path; jax_ep/_cuda.py, _DISPATCH_MODES).
+constexpr int64_t kDispatchPull = 0, kDispatchFused = 2, kDispatchCopy = 4;
 
 uint64_t timeout_ns() {
   static const uint64_t value = [] {
@@ -63,7 +65,7 @@ int blocks_or_default(int64_t num_blocks) {
 // and need only keep pace with the copy engines: a rank's peers' rows arrive at ~382 GB/s
 // (copy engines, both directions busy, 2×H200) and its own rows, R/(R-1) as many in all, need
 // copying in the same time; one CTA is taken to copy ~32 GB/s locally (to calibrate on a
-// 2-GPU machine: NOTES items 26 and 31). 24 CTAs on 2 ranks, 16 on 4, 14 on 8.
+// 2-GPU machine: docs/design.md, section 4.3). 24 CTAs on 2 ranks, 16 on 4, 14 on 8.
 // At most all SMs but kFreeSms: where the driver's stream write is not used (copy_engine.cu),
 // the chunks' flags are raised by one-thread kernels on the copy streams, which need room on
 // some SM while the waiting CTAs (up to a whole register file each) are resident.
@@ -97,7 +99,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
                          int64_t num_experts, int64_t capacity, int64_t expert_major,
                          int64_t alignment, int64_t has_scales, int64_t num_blocks,
-                         int64_t push_mode, int64_t block, int64_t source_slots) {
+                         int64_t push_mode, int64_t source_slots) {
   auto x_dims = x.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0])
@@ -140,18 +142,17 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       (has_scales && out_scales->element_count() != size_t(capacity) * (H / 128)))
     return invalid("dispatch: the rows' result must have x's dtype and the scales' "
                    "[capacity, H / 128]");
-  // 0: pull, 1: push, 2: push with the receive fused into the push kernel, 3: push with bulk
-  // (TMA) copies of the rows, 4: pull with the rows moved by the copy engines
-  if (push_mode < 0 || push_mode > 4) return invalid("dispatch: push must be 0, 1, 2, 3 or 4");
+  // pull, the fused push, or pull with the rows moved by the copy engines
+  if (push_mode != kDispatchPull && push_mode != kDispatchFused && push_mode != kDispatchCopy)
+    return invalid("dispatch: push must be " + std::to_string(kDispatchPull) + " (pull), " +
+                   std::to_string(kDispatchFused) + " (fused) or " +
+                   std::to_string(kDispatchCopy) + " (copy), got " + std::to_string(push_mode));
   // source_slots always moves its rows by the copy engines (its reason to be); push is ignored
-  if (source_slots && t != nullptr && (expert_major || block > 0 || capacity != int64_t(R) * T))
+  if (source_slots && t != nullptr && (expert_major || capacity != int64_t(R) * T))
     return invalid("dispatch: source_slots needs rank_major rows and capacity = " +
                    std::to_string(int64_t(R) * T) + " (ranks x tokens)");
-  const bool copy_engine = push_mode == 4 || source_slots;
-  const bool push = push_mode != 0 && !copy_engine;
-  if (block > 0 && (!expert_major || alignment != 1 || capacity != num_experts / R * block))
-    return invalid("dispatch: fixed blocks need expert_major, alignment 1 and capacity = "
-                   "local experts x block");
+  const bool copy_engine = push_mode == kDispatchCopy || source_slots;
+  const bool push = push_mode == kDispatchFused && !copy_engine;
   if (push && (expert_major ? K : R) > kMaxSources)
     return invalid("dispatch: push mode supports at most " + std::to_string(kMaxSources) +
                    (expert_major ? " top-k slots" : " ranks"));
@@ -181,9 +182,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return err;
   a.plan = plan;
   a.push = push_plan;
-  a.use_push = push;
-  a.fused = push_mode == 2;
-  a.bulk = push_mode == 3;
+  a.fused = push;
   a.copy_engine = copy_engine;
   a.source_slots = source_slots != 0;
   a.engine_local = a.source_slots && slots_copy_by_engine() && copy_engine_waits_available();
@@ -192,7 +191,6 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.num_experts = static_cast<int>(num_experts);
   a.capacity = static_cast<int>(capacity);
   a.alignment = static_cast<int>(alignment);
-  a.block = static_cast<int>(block);
   a.expert_major = expert_major != 0;
   a.num_blocks = copy_engine ? copy_engine_blocks_or_default(num_blocks, R)
                              : blocks_or_default(num_blocks);
@@ -342,7 +340,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                                   .Attr<int64_t>("has_scales")
                                   .Attr<int64_t>("num_blocks")
                                   .Attr<int64_t>("push")
-                                  .Attr<int64_t>("block")
                                   .Attr<int64_t>("source_slots"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,

@@ -39,7 +39,7 @@ constexpr int kMaxStageRanks = 32;
 // Copy-engine dispatch: at most this many ranks, and chunks per source (Control::landed).
 constexpr int kMaxCopyRanks = kMaxStageRanks;
 constexpr int kMaxCopyChunks = 64;
-// Rows one token sums in combine, or destinations one token has in the push dispatches: ranks
+// Rows one token sums in combine, or destinations one token has in the push dispatch: ranks
 // (rank_major) or top-k slots (expert_major). The Python API checks these limits at trace time
 // (module.limits()).
 constexpr int kMaxSources = 16;
@@ -50,8 +50,6 @@ constexpr int kLLMaxTopk = 32;
 enum ProfileSlot {
   kProfDispatchStage = 0,
   kProfDispatchGather,
-  kProfDispatchPush,
-  kProfDispatchReceive,
   kProfCachedStage,
   kProfCachedGather,
   kProfCombineStage,
@@ -71,7 +69,6 @@ struct Control {
   uint32_t block_counter[16];   // arrival counters of the "last block" pattern, per kernel
   uint64_t ready[kMaxRanks];    // ready[s] = e: PE s has staged its data of call e
   uint64_t done[kMaxRanks];     // done[s] = e: PE s has finished every access of call e
-  uint64_t pushed[kMaxRanks];   // pushed[s] = e: PE s has written its rows of call e into ours
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
   // block finished, [3] last block finished, [4] retired: the last block past its closing
@@ -96,7 +93,7 @@ struct Control {
 };
 enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 
-enum class Flag { kReady, kDone, kPushed };
+enum class Flag { kReady, kDone };
 
 constexpr size_t kRegionAlign = 256;
 

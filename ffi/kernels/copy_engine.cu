@@ -1,5 +1,5 @@
 // Copy-engine transfers: rows cross NVLink by cudaMemcpyAsync on the runtime's copy streams
-// instead of SM loads or stores, so the CTAs only copy locally (NOTES items 26 and 30). The
+// instead of SM loads or stores, so the CTAs only copy locally (docs/design.md, section 4.3). The
 // dispatch and the combine enqueue these pieces around their kernels.
 //
 // The copy engine cannot pick rows (its transfers are set on the host, while which rows go
@@ -25,7 +25,7 @@ namespace jax_ep {
 namespace {
 
 // Host time of the copy-engine calls by kind (a diagnostic: which host calls a copy-engine
-// call spends its host time on, NOTES items 37-38), read by copy_engine_host_times().
+// call spends its host time on, benchmarks/RESULTS.md, copy-engine host time), read by copy_engine_host_times().
 enum HostKind {
   kHostGuard, kHostFork, kHostMemcpy, kHostFlag, kHostKernel, kHostJoin,
   kHostGraphLaunch, kHostGraphUpdate, kHostGraphBuild, kHostKinds
@@ -74,7 +74,7 @@ Fn driver_entry(const char* name) {
 // a memory-operation node): no SM and no launch; "kernel", by a one-thread kernel (a kernel
 // node in a graph); unset, the write where transfers are enqueued call by call and kernel
 // nodes in graphs: a graph launch took ~1.5 µs of host time per memory-operation node against
-// ~0.2 µs per kernel node (NOTES item 38), and the copy paths leave SMs free for the flags.
+// ~0.2 µs per kernel node (benchmarks/RESULTS.md), and the copy paths leave SMs free for the flags.
 // The write's default flags put a memory barrier before it, and the chunk's copies before it
 // have completed. Kernels raise them anyway where the driver lacks the entry points or once it
 // refused a write (then for the rest of the process).

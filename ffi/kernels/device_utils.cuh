@@ -251,21 +251,9 @@ __device__ inline bool last_block(const PeerContext& ctx, int slot) {
 __device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t epoch) {
   for (int p = 0; p < ctx.num_ranks; ++p) {
     Control* peer = control_of(ctx, p);
-    uint64_t* target = flag == Flag::kReady ? &peer->ready[ctx.rank]
-                       : flag == Flag::kDone ? &peer->done[ctx.rank]
-                                             : &peer->pushed[ctx.rank];
+    uint64_t* target = flag == Flag::kReady ? &peer->ready[ctx.rank] : &peer->done[ctx.rank];
     store_release(target, epoch);
   }
-}
-
-// Thread 0 of every block waits until every peer has pushed its rows of this call.
-__device__ inline void wait_all_pushed(const PeerContext& ctx, uint64_t epoch, const char* op) {
-  if (threadIdx.x == 0) {
-    Control* mine = control_of(ctx, ctx.rank);
-    for (int s = 0; s < ctx.num_ranks; ++s)
-      wait_flag(ctx, &mine->pushed[s], epoch, op, "rows pushed", s);
-  }
-  __syncthreads();
 }
 
 // The call number this kernel belongs to: one more than the calls completed.

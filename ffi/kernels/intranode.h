@@ -1,11 +1,13 @@
 // Intranode normal-mode kernels (NVLink through the symmetric buffer's peer pointers).
 //
-// Every operation is pull-based and takes two launches:
+// Every operation takes two launches:
 //   1. stage   : wait until every peer finished the previous call, copy what peers will read
 //                into this PE's symmetric buffer (and, for dispatch, publish per-destination
 //                counts and token lists), then raise ready[me] on every peer;
 //   2. gather  : wait for every peer's ready flag, read what this PE needs straight from the
-//                peers' buffers into the XLA output, then raise done[me] on every peer.
+//                peers' buffers into the XLA output, then raise done[me] on every peer. The
+//                dispatch's default instead pushes (dispatch_fused): each PE stores its rows
+//                into the receivers' regions and moves out the rows that have arrived in its own.
 // Calls are numbered by a device-side counter that the kernels advance themselves, so the
 // sequence needs no host synchronisation and can be captured in a CUDA graph.
 #pragma once
@@ -23,23 +25,15 @@
 
 namespace jax_ep {
 
-// Bulk push: barriers at the start of the bulk area of shared memory (two per pipeline), then
-// two row buffers per pipeline; the area's size is capped so that one CTA fits an SM.
-constexpr size_t kBulkBarrierBytes = 256;
-constexpr size_t kMaxBulkSharedBytes = 200 * 1024;
-
 struct DispatchArgs {
   PeerContext ctx;
   RegionPlan plan;  // pull mode
   PushPlan push;    // push mode
-  bool use_push;
-  bool fused;      // push mode with the copy-out in the same kernel (use_push is set too)
-  bool bulk;       // push mode with bulk (TMA) copies of the rows where they fit
-  int bulk_pipes;  // set by the launcher: bulk pipelines (warps) per CTA, 0 = plain stores
-  size_t bulk_offset;  // set by the launcher: start of the bulk area in dynamic shared memory
+  // Push mode: senders store rows into the receivers' regions and, in the same kernel, the
+  // receivers move complete chunks out as they arrive. Pull mode otherwise.
+  bool fused;
   int chunk_rows;  // fused: output rows per arrival counter
   int num_tokens, num_topk, num_experts, capacity, alignment;
-  int block;  // expert_major with fixed blocks of this many rows per expert (low latency); 0: off
   bool expert_major;
   int num_blocks;  // CTAs of the gather kernel (SM budget)
   // inputs
@@ -152,7 +146,7 @@ struct CopyPiece {
 // chunk `chunk` from `wait_source` (if >= 0), and raise no flag.
 // Run as one CUDA graph, cached per shape and updated in place where only the source
 // addresses or kernel arguments differ: ~5 host calls per call instead of 2-5 per chunk
-// (NOTES item 38). JAX_EP_COPY_GRAPHS=0 enqueues the same sequence call by call.
+// (benchmarks/RESULTS.md, copy-engine host time). JAX_EP_COPY_GRAPHS=0 enqueues the same sequence call by call.
 class CopySequence {
  public:
   struct Kernel {

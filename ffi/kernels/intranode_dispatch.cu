@@ -5,7 +5,6 @@
 #include <type_traits>
 
 #include "kernels/intranode.h"
-#include "kernels/bulk_copy.cuh"
 
 namespace jax_ep {
 namespace {
@@ -285,7 +284,6 @@ __device__ void build_tables(const DispatchArgs& a, const int32_t* M, int32_t* t
     for (int r = threadIdx.x; r < R; r += kThreads) {
       int start = 0;
       for (int l = 0; l < L; ++l) {
-        if (a.block > 0) start = l * a.block;  // fixed blocks (low-latency layout)
         tb.base[r * L + l] += start;
         if (r == me) tb.group_start[l] = start;
         start += aligned(tb.pairs[r * L + l], a.alignment);
@@ -324,12 +322,11 @@ __device__ void build_tables(const DispatchArgs& a, const int32_t* M, int32_t* t
 // source's list for us, and (expert_major) its local expert.
 template <bool kExpertMajor>
 __device__ __forceinline__ int source_of_row(const GatherTables& tb, int i, int R, int L,
-                                             int block, int* position, int* local) {
+                                             int* position, int* local) {
   if (kExpertMajor) {
-    const int l = block > 0 ? min(i / block, L - 1) : last_at_most(tb.group_start, L, i);
+    const int l = last_at_most(tb.group_start, L, i);
     const int32_t* offsets = tb.src_offset + l * (R + 1);
-    const int end = block > 0 ? min(offsets[R], tb.group_start[l] + block) : offsets[R];
-    if (i < tb.group_start[l] || i >= end) return -1;
+    if (i < tb.group_start[l] || i >= offsets[R]) return -1;
     const int s = last_at_most(offsets, R, i);  // the last such source: empty ones are skipped
     *position = i - offsets[s];
     *local = l;
@@ -348,15 +345,11 @@ __device__ __forceinline__ int destination_row(const DispatchArgs& a, const Gath
                                                int entry, int rank_in_list) {
   const int row = kExpertMajor ? tb.base[a.topk_idx[entry]] + rank_in_list
                                : tb.my_offset_at[entry % a.ctx.num_ranks] + rank_in_list;
-  if (kExpertMajor && a.block > 0) {  // each expert's block holds `block` rows
-    const int local = a.topk_idx[entry] % (a.num_experts / a.ctx.num_ranks);
-    return row < (local + 1) * a.block ? row : -1;
-  }
   return row < a.capacity ? row : -1;
 }
 
 // Counts of the output; the last block then releases the peers and closes the call.
-// kPull: the pull gather, which may be the copy-engine path's (the push kernels never are).
+// kPull: the pull gather, which may be the copy-engine path's (the push kernel never is).
 template <bool kExpertMajor, bool kPull = false>
 __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
                                 int counter, int profile_slot) {
@@ -365,11 +358,6 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
   if (blockIdx.x == 0 && kExpertMajor) {
     for (int l = threadIdx.x; l < L; l += kThreads) {
       const int start = tb.group_start[l], n = tb.pairs[me * L + l];
-      if (a.block > 0) {
-        a.group_sizes[l] = a.block;
-        a.tokens_per_expert[l] = min(n, a.block);
-        continue;
-      }
       const int end = start + aligned(n, a.alignment);
       a.group_sizes[l] = max(0, min(end, C) - min(start, C));
       a.tokens_per_expert[l] = max(0, min(n, C - start));
@@ -410,17 +398,13 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
   }
 }
 
-// Unused rows get -1 / 0 metadata; their data is zeroed too, except in the fixed-block
-// (low-latency) layout, whose blocks are mostly empty: there it is left as it was (DeepEP's
-// contract too), which keeps a decode step from writing R*M*L rows of zeros.
+// Unused rows get zeros, and -1 / 0 metadata.
 __device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, int out_k,
                                                  int lane) {
-  if (a.block == 0) {
-    zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
-    if (a.scales != nullptr)
-      zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
-               a.scale_row_bytes, lane, 32);
-  }
+  zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
+  if (a.scales != nullptr)
+    zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+             a.scale_row_bytes, lane, 32);
   for (int j = lane; j < out_k; j += 32) {
     a.out_topk_idx[size_t(i) * out_k + j] = -1;
     a.out_topk_weights[size_t(i) * out_k + j] = 0.f;
@@ -461,7 +445,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
     if (j < C) {
       my_i = j + rotate < C ? j + rotate : j + rotate - C;
       int position = 0;
-      my_s = source_of_row<kExpertMajor>(tb, my_i, R, L, a.block, &position, &my_local);
+      my_s = source_of_row<kExpertMajor>(tb, my_i, R, L, &position, &my_local);
       if (my_s >= 0 && kExpertMajor) {
         const int pair = region<int32_t>(ctx, my_s, a.plan.lists)[size_t(me * L + my_local) *
                                                                    a.plan.list_len + position];
@@ -545,8 +529,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
 
 // Copies one row to every non-null destination, reading it once; the lanes of a warp stride
 // through it with the widest access all addresses allow.
-// 4 loads in flight per lane: 8 or 16 (tried in session 4) were no faster, and the wider
-// variants made the push kernels spill registers.
+// 4 loads in flight per lane: 8 or 16 were no faster, and made the push kernel spill
+// registers.
 template <int kSources, int kInFlight = 4>
 __device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const char* src,
                                               size_t bytes, int lane) {
@@ -641,12 +625,12 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
 
 // Pushes token t: its row once per destination, straight to its final position: into the
 // receiver's region over NVLink, or into our own output when we are the destination. The
-// warp reads the row once and stores it to all of its destinations. With `count_arrivals`
-// (fused mode) it then bumps the destination's arrival counter of the chunk each row landed
-// in, after a system-scope fence, so receivers can consume finished chunks.
+// warp reads the row once and stores it to all of its destinations, then bumps each
+// destination's arrival counter of the chunk its row landed in, after a system-scope fence, so
+// that receivers can consume finished chunks.
 template <bool kExpertMajor, int kSources>
 __device__ __forceinline__ void push_token(const DispatchArgs& a, const GatherTables& tb, int t,
-                                           int lane, bool count_arrivals) {
+                                           int lane) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_experts / ctx.num_ranks;
   const int sources = kExpertMajor ? a.num_topk : ctx.num_ranks;
@@ -659,110 +643,19 @@ __device__ __forceinline__ void push_token(const DispatchArgs& a, const GatherTa
   if (a.scales != nullptr)
     broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
                   a.scale_row_bytes, lane);
-  if (count_arrivals) {
-    __syncwarp();  // every lane's stores of this token precede lane 0's fence
-    if (lane == 0) {
-      __threadfence_system();
+  __syncwarp();  // every lane's stores of this token precede lane 0's fence
+  if (lane == 0) {
+    __threadfence_system();
 #pragma unroll
-      for (int j = 0; j < kSources; ++j) {
-        if (landed[j] < 0) continue;
-        const int r = kExpertMajor ? a.topk_idx[t * sources + j] / L : j;
-        atomicAdd_system(&control_of(ctx, r)->arrivals[landed[j]], 1u);
-      }
+    for (int j = 0; j < kSources; ++j) {
+      if (landed[j] < 0) continue;
+      const int r = kExpertMajor ? a.topk_idx[t * sources + j] / L : j;
+      atomicAdd_system(&control_of(ctx, r)->arrivals[landed[j]], 1u);
     }
   }
 }
 
-// Every token of this PE, claimed from the dispatch work counter by whichever warp is free:
-// roughly in ascending order (destinations' chunks fill up progressively), and warps whose
-// stores drain faster take more tokens (with a static split the last CTA finished ~80 µs
-// after the first, 2×H200).
-template <bool kExpertMajor, int kSources>
-__device__ void push_tokens(const DispatchArgs& a, const GatherTables& tb) {
-  const int lane = threadIdx.x % 32;
-  uint32_t* cursor = &control_of(a.ctx, a.ctx.rank)->work_cursor[kCursorDispatch];
-  for (int t = claim_item(cursor, lane); t < a.num_tokens; t = claim_item(cursor, lane))
-    push_token<kExpertMajor, kSources>(a, tb, t, lane, /*count_arrivals=*/false);
-}
-
-// push_tokens with bulk copies: the first a.bulk_pipes warps of each CTA are pipelines; lane 0
-// of each loads a token's row into one of two shared buffers and stores it from there to every
-// destination, while the previous token's stores still drain from the other buffer. Rows are a
-// multiple of 16 bytes (the host checks). `buffers` is the CTA's bulk area of shared memory.
-template <bool kExpertMajor, int kSources>
-__device__ void push_tokens_bulk(const DispatchArgs& a, const GatherTables& tb, char* buffers) {
-#if JAX_EP_BULK_COPY
-  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (w >= a.bulk_pipes) return;
-  const int pipe = blockIdx.x * a.bulk_pipes + w, pipes = gridDim.x * a.bulk_pipes;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(buffers) + 2 * w;
-  char* stage_buf[2];
-  const size_t stage_bytes = row_stride(a.x_row_bytes);
-  stage_buf[0] = buffers + kBulkBarrierBytes + (2 * w) * stage_bytes;
-  stage_buf[1] = stage_buf[0] + stage_bytes;
-  if (lane == 0) {
-    barrier_init(&bars[0]);
-    barrier_init(&bars[1]);
-  }
-  __syncwarp();
-  const uint32_t bytes = static_cast<uint32_t>(a.x_row_bytes);
-  int iter = 0;
-  for (int t = pipe; t < a.num_tokens; t += pipes, ++iter) {
-    char* rows[kSources];
-    char* scales[kSources];
-    int landed[kSources];
-    token_destinations<kExpertMajor, kSources>(a, tb, t, lane, rows, scales, landed);
-    const int stage = iter & 1;
-    if (lane == 0) {
-      bulk_wait_read<1>();  // the stores from this buffer two tokens ago have read it
-      bulk_load(stage_buf[stage], static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
-                bytes, &bars[stage]);
-      barrier_wait(&bars[stage], (iter >> 1) & 1);
-#pragma unroll
-      for (int j = 0; j < kSources; ++j)
-        if (rows[j] != nullptr) bulk_store(rows[j], stage_buf[stage], bytes);
-      bulk_commit();
-    }
-    if (a.scales != nullptr)
-      broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
-                    a.scale_row_bytes, lane);
-  }
-  if (lane == 0) {
-    bulk_wait_all();         // every row written
-    __threadfence_system();  // before the CTA's arrival (last_block) publishes them
-  }
-  __syncwarp();
-#else
-  (void)buffers;
-  push_tokens<kExpertMajor, kSources>(a, tb);
-#endif
-}
-
-template <bool kExpertMajor, int kSources>
-__global__ void __launch_bounds__(kThreads) dispatch_push(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
-  const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchPush, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchPush, kWaited);
-  extern __shared__ int32_t tables[];
-  GatherTables tb;
-  build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
-  if (a.bulk_pipes > 0) {
-    push_tokens_bulk<kExpertMajor, kSources>(a, tb,
-                                             reinterpret_cast<char*>(tables) + a.bulk_offset);
-  } else {
-    push_tokens<kExpertMajor, kSources>(a, tb);
-  }
-  profile_end(ctx, kProfDispatchPush);
-  if (last_block(ctx, 6) && threadIdx.x == 0) {
-    signal_all(ctx, Flag::kPushed, call);
-    profile_mark(ctx, kProfDispatchPush, kRetired);
-  }
-}
-
-// Output row i of a push-mode dispatch: rows that peers pushed into this PE's region are moved
+// Output row i of the push dispatch: rows that peers pushed into this PE's region are moved
 // to the output (this PE's own rows are there already); metadata outputs for every used row;
 // unused rows get zeros and -1.
 template <bool kExpertMajor>
@@ -773,7 +666,7 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
   const int out_k = kExpertMajor ? 1 : K;
   int position = 0, local = -1;
-  const int s = source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local);
+  const int s = source_of_row<kExpertMajor>(tb, i, R, L, &position, &local);
   if (s < 0) {
     write_unused_row(a, i, out_k, lane);
     return;
@@ -787,7 +680,7 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
   const float weight = lane < out_k ? __ldcg(weights + lane) : 0.f;
   const int token = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta)) : -1;
   const int k = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta) + 1) : -1;
-  if (s != me) {  // rows a peer wrote (in the fused kernel, during this kernel): bypass L1
+  if (s != me) {  // rows a peer wrote, possibly during this kernel: bypass L1
     copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
                    region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane,
                    32);
@@ -809,25 +702,6 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
   }
 }
 
-// Receivers (after every peer has pushed) write every output row.
-template <bool kExpertMajor>
-__global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
-  const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchReceive, kEnter);
-  wait_all_pushed(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchReceive, kWaited);
-  extern __shared__ int32_t tables[];
-  GatherTables tb;
-  build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  for (int i = warp; i < a.capacity; i += gridDim.x * kWarps)
-    receive_row<kExpertMajor>(a, tb, i, lane);
-  profile_end(ctx, kProfDispatchReceive);
-  finish_dispatch<kExpertMajor>(a, tb, call, 7, kProfDispatchReceive);
-}
-
 // Fused push mode, one kernel: pushing and moving out interleave at warp granularity. Each
 // warp holds at most one chunk of output rows to move out, taken in order from a chunk range
 // with a fetch-and-add (no contended compare-and-swap: an in-order claim serialised 2048
@@ -837,7 +711,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(DispatchArgs a) {
 // pushing, and it waits only once every token is claimed, for rows that running warps (here
 // or on the peers) are pushing: nothing needs the whole grid resident. rank_major has one
 // chunk range per source (its rows are contiguous), so a peer's chunks do not queue behind
-// our own; expert_major has one range.
+// our own; expert_major has one range. Tokens are claimed from the dispatch work counter by
+// whichever warp is free: roughly in ascending order (destinations' chunks fill up
+// progressively), and warps whose stores drain faster take more tokens (with a static split
+// the last CTA finished ~80 µs after the first, 2×H200).
 template <bool kExpertMajor>
 __device__ __forceinline__ int chunk_range_begin(const DispatchArgs& a, const GatherTables& tb,
                                                  int q) {
@@ -891,7 +768,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
       int used = 0;  // rows of the chunk that some PE sends
       for (int i = first + lane; i < last; i += 32) {
         int position, local;
-        used += source_of_row<kExpertMajor>(tb, i, R, L, a.block, &position, &local) >= 0;
+        used += source_of_row<kExpertMajor>(tb, i, R, L, &position, &local) >= 0;
       }
       chunk_rows_used = __reduce_add_sync(0xffffffffu, used);
     }
@@ -913,7 +790,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
     }
     // 3. Otherwise push the next token of ours.
     if (t < a.num_tokens) {
-      push_token<kExpertMajor, kSources>(a, tb, t, lane, /*count_arrivals=*/true);
+      push_token<kExpertMajor, kSources>(a, tb, t, lane);
       t = claim_item(token_cursor, lane);
       idle_since = 0;
       continue;
@@ -925,8 +802,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
       if (idle_since == 0) idle_since = now;
       if (now - idle_since > ctx.timeout_ns) {
         int position, local;
-        const int peer = source_of_row<kExpertMajor>(tb, chunk * a.chunk_rows, R, L, a.block,
-                                                     &position, &local);
+        const int peer = source_of_row<kExpertMajor>(tb, chunk * a.chunk_rows, R, L, &position,
+                                                     &local);
         report_timeout(ctx, "dispatch", "rows of an output chunk", peer,
                        uint64_t(chunk_rows_used), uint64_t(load_acquire_u32(&arrivals[chunk])));
         trap_after_report();
@@ -1028,44 +905,20 @@ cudaError_t launch_dispatch_mode(const DispatchArgs& a, size_t tables, cudaStrea
   };
   // Every kernel's shared memory is allowed before the first launch: a refusal after the
   // stage (which signals the peers) would leave the call half done on every PE.
-  if (a.use_push && a.fused) {
+  if (a.fused) {
     if (!allow_tables(dispatch_fused<kExpertMajor, kSources>, tables)) return status;
     if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
     return launch_after_previous(dispatch_fused<kExpertMajor, kSources>, a.num_blocks, kThreads,
                                  tables, stream, a);
-  } else if (a.use_push) {
-    DispatchArgs push = a;
-    size_t push_smem = tables;
-    const size_t stage = row_stride(a.x_row_bytes);
-    push.bulk_offset = align_up(tables, 128);
-    const size_t room = kMaxBulkSharedBytes > push.bulk_offset + kBulkBarrierBytes
-                            ? kMaxBulkSharedBytes - push.bulk_offset - kBulkBarrierBytes
-                            : 0;
-    push.bulk_pipes = a.bulk && a.x_row_bytes % 16 == 0 && a.x_row_bytes > 0
-                          ? static_cast<int>(std::min<size_t>(kWarps, room / (2 * stage)))
-                          : 0;
-    if (push.bulk_pipes > 0)
-      push_smem = push.bulk_offset + kBulkBarrierBytes + 2 * stage * push.bulk_pipes;
-    if (!allow_tables(dispatch_push<kExpertMajor, kSources>, push_smem) ||
-        !allow_tables(dispatch_receive<kExpertMajor>, tables))
-      return status;
-    if ((status = launch_stage<kExpertMajor, false>(a, stream)) != cudaSuccess) return status;
-    status = launch_after_previous(dispatch_push<kExpertMajor, kSources>, a.num_blocks, kThreads,
-                                   push_smem, stream, push);
-    if (status != cudaSuccess) return status;
-    return launch_after_previous(dispatch_receive<kExpertMajor>, a.num_blocks, kThreads, tables,
-                                 stream, a);
-  } else {
-    if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
-    if (a.copy_engine && (status = enqueue_dispatch_copies(a, stream)) != cudaSuccess)
-      return status;
-    if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
-    status = launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
-                                   stream, a);
-    if (status == cudaSuccess && a.copy_engine) status = copy_engine_join(a.ctx, stream);
-    return status;
   }
-  return cudaGetLastError();
+  if (!allow_tables(dispatch_gather<kExpertMajor>, tables)) return status;
+  if (a.copy_engine && (status = enqueue_dispatch_copies(a, stream)) != cudaSuccess)
+    return status;
+  if ((status = launch_stage<kExpertMajor, true>(a, stream)) != cudaSuccess) return status;
+  status = launch_after_previous(dispatch_gather<kExpertMajor>, a.num_blocks, kThreads, tables,
+                                 stream, a);
+  if (status == cudaSuccess && a.copy_engine) status = copy_engine_join(a.ctx, stream);
+  return status;
 }
 
 }  // namespace

@@ -18,7 +18,7 @@ namespace {
 constexpr int kWarps = kLLThreads / 32;
 // The dispatch send's two warp groups, which run side by side: the first sends the tokens'
 // rows, the second numbers the pairs (slots, pair headers, counts). Before, each block did one
-// after the other, and the slots ended ~2 µs after the rows (NOTES item 39).
+// after the other, and the slots ended ~2 µs after the rows.
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
 constexpr int kTokenBarrier = 1, kSlotBarrier = 2;  // named barriers (0 is __syncthreads)
@@ -75,7 +75,7 @@ __device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fenc
 // Flags of every peer in one round of loads: each lane of the calling warp loads its own
 // peer's flag (one acquire load per lane, side by side) where thread 0 used to load them one
 // after another; an acquire load holds back the loads after it, so R flags cost R memory
-// latencies there (NOTES item 41).
+// latencies there.
 
 // Byte offset of a flag inside LLControl: the same flag of PE r is at ll_control(r) + offset.
 __device__ __forceinline__ size_t control_offset(const LLControl* control, const uint64_t* flag) {
@@ -865,7 +865,7 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
   if (vec) {
     constexpr int kVec = 16 / sizeof(T);
     // kChunks 16-byte columns per lane, each of every row of a batch loaded in one round: a
-    // piece of 1 KB is one round of loads (NOTES item 52)
+    // piece of 1 KB is one round of loads (docs/design.md, section 6.2)
     constexpr int kChunks = 2;
     const size_t chunks = bytes / 16;
     for (size_t c0 = 0; c0 < chunks; c0 += 32 * kChunks) {

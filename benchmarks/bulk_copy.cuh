@@ -1,5 +1,5 @@
-// Hopper bulk copies (the TMA's cp.async.bulk) between global and shared memory, and the
-// shared-memory barriers that track them. One thread issues a copy of a whole row; the
+// The standalone probes' Hopper bulk copies (the TMA's cp.async.bulk) between global and
+// shared memory, and the shared-memory barriers that track them. One thread issues a copy of a whole row; the
 // hardware moves it, so a few threads per SM keep many kilobytes in flight (plain stores need
 // every lane of many warps for that).
 #pragma once
