@@ -113,18 +113,25 @@ def emulated(monkeypatch):
 # ----------------------------------------------------------------------------- grouped_matmul
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "auto"])
-def test_grouped_matmul_matches_loop(impl):
-    x, w, _, _, gs, _ = _inputs()
-    ct = jax.random.normal(jax.random.key(7), (M, F))
-    f = functools.partial(experts.grouped_matmul, group_sizes=gs, impl=impl)
+def _assert_matches_loop(f, x, w, ct, ct_loop):
+    """f(x, w) and its VJP (cotangent ct) against the per-group loop's (cotangent ct_loop);
+    padding rows come out zero in the result and in dx. Returns dw."""
     got, (dx, dw) = _vjp(f, (x, w), ct)
-    want, (dx_w, dw_w) = _vjp(lambda x, w: _loop_matmul(x, w, GROUPS), (x, w), ct)
+    want, (dx_w, dw_w) = _vjp(lambda x, w: _loop_matmul(x, w, GROUPS), (x, w), ct_loop)
     _close(got, want, 1e-5)
     _close(dx, dx_w, 1e-5)
     _close(dw, dw_w, 1e-5)
     assert not np.any(np.asarray(got[sum(GROUPS):]))
     assert not np.any(np.asarray(dx[sum(GROUPS):]))
+    return dw
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "auto"])
+def test_grouped_matmul_matches_loop(impl):
+    x, w, _, _, gs, _ = _inputs()
+    ct = jax.random.normal(jax.random.key(7), (M, F))
+    f = functools.partial(experts.grouped_matmul, group_sizes=gs, impl=impl)
+    dw = _assert_matches_loop(f, x, w, ct, ct)
     assert not np.any(np.asarray(dw[1]))  # the empty group
 
 
@@ -133,13 +140,7 @@ def test_grouped_matmul_mgpu_vjp_emulated(emulated):
     ct = jax.random.normal(jax.random.key(7), (M, F))
     ct_nan = ct.at[sum(GROUPS):].set(jnp.nan)  # padding-row cotangents must not leak into dw
     f = jax.jit(functools.partial(experts.grouped_matmul, group_sizes=gs, impl="mgpu"))
-    got, (dx, dw) = _vjp(f, (x, w), ct_nan)
-    want, (dx_w, dw_w) = _vjp(lambda x, w: _loop_matmul(x, w, GROUPS), (x, w), ct)
-    _close(got, want, 1e-5)
-    _close(dx, dx_w, 1e-5)
-    _close(dw, dw_w, 1e-5)
-    assert not np.any(np.asarray(got[sum(GROUPS):]))
-    assert not np.any(np.asarray(dx[sum(GROUPS):]))
+    _assert_matches_loop(f, x, w, ct_nan, ct)
 
 
 def test_auto_is_ragged_dot_off_hopper():
