@@ -24,6 +24,7 @@ from jax_ep._types import (
     LowLatencyConfig,
     LowLatencyHandle,
     LowLatencyOutput,
+    no_pair_rows,
 )
 
 
@@ -211,7 +212,7 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
                    expert_major, alignment, axis_name, source_slots=False):
-    """The jax_ep_dispatch custom call; returns its 12 results (see DispatchOutput/Handle)."""
+    """The jax_ep_dispatch custom call; returns its 13 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
     push = _push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None)
@@ -232,6 +233,7 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         jax.ShapeDtypeStruct((C,), i32),
         jax.ShapeDtypeStruct((C,), i32),
         jax.ShapeDtypeStruct((C,), i32),
+        jax.ShapeDtypeStruct((num_ranks, T, K) if expert_major else (0,), i32),
     )
     return _call(
         "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
@@ -244,13 +246,14 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
     (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
-     num_dropped, send_slot, src_rank, src_token, src_k) = _dispatch_call(
+     num_dropped, send_slot, src_rank, src_token, src_k, pair_row) = _dispatch_call(
         x, x_scales, topk_idx, topk_weights, num_experts=config.num_experts,
         num_ranks=config.num_ranks, capacity=config.capacity,
         expert_major=config.layout == EXPERT_MAJOR, alignment=config.alignment,
         axis_name=config.axis_name, source_slots=config.layout == SOURCE_SLOTS)
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
+                            pair_row=pair_row if config.layout == EXPERT_MAJOR else no_pair_rows(),
                             config=config)
     return DispatchOutput(x=out_x, x_scales=out_scales if x_scales is not None else None,
                           topk_idx=out_idx, topk_weights=out_weights,
@@ -258,23 +261,34 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
                           num_received=num_received, num_dropped=num_dropped, handle=handle)
 
 
+def _pair_row(handle: DispatchHandle):
+    """The handle's pair_row for the kernels, which take an empty one for other layouts (made
+    here, not carried in handles: XLA's compiler crashed on an empty operand that was a
+    parameter of the program, a handle carried into another jitted program)."""
+    if handle.config.layout == EXPERT_MAJOR:
+        return handle.pair_row
+    return jnp.zeros((0,), jnp.int32)
+
+
 def cached_dispatch(x, handle: DispatchHandle):
     C = handle.config.capacity
     return _call("jax_ep_cached_dispatch", jax.ShapeDtypeStruct((C, x.shape[1]), x.dtype), x,
-                 handle.src_rank, handle.src_token, _rank(handle.config.axis_name),
+                 handle.src_rank, handle.src_token, _pair_row(handle),
+                 _rank(handle.config.axis_name),
                  axis_name=handle.config.axis_name, num_blocks=_num_blocks())
 
 
 def combine(y, weights, handle: DispatchHandle):
     config = handle.config
     expert_major = config.layout == EXPERT_MAJOR
-    _check_sources("combine", "combine", config.num_topk if expert_major else config.num_ranks,
-                   expert_major)
+    _check_sources("combine", "combine", config.num_ranks, False)
+    if expert_major:  # its stage sums a token's top-k rows
+        _check_sources("combine", "combine", config.num_topk, True)
     if weights is None:
         weights = jnp.ones((config.capacity,), jnp.float32)
     return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
                  y, weights.astype(jnp.float32), handle.topk_idx, handle.send_slot,
-                 handle.num_received, handle.src_rank, _rank(config.axis_name),
+                 handle.num_received, handle.src_rank, _pair_row(handle), _rank(config.axis_name),
                  axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
                  expert_major=np.int64(expert_major), num_blocks=_num_blocks(),

@@ -23,10 +23,15 @@ with T local tokens, top-k K, E experts, L = E // R local experts, C = capacity:
 Unused rows (padding, past the received count, source_slots' rows of tokens with no expert
 here) have zero data, topk_idx -1, weight 0, and -1 in every handle array.
 
-Combine (sum in float32, fixed order, then cast to y's dtype):
-* rank_major, source_slots: out[t] = sum over ranks r ascending of w_row * y_row(t, r)
-* expert_major:             out[t] = sum over k ascending of w_row * y_row(t, k)
-where w_row is the optional per-row weight (1 when not given) and dropped rows add zero.
+Combine (sums in float32, fixed order; w_row is the optional per-row weight, 1 when not
+given; dropped rows add zero):
+* rank_major, source_slots: out[t] = sum over ranks r ascending of w_row * y_row(t, r), cast
+  to y's dtype.
+* expert_major: each rank r first sums its rows of token t over k ascending,
+  p_r(t) = sum_k w_row * y_row(t, k), and casts p_r(t) to y's dtype; then
+  out[t] = sum over ranks r ascending of p_r(t), cast to y's dtype. So one row per
+  (token, rank) crosses back, as the dispatch sends one per (token, rank) (the expansion to
+  (token, k) rows happens on the receiving rank).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 RANK_MAJOR = "rank_major"
 EXPERT_MAJOR = "expert_major"
@@ -62,6 +68,11 @@ class DispatchConfig:
         return self.num_experts // self.num_ranks
 
 
+def no_pair_rows() -> jax.Array:
+    """``DispatchHandle.pair_row`` of the layouts that have none."""
+    return jnp.full((1,), -1, jnp.int32)
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class DispatchHandle:
@@ -77,6 +88,11 @@ class DispatchHandle:
       src_token:  [C] int32  source token index of each received row (-1 = unused).
       src_k:      [C] int32  expert_major: top-k slot of each row; otherwise all -1.
       num_received: [] int32 DispatchOutput.num_received: no row at or past it is used.
+      pair_row:   expert_major [R, T, K] int32: the row here that pair (source s, token t, k)
+                  became, -1 if none (the inverse of src_rank/src_token/src_k: the combine
+                  sums a token's rows here, and its backward stores a token's row to each,
+                  without a search); other layouts [1] holding -1 (``no_pair_rows``: not
+                  empty, since XLA's compiler crashed on an empty program parameter).
     """
 
     topk_idx: jax.Array
@@ -85,11 +101,12 @@ class DispatchHandle:
     src_token: jax.Array
     src_k: jax.Array
     num_received: jax.Array
+    pair_row: jax.Array
     config: DispatchConfig
 
     def tree_flatten(self):
         children = (self.topk_idx, self.send_slot, self.src_rank, self.src_token,
-                    self.src_k, self.num_received)
+                    self.src_k, self.num_received, self.pair_row)
         return children, self.config
 
     @classmethod

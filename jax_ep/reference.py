@@ -23,6 +23,7 @@ from jax_ep._types import (
     LowLatencyConfig,
     LowLatencyHandle,
     LowLatencyOutput,
+    no_pair_rows,
 )
 
 
@@ -77,8 +78,10 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
     recv_local = _exchange(send_local, axis)  # [R(src), T, K]
     recv_weights = _exchange(send_weights, axis)
 
+    pair_row = no_pair_rows()
     if config.layout == EXPERT_MAJOR:
         out, slot_for_src = _expert_major(recv_x, recv_scales, recv_local, recv_weights, config)
+        pair_row = slot_for_src  # [R(src), T, K]: where each received pair landed here
         # Tell each source where its (t, k) pairs landed; keep the entry of the expert's rank.
         slots = _exchange(slot_for_src, axis)  # [R(dst), T, K]
         send_slot = jnp.take_along_axis(slots, jnp.maximum(dest, 0)[None], axis=0)[0]
@@ -101,6 +104,7 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
         src_token=out.pop("src_token"),
         src_k=out.pop("src_k"),
         num_received=out["num_received"],
+        pair_row=pair_row,
         config=config,
     )
     return DispatchOutput(handle=handle, **out)
@@ -222,14 +226,20 @@ def combine(y, weights, handle: DispatchHandle):
         scaled = scaled * weights.astype(jnp.float32)[:, None]
     row_src = jnp.where(used, handle.src_rank, R)  # unused rows are dropped by the scatter
     if config.layout == EXPERT_MAJOR:
-        # Back to the source as [R(expert rank), T, K, H]; add the K contributions in k order.
+        # Here, each source token's rows summed in k order and cast to y's dtype: one partial
+        # per (token, rank) goes back; the owner adds them in rank order.
         send = jnp.zeros((R, T, K) + y.shape[1:], jnp.float32)
         send = send.at[row_src, handle.src_token, handle.src_k].set(scaled, mode="drop")
-        back = _exchange(send, config.axis_name)
+        partial = jnp.zeros((R, T) + y.shape[1:], jnp.float32)
+        for k in range(K):  # absent pairs add +0.0, which leaves every sum as it is
+            partial = partial + send[:, :, k]
+        partial = partial.astype(y.dtype).astype(jnp.float32)
+        back = _exchange(partial, config.axis_name)  # [R(expert rank), T, H]
         dest, _ = _routing(handle.topk_idx, config.num_experts, R)
-        picked = jnp.take_along_axis(back, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
-        present = handle.send_slot >= 0  # [T, K]
-        terms = [jnp.where(present[:, k, None], picked[:, k], 0.0) for k in range(K)]
+        kept = handle.send_slot >= 0  # [T, K]
+        present = jnp.any(kept[:, None, :] & (dest[:, None, :] == jnp.arange(R)[None, :, None]),
+                          axis=-1)  # [T, R]
+        terms = [jnp.where(present[:, r, None], back[r], 0.0) for r in range(R)]
     else:
         send = jnp.zeros((R, T) + y.shape[1:], jnp.float32)
         send = send.at[row_src, handle.src_token].set(scaled, mode="drop")

@@ -119,22 +119,33 @@ def dispatch(x, topk_idx, topk_weights, num_experts, capacity, layout="rank_majo
 
 
 def combine(y, weights, per_rank, send_slot, topk_idx, num_experts, layout="rank_major"):
-    """y: [R, C, H] rows per expert rank; returns [R, T, H] float32 sums in the contract order
-    (by rank for rank_major and source_slots, by k for expert_major)."""
+    """y: [R, C, H] rows per expert rank; returns [R, T, H] float32 sums in the contract order:
+    by rank for rank_major and source_slots; expert_major: each rank's rows of a token summed
+    by k and cast to y's dtype, then those partials by rank."""
     R, T, K = topk_idx.shape
     dest, _ = route(topk_idx, num_experts, R)
-    by_rank = layout != "expert_major"
     out = np.zeros((R, T, y.shape[-1]), np.float32)
+
+    def term(r, row):
+        w = np.float32(1) if weights is None else np.float32(weights[r, row])
+        return w * y[r, row].astype(np.float32)
+
     for s in range(R):
         for t in range(T):
             acc = np.zeros(y.shape[-1], np.float32)
-            for j in range(R) if by_rank else range(K):
-                r = j if by_rank else dest[s, t, j]
-                row = send_slot[s, t, j]
-                if r < 0 or row < 0:
+            for r in range(R):
+                if layout != "expert_major":
+                    row = send_slot[s, t, r]
+                    if row >= 0:
+                        acc = acc + term(r, row)
                     continue
-                w = np.float32(1) if weights is None else np.float32(weights[r, row])
-                acc = acc + w * y[r, row].astype(np.float32)
+                rows = [send_slot[s, t, k] for k in range(K)
+                        if dest[s, t, k] == r and send_slot[s, t, k] >= 0]
+                if rows:
+                    partial = np.zeros(y.shape[-1], np.float32)
+                    for row in rows:
+                        partial = partial + term(r, row)
+                    acc = acc + partial.astype(y.dtype).astype(np.float32)
             out[s, t] = acc
     return out
 

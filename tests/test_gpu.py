@@ -220,7 +220,7 @@ def test_too_small_buffer_is_an_error_naming_the_bytes():
         handle = DispatchHandle(topk_idx=jnp.zeros((T, 1), jnp.int32),
                                 send_slot=jnp.full((T, R), -1, jnp.int32), src_rank=unused,
                                 src_token=unused, src_k=unused, num_received=jnp.int32(0),
-                                config=config)
+                                pair_row=jnp.full((1,), -1, jnp.int32), config=config)
         return _cuda.cached_dispatch(jnp.zeros((T, H), jnp.float32), handle)
 
     with pytest.raises(Exception, match="needs a symmetric buffer of") as info:

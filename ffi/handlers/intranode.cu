@@ -97,7 +97,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> num_dropped,
                          ffi::ResultBuffer<ffi::S32> send_slot, ffi::ResultBuffer<ffi::S32> src_rank,
                          ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
-                         int64_t num_experts, int64_t capacity, int64_t expert_major,
+                         ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts, int64_t capacity, int64_t expert_major,
                          int64_t alignment, int64_t has_scales, int64_t num_blocks,
                          int64_t push_mode, int64_t source_slots) {
   auto x_dims = x.dimensions();
@@ -135,7 +135,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return invalid("dispatch: result shapes do not match the layout");
   if (send_slot->element_count() != size_t(T) * (expert_major ? K : R) ||
       src_rank->element_count() != size_t(capacity) ||
-      out_x->element_count() != size_t(capacity) * H)
+      out_x->element_count() != size_t(capacity) * H ||
+      pair_row->element_count() != (expert_major ? size_t(R) * T * K : 0))
     return invalid("dispatch: result shapes do not match the capacity and EP size");
   // the kernels write capacity rows of x's element type (and of scales when has_scales)
   if (out_x->element_type() != x.element_type() ||
@@ -212,13 +213,14 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.src_rank = src_rank->typed_data();
   a.src_token = src_token->typed_data();
   a.src_k = src_k->typed_data();
+  a.pair_row = expert_major ? pair_row->typed_data() : nullptr;
   return cuda_error(launch_dispatch(a, stream), "dispatch");
 }
 
 ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_token,
-                                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                                int64_t num_blocks) {
+                                ffi::Buffer<ffi::S32> pair_row, ffi::Buffer<ffi::S32> rank,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t num_blocks) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return invalid("cached_dispatch: x must be [T, D]");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(x.element_type());
@@ -232,6 +234,13 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
           peer_context("cached_dispatch", rank, cached_dispatch_bytes(T, row_bytes), &a.ctx);
       err.failure())
     return err;
+  // expert_major handles carry pair_row [R, T, K]; the others an empty one
+  const size_t pairs = pair_row.element_count(), per_token = size_t(a.ctx.num_ranks) * T;
+  if (pairs != 0 && (T == 0 || pairs % per_token != 0 || pairs / per_token > kMaxSources))
+    return invalid("cached_dispatch: pair_row must be [ranks, T, K] with K <= " +
+                   std::to_string(kMaxSources) + ", or empty");
+  a.num_topk = pairs ? static_cast<int>(pairs / per_token) : 0;
+  a.pair_row = pairs ? pair_row.typed_data() : nullptr;
   a.num_tokens = T;
   a.capacity = C;
   a.num_blocks = blocks_or_default(num_blocks);
@@ -246,7 +255,7 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
                         ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> src_rank,
-                        ffi::Buffer<ffi::S32> rank,
+                        ffi::Buffer<ffi::S32> pair_row, ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
                         int64_t expert_major, int64_t num_blocks, int64_t copy_engine,
                         int64_t source_slots) {
@@ -286,9 +295,12 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
                    std::to_string(a.ctx.num_ranks) + " NVSHMEM PEs");
   if (send_slot.element_count() != size_t(T) * (expert_major ? K : a.ctx.num_ranks))
     return invalid("combine: send_slot does not match the layout");
-  if ((expert_major ? K : a.ctx.num_ranks) > kMaxSources)
+  if (a.ctx.num_ranks > kMaxSources || (expert_major && K > kMaxSources))
     return invalid("combine: at most " + std::to_string(kMaxSources) +
-                   (expert_major ? " top-k slots" : " ranks") + " per token are supported");
+                   " ranks and (expert_major) top-k slots are supported");
+  if (pair_row.element_count() != (expert_major ? size_t(a.ctx.num_ranks) * T * K : 0))
+    return invalid("combine: pair_row must be the dispatch's ([ranks, T, K] for expert_major, "
+                   "else empty)");
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);
@@ -304,6 +316,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.send_slot = send_slot.typed_data();
   a.num_received = num_received.typed_data();
   a.src_rank = src_rank.typed_data();
+  a.pair_row = expert_major ? pair_row.typed_data() : nullptr;
   a.out = out->untyped_data();
   return cuda_error(launch_combine(a, stream), "combine");
 }
@@ -333,6 +346,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
                                   .Attr<int64_t>("expert_major")
@@ -349,6 +363,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_blocks"));
 
@@ -357,6 +372,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

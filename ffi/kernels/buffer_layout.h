@@ -189,6 +189,8 @@ JAX_EP_HOST_DEVICE inline SlotsCombinePlan plan_combine_slots(int num_ranks, int
 
 // Push-mode dispatch: senders write rows straight to their final position in the receiver's
 // region (rows from this PE go straight to the output), with a metadata record per row.
+// expert_major: a peer's rows of one token travel once, at the row of its first pair there
+// (the record's data row); the receiver copies that row to each of the token's pairs.
 struct PushPlan {
   size_t matrix = 0, rows = 0, scales = 0, meta = 0, meta_stride = 0, end = 0;
 };
@@ -206,8 +208,9 @@ JAX_EP_HOST_DEVICE inline PushPlan plan_dispatch_push(int num_ranks, int num_top
   offset = align_up(offset + row_stride(x_row_bytes) * capacity, kRegionAlign);
   p.scales = offset;
   offset = align_up(offset + row_stride(scale_row_bytes) * capacity, kRegionAlign);
-  // token, k, then K local expert ids and K weights (expert_major uses the first of each)
-  p.meta_stride = align_up(sizeof(int32_t) * 2 + (sizeof(int32_t) + sizeof(float)) * num_topk, 16);
+  // token, k, data row, then K local expert ids and K weights (expert_major uses the first
+  // of each)
+  p.meta_stride = align_up(sizeof(int32_t) * 3 + (sizeof(int32_t) + sizeof(float)) * num_topk, 16);
   p.meta = offset;
   offset = align_up(offset + p.meta_stride * capacity, kRegionAlign);
   p.end = offset;

@@ -1,13 +1,17 @@
 // Intranode normal-mode kernels (NVLink through the symmetric buffer's peer pointers).
 //
 // Every operation takes two launches:
-//   1. stage   : wait until every peer finished the previous call, copy what peers will read
-//                into this PE's symmetric buffer (and, for dispatch, publish per-destination
-//                counts and token lists), then raise ready[me] on every peer;
+//   1. stage   : wait until every peer finished the previous call, write what peers will read
+//                into this PE's symmetric buffer (dispatch: per-destination counts and token
+//                lists; combine: its rows, or for expert_major one partial sum per (source,
+//                token)), then raise ready[me] on every peer;
 //   2. gather  : wait for every peer's ready flag, read what this PE needs straight from the
 //                peers' buffers into the XLA output, then raise done[me] on every peer. The
 //                dispatch's default instead pushes (dispatch_fused): each PE stores its rows
 //                into the receivers' regions and moves out the rows that have arrived in its own.
+// A token's row crosses NVLink at most once per (token, rank) in every layout: expert_major
+// rows are expanded to their (token, k) pairs on the receiving side, and its combine sums a
+// token's pairs on the expert's rank before the sum crosses back (docs/design.md).
 // Calls are numbered by a device-side counter that the kernels advance themselves, so the
 // sequence needs no host synchronisation and can be captured in a CUDA graph.
 #pragma once
@@ -56,6 +60,9 @@ struct DispatchArgs {
   int32_t* src_rank;
   int32_t* src_token;
   int32_t* src_k;
+  // expert_major: [R][T][K] the row each (source, token, k) pair became here, -1 if none (the
+  // combine's and the cached dispatch's lookup); nullptr otherwise.
+  int32_t* pair_row;
   // Pull mode whose rows the sources' copy engines deliver into this PE's landing area
   // (plan_dispatch_copy) in chunks of copy_chunk_rows tokens, copy_chunks per source.
   bool copy_engine;
@@ -70,10 +77,14 @@ struct DispatchArgs {
 struct CachedDispatchArgs {
   PeerContext ctx;
   int num_tokens, capacity, num_blocks;
+  int num_topk;  // expert_major (pair_row set): the pairs per token; else 0
   const void* x;
   size_t row_bytes;
   const int32_t* src_rank;
   const int32_t* src_token;
+  // expert_major: [R][T][K] rows of each pair (the dispatch's pair_row): a token's row crosses
+  // NVLink once and is stored to all of its rows here; nullptr: one load per row.
+  const int32_t* pair_row;
   void* out;
 };
 
@@ -98,6 +109,7 @@ struct CombineArgs {
   const int32_t* send_slot;
   const int32_t* num_received;
   const int32_t* src_rank;  // [C]: rows with -1 are not staged
+  const int32_t* pair_row;  // expert_major: [R][T][K] (DispatchArgs::pair_row)
   void* out;
 };
 

@@ -97,10 +97,110 @@ __global__ void __launch_bounds__(kThreads) combine_copy_stage(CombineArgs a, si
   if (chunk + 1 == a.copy_chunks) profile_end(ctx, kProfCombineStage);
 }
 
-// One warp per token, `kVector` elements per lane access (16 bytes when rows allow it). The
-// token's source rows (at most kSources) are found once; then each lane loads kUnroll chunks
-// of every source before adding, so about 16 loads per lane are in flight (over NVLink that
-// latency, not bandwidth, bounds a warp). The adds keep the contract's order.
+// out = sum over j ascending of weights[j] * rows[j] (null rows skipped), in float32, then
+// rounded to T. One warp, `kVector` elements per lane access (16 bytes when rows allow it);
+// each lane loads kUnroll chunks of every source before adding, so about 16 loads per lane are
+// in flight (over NVLink that latency, not bandwidth, bounds a warp). kBypassL1: the rows may
+// have been written during this kernel (by a copy engine).
+template <typename T, int kVector, int kSources, bool kBypassL1>
+__device__ __forceinline__ void weighted_sum(const T* (&rows)[kSources],
+                                             const float (&weights)[kSources], T* out,
+                                             int chunks, int lane) {
+  constexpr int kUnroll = kSources >= 16 ? 1 : 16 / kSources;
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+    T values[kUnroll][kSources][kVector];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * u;
+#pragma unroll
+      for (int j = 0; j < kSources; ++j) {
+        if (rows[j] == nullptr || c >= chunks) continue;
+        if constexpr (kVector * sizeof(T) == 16) {
+          const int4* src = reinterpret_cast<const int4*>(rows[j]) + c;
+          *reinterpret_cast<int4*>(values[u][j]) = kBypassL1 ? __ldcg(src) : *src;
+        } else {
+#pragma unroll
+          for (int v = 0; v < kVector; ++v)
+            values[u][j][v] = kBypassL1 ? __ldcg(rows[j] + c * kVector + v)
+                                        : rows[j][c * kVector + v];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= chunks) break;
+      float acc[kVector];
+#pragma unroll
+      for (int v = 0; v < kVector; ++v) acc[v] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kSources; ++j) {
+        if (rows[j] == nullptr) continue;
+#pragma unroll
+        for (int v = 0; v < kVector; ++v)  // no FMA contraction: the order is the contract
+          acc[v] = __fadd_rn(acc[v], __fmul_rn(weights[j], Element<T>::load(values[u][j][v])));
+      }
+      T packed[kVector];
+#pragma unroll
+      for (int v = 0; v < kVector; ++v) packed[v] = Element<T>::store(acc[v]);
+      if constexpr (kVector * sizeof(T) == 16) {
+        reinterpret_cast<int4*>(out)[c] = *reinterpret_cast<int4*>(packed);
+      } else {
+#pragma unroll
+        for (int v = 0; v < kVector; ++v) out[c * kVector + v] = packed[v];
+      }
+    }
+  }
+}
+
+// expert_major stage: for every (source, token) with pairs here, their rows summed in k order
+// with the rows' weights, rounded to T, at the token's first pair's row of the staging region:
+// one row per (token, rank) crosses back. This PE's own tokens too (the reduce reads every
+// rank's partial alike).
+template <typename T, int kVector, int kSources>
+__global__ void __launch_bounds__(kThreads) combine_stage_pairs(CombineArgs a, size_t row_bytes) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCombineStage, kEnter);
+  reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
+  enter_call(ctx, call, "combine");
+  profile_mark(ctx, kProfCombineStage, kWaited);
+  const RegionPlan plan = plan_combine(a.capacity, row_bytes);
+  const int K = a.num_topk, items = ctx.num_ranks * a.num_tokens;
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  char* staged = region<char>(ctx, ctx.rank, plan.rows);
+  const size_t stride = row_stride(row_bytes);
+  for (int item = warp; item < items; item += gridDim.x * kWarps) {
+    const int32_t* pairs = a.pair_row + size_t(item) * K;
+    const T* rows[kSources];
+    float weights[kSources];
+    int lead = -1;
+#pragma unroll
+    for (int j = 0; j < kSources; ++j) {  // k ascending
+      rows[j] = nullptr;
+      weights[j] = 0.f;
+      const int row = j < K ? pairs[j] : -1;
+      if (row < 0 || row >= a.capacity) continue;
+      rows[j] = reinterpret_cast<const T*>(static_cast<const char*>(a.y) + size_t(row) * row_bytes);
+      weights[j] = a.weights[row];
+      if (lead < 0) lead = row;
+    }
+    if (lead < 0) continue;
+    weighted_sum<T, kVector, kSources, false>(
+        rows, weights, reinterpret_cast<T*>(staged + size_t(lead) * stride),
+        a.hidden / kVector, lane);
+  }
+  profile_end(ctx, kProfCombineStage);
+  if (last_block(ctx, 4) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfCombineStage, kRetired);
+  }
+}
+
+// One warp per token: the token's source rows (one per rank, at most kSources) are found once,
+// then summed in the contract's order (weighted_sum). expert_major: rank r's row is the
+// partial its stage left at the token's first pair's row there, weight 1.
 // kCopy (copy-engine combine, rank_major): the peers' rows are in our landing area, record
 // send_slot - base[r] of slot r (base[r]: our first row at r, the smallest slot we have
 // there), readable once its chunk's flag is up; loads from there bypass L1 (a record may
@@ -108,7 +208,6 @@ __global__ void __launch_bounds__(kThreads) combine_copy_stage(CombineArgs a, si
 template <typename T, int kVector, int kSources, bool kCopy>
 __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t row_bytes) {
   wait_previous_kernel();  // launched to overlap the previous kernel's drain
-  constexpr int kUnroll = kSources >= 16 ? 1 : 16 / kSources;
   const PeerContext& ctx = a.ctx;
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfCombineReduce, kEnter);
@@ -129,7 +228,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
     __syncthreads();
   }
   const int H = a.hidden;
-  const int sources = a.expert_major ? K : R;
   const size_t stride = row_stride(row_bytes);
   const int lane = threadIdx.x % 32;
   const int chunks = H / kVector;
@@ -140,18 +238,26 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
     const T* rows[kSources];
     float weights[kSources];
 #pragma unroll
-    for (int j = 0; j < kSources; ++j) {  // fixed order: ranks (or k) ascending
+    for (int j = 0; j < kSources; ++j) {  // fixed order: ranks ascending
       rows[j] = nullptr;
       weights[j] = 0.f;
-      if (j >= sources) continue;
-      const int slot = a.send_slot[size_t(t) * sources + j];
-      if (slot < 0 || slot >= a.capacity) continue;  // not sent, dropped (or not a handle's)
-      int r = j;
-      if (a.expert_major) {
-        const int e = a.topk_idx[size_t(t) * K + j];
-        if (e < 0 || e >= a.num_experts) continue;
-        r = e / L;
+      if (j >= R) continue;
+      const int r = j;
+      if (a.expert_major) {  // the partial at the token's first kept pair's row on r
+        int lead = -1;
+        for (int k = 0; k < K && lead < 0; ++k) {
+          const int e = a.topk_idx[size_t(t) * K + k];
+          const int slot = a.send_slot[size_t(t) * K + k];
+          if (e >= 0 && e < a.num_experts && e / L == r && slot >= 0 && slot < a.capacity)
+            lead = slot;
+        }
+        if (lead < 0) continue;
+        weights[j] = 1.f;
+        rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + lead * stride);
+        continue;
       }
+      const int slot = a.send_slot[size_t(t) * R + j];
+      if (slot < 0 || slot >= a.capacity) continue;  // not sent, dropped (or not a handle's)
       if (r == me) {  // our own expert outputs: straight from y
         weights[j] = a.weights[slot];
         rows[j] = reinterpret_cast<const T*>(static_cast<const char*>(a.y) + slot * row_bytes);
@@ -173,51 +279,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
         rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
       }
     }
-    T* out = static_cast<T*>(a.out) + size_t(t) * H;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
-      T values[kUnroll][kSources][kVector];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + 32 * u;
-#pragma unroll
-        for (int j = 0; j < kSources; ++j) {
-          if (rows[j] == nullptr || c >= chunks) continue;
-          if constexpr (kVector * sizeof(T) == 16) {
-            const int4* src = reinterpret_cast<const int4*>(rows[j]) + c;
-            *reinterpret_cast<int4*>(values[u][j]) = kCopy ? __ldcg(src) : *src;
-          } else {
-#pragma unroll
-            for (int v = 0; v < kVector; ++v)
-              values[u][j][v] = kCopy ? __ldcg(rows[j] + c * kVector + v)
-                                      : rows[j][c * kVector + v];
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + 32 * u;
-        if (c >= chunks) break;
-        float acc[kVector];
-#pragma unroll
-        for (int v = 0; v < kVector; ++v) acc[v] = 0.f;
-#pragma unroll
-        for (int j = 0; j < kSources; ++j) {
-          if (rows[j] == nullptr) continue;
-#pragma unroll
-          for (int v = 0; v < kVector; ++v)  // no FMA contraction: the order is the contract
-            acc[v] = __fadd_rn(acc[v], __fmul_rn(weights[j], Element<T>::load(values[u][j][v])));
-        }
-        T packed[kVector];
-#pragma unroll
-        for (int v = 0; v < kVector; ++v) packed[v] = Element<T>::store(acc[v]);
-        if constexpr (kVector * sizeof(T) == 16) {
-          reinterpret_cast<int4*>(out)[c] = *reinterpret_cast<int4*>(packed);
-        } else {
-#pragma unroll
-          for (int v = 0; v < kVector; ++v) out[c * kVector + v] = packed[v];
-        }
-      }
-    }
+    weighted_sum<T, kVector, kSources, kCopy>(rows, weights,
+                                              static_cast<T*>(a.out) + size_t(t) * H, chunks,
+                                              lane);
   }
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
@@ -228,16 +292,38 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   }
 }
 
+// kernel<kSources>, kSources the smallest of 2, 4, 8, kMaxSources that holds `sources`.
+template <template <int> class Kernel>
+cudaError_t launch_for_sources(int sources, int num_blocks, cudaStream_t stream,
+                               const CombineArgs& a, size_t row_bytes) {
+  auto launch = [&](auto kernel) {
+    return launch_after_previous(kernel, num_blocks, kThreads, 0, stream, a, row_bytes);
+  };
+  if (sources <= 2) return launch(Kernel<2>::value);
+  if (sources <= 4) return launch(Kernel<4>::value);
+  if (sources <= 8) return launch(Kernel<8>::value);
+  return launch(Kernel<kMaxSources>::value);
+}
+
+template <typename T, int kVector, bool kCopy>
+struct Reduce {
+  template <int kSources>
+  struct Of {
+    static constexpr auto value = combine_reduce<T, kVector, kSources, kCopy>;
+  };
+};
+template <typename T, int kVector>
+struct StagePairs {
+  template <int kSources>
+  struct Of {
+    static constexpr auto value = combine_stage_pairs<T, kVector, kSources>;
+  };
+};
+
 template <typename T, int kVector, bool kCopy>
 cudaError_t launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
-  const int sources = a.expert_major ? a.num_topk : a.ctx.num_ranks;
-  auto launch = [&](auto kernel) {
-    return launch_after_previous(kernel, a.num_blocks, kThreads, 0, stream, a, row_bytes);
-  };
-  if (sources <= 2) return launch(combine_reduce<T, kVector, 2, kCopy>);
-  if (sources <= 4) return launch(combine_reduce<T, kVector, 4, kCopy>);
-  if (sources <= 8) return launch(combine_reduce<T, kVector, 8, kCopy>);
-  return launch(combine_reduce<T, kVector, kMaxSources, kCopy>);
+  return launch_for_sources<Reduce<T, kVector, kCopy>::template Of>(
+      a.ctx.num_ranks, a.num_blocks, stream, a, row_bytes);
 }
 
 // Copy-engine combine: guard, then per chunk a stage kernel and, once it has run, the chunk's
@@ -310,7 +396,13 @@ cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
     return status;
   }
   const cudaError_t status =
-      launch_after_previous(combine_stage, a.num_blocks, kThreads, 0, stream, a, row_bytes);
+      !a.expert_major
+          ? launch_after_previous(combine_stage, a.num_blocks, kThreads, 0, stream, a, row_bytes)
+      : a.hidden % kWide == 0
+          ? launch_for_sources<StagePairs<T, kWide>::template Of>(a.num_topk, a.num_blocks,
+                                                                  stream, a, row_bytes)
+          : launch_for_sources<StagePairs<T, 1>::template Of>(a.num_topk, a.num_blocks, stream,
+                                                              a, row_bytes);
   if (status != cudaSuccess) return status;
   // Staged rows are 16-byte aligned; y's rows and the output's need H % kWide == 0.
   return a.hidden % kWide == 0 ? launch_reduce<T, kWide, false>(a, row_bytes, stream)

@@ -188,6 +188,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
   const int L = E / R;
   const int W = kExpertMajor ? E : R;
   const int n = kExpertMajor ? T * K : T;
+  if (kExpertMajor)  // the pairs that reach this PE overwrite theirs in the kernel after this
+    for (int i = blockIdx.x * kThreads + threadIdx.x; i < R * T * K; i += gridDim.x * kThreads)
+      a.pair_row[i] = -1;
 
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -511,6 +514,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
         a.src_rank[i] = s;
         a.src_token[i] = t;
         a.src_k[i] = k;
+        if (kExpertMajor) a.pair_row[(size_t(s) * T + t) * K + k] = i;
       }
     }
   }
@@ -568,6 +572,8 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const cha
 // address in the receiver's push region (or in our own output when we are the receiver), and
 // the chunk of the receiver's output it lands in (-1: not sent). Writes the metadata record of
 // every destination row and the row index into send_slot. All lanes of the warp call it.
+// expert_major: a peer gets the row once, at its first kept pair's row (the data row of every
+// record of the token there); our own pairs get theirs directly in the output.
 template <bool kExpertMajor, int kSources>
 __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const GatherTables& tb,
                                                    int t, int lane, char* (&rows)[kSources],
@@ -578,10 +584,12 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
   const int E = a.num_experts, L = E / R;
   const int sources = kExpertMajor ? K : R;  // destinations of one token, in order
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+  int rank_of[kSources], row_of[kSources];  // expert_major: each slot's rank and row
 #pragma unroll
   for (int j = 0; j < kSources; ++j) {  // compile-time indices: registers
     rows[j] = scales[j] = nullptr;
     landed[j] = -1;
+    rank_of[j] = row_of[j] = -1;
     if (j >= sources) continue;
     const int entry = t * sources + j;
     const int rank_in_list = a.send_slot[entry];
@@ -592,13 +600,22 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
     if (row < 0) continue;  // dropped at the destination's capacity
     const int r = kExpertMajor ? a.topk_idx[entry] / L : j;
     landed[j] = row / a.chunk_rows;
-    // the metadata record: token, k, then local ids and weights for that destination
+    int data_row = row;  // where the receiver finds the row's data
+    if (kExpertMajor) {
+      rank_of[j] = r;
+      row_of[j] = row;
+#pragma unroll
+      for (int q = 0; q < j; ++q)
+        if (rank_of[q] == r && data_row == row) data_row = row_of[q];
+    }
+    // the metadata record: token, k, data row, then local ids and weights for that destination
     char* meta = region<char>(ctx, r, a.push.meta) + size_t(row) * a.push.meta_stride;
-    int32_t* ids = reinterpret_cast<int32_t*>(meta) + 2;
+    int32_t* ids = reinterpret_cast<int32_t*>(meta) + 3;
     float* weights = reinterpret_cast<float*>(ids + K);
     if (lane == 0) {
       reinterpret_cast<int32_t*>(meta)[0] = t;
       reinterpret_cast<int32_t*>(meta)[1] = kExpertMajor ? j : -1;
+      reinterpret_cast<int32_t*>(meta)[2] = data_row;
     }
     if (kExpertMajor) {
       if (lane == 0) {
@@ -616,7 +633,7 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
     if (r == me) {
       rows[j] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
       scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
-    } else {
+    } else if (data_row == row) {  // a peer's first pair of this token: the data goes here
       rows[j] = region<char>(ctx, r, a.push.rows) + size_t(row) * stride;
       scales[j] = region<char>(ctx, r, a.push.scales) + size_t(row) * scale_stride;
     }
@@ -674,20 +691,21 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
   // The row's metadata record, loaded before the copy so that its round trip overlaps it
   // (bypassing L1 like the row: a peer may have written it during this kernel).
   const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
-  const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 2;
+  const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 3;
   const float* weights = reinterpret_cast<const float*>(ids + K);
+  const int data_row = kExpertMajor ? __ldcg(reinterpret_cast<const int32_t*>(meta) + 2) : i;
   const int id = lane < out_k ? __ldcg(ids + lane) : -1;
   const float weight = lane < out_k ? __ldcg(weights + lane) : 0.f;
   const int token = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta)) : -1;
   const int k = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta) + 1) : -1;
   if (s != me) {  // rows a peer wrote, possibly during this kernel: bypass L1
     copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
-                   region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane,
-                   32);
+                   region<char>(ctx, me, a.push.rows) + size_t(data_row) * stride,
+                   a.x_row_bytes, lane, 32);
     if (a.scales != nullptr)
       copy_row<true>(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
-               region<char>(ctx, me, a.push.scales) + size_t(i) * scale_stride,
-               a.scale_row_bytes, lane, 32);
+                     region<char>(ctx, me, a.push.scales) + size_t(data_row) * scale_stride,
+                     a.scale_row_bytes, lane, 32);
   }
   for (int j = lane; j < out_k; j += 32) {  // ids past the 32nd are loaded here
     const int e = j == lane ? id : __ldcg(ids + j);
@@ -699,6 +717,7 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
     a.src_rank[i] = s;
     a.src_token[i] = token;
     a.src_k[i] = k;
+    if (kExpertMajor) a.pair_row[(size_t(s) * a.num_tokens + token) * K + k] = i;
   }
 }
 
@@ -865,6 +884,47 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   }
 }
 
+// expert_major: each (source, token) row with pairs here is loaded once (over NVLink for a
+// peer's) and stored to every pair's row; rows of no pair get zeros.
+template <int kSources>
+__global__ void __launch_bounds__(kThreads) gather_pairs(CachedDispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCachedGather, kEnter);
+  wait_all_ready(ctx, call, "cached_dispatch");
+  profile_mark(ctx, kProfCachedGather, kWaited);
+  const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kWarps, R = ctx.num_ranks, K = a.num_topk;
+  for (int i = warp; i < a.capacity; i += warps) {
+    const int s = a.src_rank[i];
+    if (s < 0 || s >= R)
+      zero_row(static_cast<char*>(a.out) + size_t(i) * a.row_bytes, a.row_bytes, lane, 32);
+  }
+  for (int item = warp; item < R * a.num_tokens; item += warps) {
+    char* dsts[kSources];
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < kSources; ++j) {
+      const int row = j < K ? a.pair_row[size_t(item) * K + j] : -1;
+      const bool valid = row >= 0 && row < a.capacity;
+      dsts[j] = valid ? static_cast<char*>(a.out) + size_t(row) * a.row_bytes : nullptr;
+      any |= valid;
+    }
+    if (!any) continue;
+    const int s = item / a.num_tokens, t = item % a.num_tokens;
+    broadcast_row(dsts, region<char>(ctx, s, plan.rows) + size_t(t) * row_stride(a.row_bytes),
+                  a.row_bytes, lane);
+  }
+  profile_end(ctx, kProfCachedGather);
+  if (last_block(ctx, 3) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kDone, call);
+    control_of(ctx, ctx.rank)->epoch = call;
+    profile_mark(ctx, kProfCachedGather, kRetired);
+  }
+}
+
 int multiprocessors() {
   static const int count = [] {
     int device = 0, n = 0;
@@ -989,7 +1049,14 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& a, cudaStream_t stream) {
   const cudaError_t status = launch_after_previous(stage_rows, a.num_blocks, kThreads, 0, stream, a);
   if (status != cudaSuccess) return status;
-  return launch_after_previous(gather_rows, a.num_blocks, kThreads, 0, stream, a);
+  auto launch = [&](auto kernel) {
+    return launch_after_previous(kernel, a.num_blocks, kThreads, 0, stream, a);
+  };
+  if (a.pair_row == nullptr) return launch(gather_rows);
+  if (a.num_topk <= 2) return launch(gather_pairs<2>);
+  if (a.num_topk <= 4) return launch(gather_pairs<4>);
+  if (a.num_topk <= 8) return launch(gather_pairs<8>);
+  return launch(gather_pairs<kMaxSources>);
 }
 
 }  // namespace jax_ep
