@@ -157,6 +157,9 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (push && (expert_major ? K : R) > kMaxSources)
     return invalid("dispatch: push mode supports at most " + std::to_string(kMaxSources) +
                    (expert_major ? " top-k slots" : " ranks"));
+  if (push && expert_major && R > kMaxStageRanks)  // a chunk range per source rank
+    return invalid("dispatch: the push dispatch of expert_major supports at most " +
+                   std::to_string(kMaxStageRanks) + " ranks");
   if (copy_engine && R > kMaxCopyRanks)
     return invalid("dispatch: the copy-engine path (JAX_EP_DISPATCH=copy and the source_slots "
                    "layout) supports at most " + std::to_string(kMaxCopyRanks) + " ranks");
@@ -172,8 +175,9 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                                                      scale_row)
                                 : plan_dispatch(R, T, K, static_cast<int>(num_experts),
                                                 expert_major != 0, size_t(H) * elem, scale_row);
-  PushPlan push_plan = plan_dispatch_push(R, K, static_cast<int>(num_experts), expert_major != 0,
-                                          static_cast<int>(capacity), size_t(H) * elem, scale_row);
+  PushPlan push_plan =
+      plan_dispatch_push(R, T, K, static_cast<int>(num_experts), expert_major != 0,
+                         static_cast<int>(capacity), size_t(H) * elem, scale_row);
   DispatchArgs a{};
   const size_t needed = copy_engine ? plan.end
                                     : dispatch_bytes(R, T, K, static_cast<int>(num_experts),

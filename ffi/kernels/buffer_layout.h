@@ -187,32 +187,34 @@ JAX_EP_HOST_DEVICE inline SlotsCombinePlan plan_combine_slots(int num_ranks, int
   return p;
 }
 
-// Push-mode dispatch: senders write rows straight to their final position in the receiver's
-// region (rows from this PE go straight to the output), with a metadata record per row.
-// expert_major: a peer's rows of one token travel once, at the row of its first pair there
-// (the record's data row); the receiver copies that row to each of the token's pairs.
+// Push-mode dispatch. rank_major: senders write rows straight to their final position in the
+// receiver's region (rows from this PE go straight to the output), with a metadata record per
+// row (token, K local ids, K weights). expert_major: a token's row goes once to each peer's
+// staging slot s*T + t, with a record of the call's number and K (row, local id, weight)
+// entries, the rows of its pairs there.
 struct PushPlan {
   size_t matrix = 0, rows = 0, scales = 0, meta = 0, meta_stride = 0, end = 0;
 };
 
-JAX_EP_HOST_DEVICE inline PushPlan plan_dispatch_push(int num_ranks, int num_topk,
-                                                      int num_experts, bool expert_major,
-                                                      int capacity, size_t x_row_bytes,
+JAX_EP_HOST_DEVICE inline PushPlan plan_dispatch_push(int num_ranks, int num_tokens,
+                                                      int num_topk, int num_experts,
+                                                      bool expert_major, int capacity,
+                                                      size_t x_row_bytes,
                                                       size_t scale_row_bytes) {
   PushPlan p;
   size_t offset = align_up(sizeof(Control), kRegionAlign);
   const size_t width = expert_major ? num_experts : num_ranks;
   p.matrix = offset;
   offset = align_up(offset + sizeof(int32_t) * num_ranks * width, kRegionAlign);
+  const size_t rows = expert_major ? size_t(num_ranks) * num_tokens : size_t(capacity);
   p.rows = offset;
-  offset = align_up(offset + row_stride(x_row_bytes) * capacity, kRegionAlign);
+  offset = align_up(offset + row_stride(x_row_bytes) * rows, kRegionAlign);
   p.scales = offset;
-  offset = align_up(offset + row_stride(scale_row_bytes) * capacity, kRegionAlign);
-  // token, k, data row, then K local expert ids and K weights (expert_major uses the first
-  // of each)
-  p.meta_stride = align_up(sizeof(int32_t) * 3 + (sizeof(int32_t) + sizeof(float)) * num_topk, 16);
+  offset = align_up(offset + row_stride(scale_row_bytes) * rows, kRegionAlign);
+  p.meta_stride = expert_major ? align_up(4 + 12 * size_t(num_topk), 16)
+                               : align_up(4 + 8 * size_t(num_topk), 16);
   p.meta = offset;
-  offset = align_up(offset + p.meta_stride * capacity, kRegionAlign);
+  offset = align_up(offset + p.meta_stride * rows, kRegionAlign);
   p.end = offset;
   return p;
 }
@@ -234,8 +236,8 @@ JAX_EP_HOST_DEVICE inline size_t dispatch_bytes(int num_ranks, int num_tokens, i
                                                 int num_experts, bool expert_major, int capacity,
                                                 size_t x_row_bytes, size_t scale_row_bytes,
                                                 bool push) {
-  return push ? plan_dispatch_push(num_ranks, num_topk, num_experts, expert_major, capacity,
-                                   x_row_bytes, scale_row_bytes).end
+  return push ? plan_dispatch_push(num_ranks, num_tokens, num_topk, num_experts, expert_major,
+                                   capacity, x_row_bytes, scale_row_bytes).end
               : plan_dispatch(num_ranks, num_tokens, num_topk, num_experts, expert_major,
                               x_row_bytes, scale_row_bytes).end;
 }

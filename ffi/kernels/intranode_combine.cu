@@ -97,6 +97,26 @@ __global__ void __launch_bounds__(kThreads) combine_copy_stage(CombineArgs a, si
   if (chunk + 1 == a.copy_chunks) profile_end(ctx, kProfCombineStage);
 }
 
+// Chunk c of kVector elements of a row: one 16-byte access when that is its size.
+template <int kVector, typename T>
+__device__ __forceinline__ void load_vector(T (&dst)[kVector], const T* row, int c) {
+  if constexpr (kVector * sizeof(T) == 16) {
+    *reinterpret_cast<int4*>(dst) = reinterpret_cast<const int4*>(row)[c];
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVector; ++v) dst[v] = row[c * kVector + v];
+  }
+}
+template <int kVector, typename T>
+__device__ __forceinline__ void store_vector(T* row, int c, const T (&src)[kVector]) {
+  if constexpr (kVector * sizeof(T) == 16) {
+    reinterpret_cast<int4*>(row)[c] = *reinterpret_cast<const int4*>(src);
+  } else {
+#pragma unroll
+    for (int v = 0; v < kVector; ++v) row[c * kVector + v] = src[v];
+  }
+}
+
 // out = sum over j ascending of weights[j] * rows[j] (null rows skipped), in float32, then
 // rounded to T. One warp, `kVector` elements per lane access (16 bytes when rows allow it);
 // each lane loads kUnroll chunks of every source before adding, so about 16 loads per lane are
@@ -153,10 +173,10 @@ __device__ __forceinline__ void weighted_sum(const T* (&rows)[kSources],
   }
 }
 
-// expert_major stage: for every (source, token) with pairs here, their rows summed in k order
+// expert_major stage: for every peer's token with pairs here, their rows summed in k order
 // with the rows' weights, rounded to T, at the token's first pair's row of the staging region:
-// one row per (token, rank) crosses back. This PE's own tokens too (the reduce reads every
-// rank's partial alike).
+// one row per (token, rank) crosses back. This PE's own tokens' partials are summed by the
+// reduce, straight from y.
 template <typename T, int kVector, int kSources>
 __global__ void __launch_bounds__(kThreads) combine_stage_pairs(CombineArgs a, size_t row_bytes) {
   wait_previous_kernel();  // launched to overlap the previous kernel's drain
@@ -172,6 +192,7 @@ __global__ void __launch_bounds__(kThreads) combine_stage_pairs(CombineArgs a, s
   char* staged = region<char>(ctx, ctx.rank, plan.rows);
   const size_t stride = row_stride(row_bytes);
   for (int item = warp; item < items; item += gridDim.x * kWarps) {
+    if (item / a.num_tokens == ctx.rank) continue;
     const int32_t* pairs = a.pair_row + size_t(item) * K;
     const T* rows[kSources];
     float weights[kSources];
@@ -198,9 +219,104 @@ __global__ void __launch_bounds__(kThreads) combine_stage_pairs(CombineArgs a, s
   }
 }
 
-// One warp per token: the token's source rows (one per rank, at most kSources) are found once,
-// then summed in the contract's order (weighted_sum). expert_major: rank r's row is the
-// partial its stage left at the token's first pair's row there, weight 1.
+// expert_major reduce, one warp per token: out[t] = sum over ranks r ascending of p_r, p_r
+// the partial rank r's stage left at the token's first pair's row there (over NVLink), and
+// ours summed here from y over the token's pairs in k order, rounded to T like the peers'.
+template <typename T, int kVector, int kRanks, int kPairs>
+__global__ void __launch_bounds__(kThreads) combine_reduce_pairs(CombineArgs a,
+                                                                 size_t row_bytes) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCombineReduce, kEnter);
+  wait_all_ready(ctx, call, "combine");
+  profile_mark(ctx, kProfCombineReduce, kWaited);
+  const RegionPlan plan = plan_combine(a.capacity, row_bytes);
+  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
+  const size_t stride = row_stride(row_bytes);
+  const int lane = threadIdx.x % 32, chunks = a.hidden / kVector;
+  uint32_t* cursor = &control_of(ctx, me)->work_cursor[kCursorCombine];
+  for (int t = claim_item(cursor, lane); t < a.num_tokens; t = claim_item(cursor, lane)) {
+    const T* remote[kRanks];  // each peer's partial (null: none, or ours)
+    const T* local[kPairs];   // our pairs' rows of y, k ascending
+    float weights[kPairs];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) remote[r] = nullptr;
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) {
+      local[k] = nullptr;
+      weights[k] = 0.f;
+    }
+    bool here = false;
+    for (int k = K - 1; k >= 0; --k) {  // descending: each rank's first pair is seen last
+      const int e = a.topk_idx[size_t(t) * K + k];
+      const int slot = a.send_slot[size_t(t) * K + k];
+      if (e < 0 || e >= a.num_experts || slot < 0 || slot >= a.capacity) continue;
+      const int r = e / L;
+#pragma unroll
+      for (int j = 0; j < kRanks; ++j)
+        if (j == r && r != me)
+          remote[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) +
+                                                 slot * stride);
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j)
+        if (j == k && r == me) {
+          local[j] = reinterpret_cast<const T*>(static_cast<const char*>(a.y) +
+                                                size_t(slot) * row_bytes);
+          weights[j] = a.weights[slot];
+          here = true;
+        }
+    }
+    T* out = static_cast<T*>(a.out) + size_t(t) * a.hidden;
+    for (int c = lane; c < chunks; c += 32) {
+      T rv[kRanks][kVector], lv[kPairs][kVector];
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r)
+        if (remote[r] != nullptr) load_vector<kVector>(rv[r], remote[r], c);
+#pragma unroll
+      for (int k = 0; k < kPairs; ++k)
+        if (local[k] != nullptr) load_vector<kVector>(lv[k], local[k], c);
+      float acc[kVector];
+#pragma unroll
+      for (int v = 0; v < kVector; ++v) acc[v] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r) {
+        if (r == me && here) {
+          float p[kVector];
+#pragma unroll
+          for (int v = 0; v < kVector; ++v) p[v] = 0.f;
+#pragma unroll
+          for (int k = 0; k < kPairs; ++k) {
+            if (local[k] == nullptr) continue;
+#pragma unroll
+            for (int v = 0; v < kVector; ++v)  // no FMA contraction: the order is the contract
+              p[v] = __fadd_rn(p[v], __fmul_rn(weights[k], Element<T>::load(lv[k][v])));
+          }
+#pragma unroll
+          for (int v = 0; v < kVector; ++v)
+            acc[v] = __fadd_rn(acc[v], Element<T>::load(Element<T>::store(p[v])));
+        } else if (remote[r] != nullptr) {
+#pragma unroll
+          for (int v = 0; v < kVector; ++v)
+            acc[v] = __fadd_rn(acc[v], Element<T>::load(rv[r][v]));
+        }
+      }
+      T packed[kVector];
+#pragma unroll
+      for (int v = 0; v < kVector; ++v) packed[v] = Element<T>::store(acc[v]);
+      store_vector<kVector>(out, c, packed);
+    }
+  }
+  profile_end(ctx, kProfCombineReduce);
+  if (last_block(ctx, 5) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kDone, call);
+    control_of(ctx, ctx.rank)->epoch = call;
+    profile_mark(ctx, kProfCombineReduce, kRetired);
+  }
+}
+
+// rank_major reduce, one warp per token: the token's source rows (one per rank, at most
+// kSources) are found once, then summed in the contract's order (weighted_sum).
 // kCopy (copy-engine combine, rank_major): the peers' rows are in our landing area, record
 // send_slot - base[r] of slot r (base[r]: our first row at r, the smallest slot we have
 // there), readable once its chunk's flag is up; loads from there bypass L1 (a record may
@@ -214,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   if (!kCopy) wait_all_ready(ctx, call, "combine");
   profile_mark(ctx, kProfCombineReduce, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
-  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
+  const int R = ctx.num_ranks, me = ctx.rank;
   const CombineCopyPlan copy_plan = plan_combine_copy(R, a.num_tokens, row_bytes);
   const SlotsCombinePlan slots_plan = plan_combine_slots(R, a.num_tokens, row_bytes);
   __shared__ int base[kCopy ? kMaxCopyRanks : 1];
@@ -243,19 +359,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
       weights[j] = 0.f;
       if (j >= R) continue;
       const int r = j;
-      if (a.expert_major) {  // the partial at the token's first kept pair's row on r
-        int lead = -1;
-        for (int k = 0; k < K && lead < 0; ++k) {
-          const int e = a.topk_idx[size_t(t) * K + k];
-          const int slot = a.send_slot[size_t(t) * K + k];
-          if (e >= 0 && e < a.num_experts && e / L == r && slot >= 0 && slot < a.capacity)
-            lead = slot;
-        }
-        if (lead < 0) continue;
-        weights[j] = 1.f;
-        rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + lead * stride);
-        continue;
-      }
       const int slot = a.send_slot[size_t(t) * R + j];
       if (slot < 0 || slot >= a.capacity) continue;  // not sent, dropped (or not a handle's)
       if (r == me) {  // our own expert outputs: straight from y
@@ -312,6 +415,13 @@ struct Reduce {
     static constexpr auto value = combine_reduce<T, kVector, kSources, kCopy>;
   };
 };
+template <typename T, int kVector, int kPairs>
+struct ReducePairs {
+  template <int kRanks>
+  struct Of {
+    static constexpr auto value = combine_reduce_pairs<T, kVector, kRanks, kPairs>;
+  };
+};
 template <typename T, int kVector>
 struct StagePairs {
   template <int kSources>
@@ -322,8 +432,15 @@ struct StagePairs {
 
 template <typename T, int kVector, bool kCopy>
 cudaError_t launch_reduce(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
-  return launch_for_sources<Reduce<T, kVector, kCopy>::template Of>(
-      a.ctx.num_ranks, a.num_blocks, stream, a, row_bytes);
+  const int R = a.ctx.num_ranks;
+  if (!a.expert_major)
+    return launch_for_sources<Reduce<T, kVector, kCopy>::template Of>(R, a.num_blocks, stream, a,
+                                                                      row_bytes);
+  if (a.num_topk <= 8)
+    return launch_for_sources<ReducePairs<T, kVector, 8>::template Of>(R, a.num_blocks, stream,
+                                                                       a, row_bytes);
+  return launch_for_sources<ReducePairs<T, kVector, kMaxSources>::template Of>(
+      R, a.num_blocks, stream, a, row_bytes);
 }
 
 // Copy-engine combine: guard, then per chunk a stage kernel and, once it has run, the chunk's

@@ -532,10 +532,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
 // ------------------------------------------------------------------------------ push mode
 
 // Copies one row to every non-null destination, reading it once; the lanes of a warp stride
-// through it with the widest access all addresses allow.
+// through it with the widest access all addresses allow. kFromPeer: the row was written by
+// another PE during this kernel (loads bypass L1).
 // 4 loads in flight per lane: 8 or 16 were no faster, and made the push kernel spill
 // registers.
-template <int kSources, int kInFlight = 4>
+template <int kSources, bool kFromPeer = false, int kInFlight = 4>
 __device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const char* src,
                                               size_t bytes, int lane) {
   uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
@@ -548,7 +549,7 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const cha
       int4 v[kInFlight];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
-        if (i + u * 32 < n) v[u] = s[i + u * 32];
+        if (i + u * 32 < n) v[u] = kFromPeer ? __ldcg(s + i + u * 32) : s[i + u * 32];
 #pragma unroll
       for (int j = 0; j < kSources; ++j) {
         if (dsts[j] == nullptr) continue;
@@ -560,7 +561,7 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const cha
     }
   } else {
     for (size_t i = lane; i < bytes; i += 32) {
-      const char v = src[i];
+      const char v = kFromPeer ? __ldcg(src + i) : src[i];
 #pragma unroll
       for (int j = 0; j < kSources; ++j)
         if (dsts[j] != nullptr) dsts[j][i] = v;
@@ -568,201 +569,31 @@ __device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const cha
   }
 }
 
-// Where token t's row goes: for each destination j (a rank, or a top-k slot), its output row's
-// address in the receiver's push region (or in our own output when we are the receiver), and
-// the chunk of the receiver's output it lands in (-1: not sent). Writes the metadata record of
-// every destination row and the row index into send_slot. All lanes of the warp call it.
-// expert_major: a peer gets the row once, at its first kept pair's row (the data row of every
-// record of the token there); our own pairs get theirs directly in the output.
-template <bool kExpertMajor, int kSources>
-__device__ __forceinline__ void token_destinations(const DispatchArgs& a, const GatherTables& tb,
-                                                   int t, int lane, char* (&rows)[kSources],
-                                                   char* (&scales)[kSources],
-                                                   int (&landed)[kSources]) {
+// The fused kernels' loop, one per warp: pushing this PE's tokens and consuming the chunks
+// that have arrived here interleave at warp granularity. Each warp holds at most one chunk,
+// taken in order from one of `ranges` chunk ranges with a fetch-and-add (no contended
+// compare-and-swap: an in-order claim serialised 2048 claims to ~0.4 µs each); between its
+// pushes it checks whether that chunk is complete (arrival counters) and consumes it, so the
+// copy-out of a peer's rows runs while every PE is still pushing instead of after the last
+// push. A warp holding a chunk keeps pushing, and it waits only once every token is claimed,
+// for rows that running warps (here or on the peers) are pushing: nothing needs the whole grid
+// resident. Tokens are claimed from the dispatch work counter by whichever warp is free:
+// roughly in ascending order (destinations' chunks fill up progressively), and warps whose
+// stores drain faster take more tokens (with a static split the last CTA finished ~80 µs after
+// the first, 2×H200).
+//   Path::range(q) -> {begin, end} chunk indices of range q;
+//   Path::needed(c) -> arrivals that complete chunk c (0: complete already);
+//   Path::consume(c, lane), Path::push(t, lane), Path::peer(c) (for a timeout report).
+template <typename Path>
+__device__ __forceinline__ void fused_loop(const DispatchArgs& a, Path& path, int ranges) {
   const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
-  const int E = a.num_experts, L = E / R;
-  const int sources = kExpertMajor ? K : R;  // destinations of one token, in order
-  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  int rank_of[kSources], row_of[kSources];  // expert_major: each slot's rank and row
-#pragma unroll
-  for (int j = 0; j < kSources; ++j) {  // compile-time indices: registers
-    rows[j] = scales[j] = nullptr;
-    landed[j] = -1;
-    rank_of[j] = row_of[j] = -1;
-    if (j >= sources) continue;
-    const int entry = t * sources + j;
-    const int rank_in_list = a.send_slot[entry];
-    if (rank_in_list < 0) continue;  // masked, or not for this rank
-    const int row = destination_row<kExpertMajor>(a, tb, entry, rank_in_list);
-    __syncwarp();
-    if (lane == 0) a.send_slot[entry] = row;
-    if (row < 0) continue;  // dropped at the destination's capacity
-    const int r = kExpertMajor ? a.topk_idx[entry] / L : j;
-    landed[j] = row / a.chunk_rows;
-    int data_row = row;  // where the receiver finds the row's data
-    if (kExpertMajor) {
-      rank_of[j] = r;
-      row_of[j] = row;
-#pragma unroll
-      for (int q = 0; q < j; ++q)
-        if (rank_of[q] == r && data_row == row) data_row = row_of[q];
-    }
-    // the metadata record: token, k, data row, then local ids and weights for that destination
-    char* meta = region<char>(ctx, r, a.push.meta) + size_t(row) * a.push.meta_stride;
-    int32_t* ids = reinterpret_cast<int32_t*>(meta) + 3;
-    float* weights = reinterpret_cast<float*>(ids + K);
-    if (lane == 0) {
-      reinterpret_cast<int32_t*>(meta)[0] = t;
-      reinterpret_cast<int32_t*>(meta)[1] = kExpertMajor ? j : -1;
-      reinterpret_cast<int32_t*>(meta)[2] = data_row;
-    }
-    if (kExpertMajor) {
-      if (lane == 0) {
-        ids[0] = a.topk_idx[entry] % L;
-        weights[0] = a.topk_weights[entry];
-      }
-    } else {
-      for (int kk = lane; kk < K; kk += 32) {
-        const int e = a.topk_idx[size_t(t) * K + kk];
-        const bool here = valid_expert(e, E) && e / L == r;
-        ids[kk] = here ? e % L : -1;
-        weights[kk] = here ? a.topk_weights[size_t(t) * K + kk] : 0.f;
-      }
-    }
-    if (r == me) {
-      rows[j] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
-      scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
-    } else if (data_row == row) {  // a peer's first pair of this token: the data goes here
-      rows[j] = region<char>(ctx, r, a.push.rows) + size_t(row) * stride;
-      scales[j] = region<char>(ctx, r, a.push.scales) + size_t(row) * scale_stride;
-    }
-  }
-}
-
-// Pushes token t: its row once per destination, straight to its final position: into the
-// receiver's region over NVLink, or into our own output when we are the destination. The
-// warp reads the row once and stores it to all of its destinations, then bumps each
-// destination's arrival counter of the chunk its row landed in, after a system-scope fence, so
-// that receivers can consume finished chunks.
-template <bool kExpertMajor, int kSources>
-__device__ __forceinline__ void push_token(const DispatchArgs& a, const GatherTables& tb, int t,
-                                           int lane) {
-  const PeerContext& ctx = a.ctx;
-  const int L = a.num_experts / ctx.num_ranks;
-  const int sources = kExpertMajor ? a.num_topk : ctx.num_ranks;
-  char* rows[kSources];
-  char* scales[kSources];
-  int landed[kSources];  // chunk of the destination's output each row landed in, or -1
-  token_destinations<kExpertMajor, kSources>(a, tb, t, lane, rows, scales, landed);
-  const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
-  broadcast_row(rows, row, a.x_row_bytes, lane);
-  if (a.scales != nullptr)
-    broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
-                  a.scale_row_bytes, lane);
-  __syncwarp();  // every lane's stores of this token precede lane 0's fence
-  if (lane == 0) {
-    __threadfence_system();
-#pragma unroll
-    for (int j = 0; j < kSources; ++j) {
-      if (landed[j] < 0) continue;
-      const int r = kExpertMajor ? a.topk_idx[t * sources + j] / L : j;
-      atomicAdd_system(&control_of(ctx, r)->arrivals[landed[j]], 1u);
-    }
-  }
-}
-
-// Output row i of the push dispatch: rows that peers pushed into this PE's region are moved
-// to the output (this PE's own rows are there already); metadata outputs for every used row;
-// unused rows get zeros and -1.
-template <bool kExpertMajor>
-__device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherTables& tb,
-                                            int i, int lane) {
-  const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
-  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  const int out_k = kExpertMajor ? 1 : K;
-  int position = 0, local = -1;
-  const int s = source_of_row<kExpertMajor>(tb, i, R, L, &position, &local);
-  if (s < 0) {
-    write_unused_row(a, i, out_k, lane);
-    return;
-  }
-  // The row's metadata record, loaded before the copy so that its round trip overlaps it
-  // (bypassing L1 like the row: a peer may have written it during this kernel).
-  const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
-  const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 3;
-  const float* weights = reinterpret_cast<const float*>(ids + K);
-  const int data_row = kExpertMajor ? __ldcg(reinterpret_cast<const int32_t*>(meta) + 2) : i;
-  const int id = lane < out_k ? __ldcg(ids + lane) : -1;
-  const float weight = lane < out_k ? __ldcg(weights + lane) : 0.f;
-  const int token = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta)) : -1;
-  const int k = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta) + 1) : -1;
-  if (s != me) {  // rows a peer wrote, possibly during this kernel: bypass L1
-    copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
-                   region<char>(ctx, me, a.push.rows) + size_t(data_row) * stride,
-                   a.x_row_bytes, lane, 32);
-    if (a.scales != nullptr)
-      copy_row<true>(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
-                     region<char>(ctx, me, a.push.scales) + size_t(data_row) * scale_stride,
-                     a.scale_row_bytes, lane, 32);
-  }
-  for (int j = lane; j < out_k; j += 32) {  // ids past the 32nd are loaded here
-    const int e = j == lane ? id : __ldcg(ids + j);
-    a.out_topk_idx[size_t(i) * out_k + j] = e;
-    a.out_topk_weights[size_t(i) * out_k + j] = j == lane ? weight : __ldcg(weights + j);
-    if (!kExpertMajor && e >= 0) atomicAdd(&a.tokens_per_expert[e], 1);
-  }
-  if (lane == 0) {
-    a.src_rank[i] = s;
-    a.src_token[i] = token;
-    a.src_k[i] = k;
-    if (kExpertMajor) a.pair_row[(size_t(s) * a.num_tokens + token) * K + k] = i;
-  }
-}
-
-// Fused push mode, one kernel: pushing and moving out interleave at warp granularity. Each
-// warp holds at most one chunk of output rows to move out, taken in order from a chunk range
-// with a fetch-and-add (no contended compare-and-swap: an in-order claim serialised 2048
-// claims to ~0.4 µs each); between its pushes it checks whether every row of that chunk has
-// arrived (arrival counters) and moves it out, so the copy-out of a peer's rows runs while
-// both PEs are still pushing instead of after the last push. A warp holding a chunk keeps
-// pushing, and it waits only once every token is claimed, for rows that running warps (here
-// or on the peers) are pushing: nothing needs the whole grid resident. rank_major has one
-// chunk range per source (its rows are contiguous), so a peer's chunks do not queue behind
-// our own; expert_major has one range. Tokens are claimed from the dispatch work counter by
-// whichever warp is free: roughly in ascending order (destinations' chunks fill up
-// progressively), and warps whose stores drain faster take more tokens (with a static split
-// the last CTA finished ~80 µs after the first, 2×H200).
-template <bool kExpertMajor>
-__device__ __forceinline__ int chunk_range_begin(const DispatchArgs& a, const GatherTables& tb,
-                                                 int q) {
-  if (kExpertMajor || q == 0) return 0;
-  const int first_row = min(tb.src_offset[q], a.capacity);
-  return (first_row + a.chunk_rows - 1) / a.chunk_rows;
-}
-
-template <bool kExpertMajor, int kSources>
-__global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
-  const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchFused, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchFused, kWaited);
-  const int R = ctx.num_ranks, L = a.num_experts / R;
-  extern __shared__ int32_t tables[];
-  GatherTables tb;
-  build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
-  const int chunks = (a.capacity + a.chunk_rows - 1) / a.chunk_rows;
-  const int ranges = kExpertMajor ? 1 : R;
   Control* mine = control_of(ctx, ctx.rank);
   uint32_t* token_cursor = &mine->work_cursor[kCursorDispatch];
   uint32_t* arrivals = mine->arrivals;
   int t = claim_item(token_cursor, lane);
-  int chunk = -1, chunk_rows_used = 0;  // the chunk this warp holds, and its rows to arrive
+  int chunk = -1, needed = 0;  // the chunk this warp holds, and the arrivals that complete it
   int next_range = (warp + ctx.rank + 1) % ranges;  // ranges tried round-robin from here
   bool ranges_left = true;
   uint64_t idle_since = 0;
@@ -771,37 +602,29 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
     for (int k = 0; k < ranges && chunk < 0 && ranges_left; ++k) {
       const int q = next_range;
       next_range = (next_range + 1) % ranges;
-      const int begin = chunk_range_begin<kExpertMajor>(a, tb, q);
-      const int end = q + 1 < ranges ? chunk_range_begin<kExpertMajor>(a, tb, q + 1) : chunks;
-      if (begin >= end) continue;
+      const int2 range = path.range(q);
+      if (range.x >= range.y) continue;
       uint32_t taken = 0;
       if (lane == 0) {
         // Peek first, so that exhausted ranges are not incremented by every warp forever.
         taken = *reinterpret_cast<volatile uint32_t*>(&mine->chunk_cursor[q]);
-        if (begin + int(taken) < end) taken = atomicAdd(&mine->chunk_cursor[q], 1u);
+        if (range.x + int(taken) < range.y) taken = atomicAdd(&mine->chunk_cursor[q], 1u);
       }
-      const int c = begin + int(__shfl_sync(0xffffffffu, taken, 0));
-      if (c >= end) continue;
+      const int c = range.x + int(__shfl_sync(0xffffffffu, taken, 0));
+      if (c >= range.y) continue;
       chunk = c;
-      const int first = c * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
-      int used = 0;  // rows of the chunk that some PE sends
-      for (int i = first + lane; i < last; i += 32) {
-        int position, local;
-        used += source_of_row<kExpertMajor>(tb, i, R, L, &position, &local) >= 0;
-      }
-      chunk_rows_used = __reduce_add_sync(0xffffffffu, used);
+      needed = path.needed(c, lane);
     }
     if (chunk < 0) ranges_left = false;  // every range is exhausted: nothing more to hold
-    // 2. Move it out once every row has arrived.
+    // 2. Consume it once complete.
     if (chunk >= 0) {
-      uint32_t complete = 0;
-      if (lane == 0) complete = load_acquire_u32(&arrivals[chunk]) >= uint32_t(chunk_rows_used);
+      uint32_t complete = needed == 0;
+      if (lane == 0 && !complete) complete = load_acquire_u32(&arrivals[chunk]) >= uint32_t(needed);
       if (__shfl_sync(0xffffffffu, complete, 0)) {
         __syncwarp();  // lane 0's acquire orders every lane's reads of the rows
         // Every row of this chunk has arrived for this call: its counter is free for the next.
-        if (lane == 0) arrivals[chunk] = 0;
-        const int first = chunk * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
-        for (int i = first; i < last; ++i) receive_row<kExpertMajor>(a, tb, i, lane);
+        if (lane == 0 && needed > 0) arrivals[chunk] = 0;
+        path.consume(chunk, lane);
         chunk = -1;
         idle_since = 0;
         continue;
@@ -809,7 +632,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
     }
     // 3. Otherwise push the next token of ours.
     if (t < a.num_tokens) {
-      push_token<kExpertMajor, kSources>(a, tb, t, lane);
+      path.push(t, lane);
       t = claim_item(token_cursor, lane);
       idle_since = 0;
       continue;
@@ -820,15 +643,348 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
       const uint64_t now = global_timer_ns();
       if (idle_since == 0) idle_since = now;
       if (now - idle_since > ctx.timeout_ns) {
-        int position, local;
-        const int peer = source_of_row<kExpertMajor>(tb, chunk * a.chunk_rows, R, L, &position,
-                                                     &local);
-        report_timeout(ctx, "dispatch", "rows of an output chunk", peer,
-                       uint64_t(chunk_rows_used), uint64_t(load_acquire_u32(&arrivals[chunk])));
+        report_timeout(ctx, "dispatch", "rows of an output chunk", path.peer(chunk),
+                       uint64_t(needed), uint64_t(load_acquire_u32(&arrivals[chunk])));
         trap_after_report();
       }
     }
     __nanosleep(200);
+  }
+}
+
+// ---- rank_major: rows go straight to their final position, in the receiver's push region
+// over NVLink (moved out by the receiver once their chunk has arrived) or in our own output.
+
+// Where token t's row goes: for each destination rank, its output row's address in the
+// receiver's push region (or in our own output when we are the receiver), and the chunk of the
+// receiver's output it lands in (-1: not sent). Writes the metadata record of every
+// destination row and the row index into send_slot. All lanes of the warp call it.
+template <int kSources>
+__device__ __forceinline__ void token_destinations(const DispatchArgs& a, const GatherTables& tb,
+                                                   int t, int lane, char* (&rows)[kSources],
+                                                   char* (&scales)[kSources],
+                                                   int (&landed)[kSources]) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
+  const int E = a.num_experts, L = E / R;
+  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+#pragma unroll
+  for (int r = 0; r < kSources; ++r) {  // compile-time indices: registers
+    rows[r] = scales[r] = nullptr;
+    landed[r] = -1;
+    if (r >= R) continue;
+    const int entry = t * R + r;
+    const int rank_in_list = a.send_slot[entry];
+    if (rank_in_list < 0) continue;  // no expert there
+    const int row = destination_row<false>(a, tb, entry, rank_in_list);
+    __syncwarp();
+    if (lane == 0) a.send_slot[entry] = row;
+    if (row < 0) continue;  // dropped at the destination's capacity
+    landed[r] = row / a.chunk_rows;
+    // the metadata record: token, then local ids and weights for that destination
+    char* meta = region<char>(ctx, r, a.push.meta) + size_t(row) * a.push.meta_stride;
+    int32_t* ids = reinterpret_cast<int32_t*>(meta) + 1;
+    float* weights = reinterpret_cast<float*>(ids + K);
+    if (lane == 0) reinterpret_cast<int32_t*>(meta)[0] = t;
+    for (int kk = lane; kk < K; kk += 32) {
+      const int e = a.topk_idx[size_t(t) * K + kk];
+      const bool here = valid_expert(e, E) && e / L == r;
+      ids[kk] = here ? e % L : -1;
+      weights[kk] = here ? a.topk_weights[size_t(t) * K + kk] : 0.f;
+    }
+    if (r == me) {
+      rows[r] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
+      scales[r] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
+    } else {
+      rows[r] = region<char>(ctx, r, a.push.rows) + size_t(row) * stride;
+      scales[r] = region<char>(ctx, r, a.push.scales) + size_t(row) * scale_stride;
+    }
+  }
+}
+
+// Output row i: rows that peers pushed into this PE's region are moved to the output (this
+// PE's own rows are there already); metadata outputs for every used row; unused rows get
+// zeros and -1.
+__device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherTables& tb, int i,
+                                            int lane) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, L = a.num_experts / R;
+  const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
+  int position = 0, local = -1;
+  const int s = source_of_row<false>(tb, i, R, L, &position, &local);
+  if (s < 0) {
+    write_unused_row(a, i, K, lane);
+    return;
+  }
+  // The row's metadata record, loaded before the copy so that its round trip overlaps it
+  // (bypassing L1 like the row: a peer may have written it during this kernel).
+  const char* meta = region<char>(ctx, me, a.push.meta) + size_t(i) * a.push.meta_stride;
+  const int32_t* ids = reinterpret_cast<const int32_t*>(meta) + 1;
+  const float* weights = reinterpret_cast<const float*>(ids + K);
+  const int id = lane < K ? __ldcg(ids + lane) : -1;
+  const float weight = lane < K ? __ldcg(weights + lane) : 0.f;
+  const int token = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta)) : -1;
+  if (s != me) {  // rows a peer wrote, possibly during this kernel: bypass L1
+    copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
+                   region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane,
+                   32);
+    if (a.scales != nullptr)
+      copy_row<true>(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+                     region<char>(ctx, me, a.push.scales) + size_t(i) * scale_stride,
+                     a.scale_row_bytes, lane, 32);
+  }
+  for (int j = lane; j < K; j += 32) {  // ids past the 32nd are loaded here
+    const int e = j == lane ? id : __ldcg(ids + j);
+    a.out_topk_idx[size_t(i) * K + j] = e;
+    a.out_topk_weights[size_t(i) * K + j] = j == lane ? weight : __ldcg(weights + j);
+    if (e >= 0) atomicAdd(&a.tokens_per_expert[e], 1);
+  }
+  if (lane == 0) {
+    a.src_rank[i] = s;
+    a.src_token[i] = token;
+    a.src_k[i] = -1;
+  }
+}
+
+// One chunk range per source: its rows are contiguous, so a peer's chunks do not queue behind
+// our own.
+template <int kSources>
+struct RankMajorPush {
+  const DispatchArgs& a;
+  const GatherTables& tb;
+  __device__ int2 range(int q) const {
+    const int chunks = (a.capacity + a.chunk_rows - 1) / a.chunk_rows;
+    return {begin(q), q + 1 < a.ctx.num_ranks ? begin(q + 1) : chunks};
+  }
+  __device__ int begin(int q) const {
+    if (q == 0) return 0;
+    return (min(tb.src_offset[q], a.capacity) + a.chunk_rows - 1) / a.chunk_rows;
+  }
+  __device__ int needed(int c, int lane) const {  // rows of the chunk that some PE sends
+    const int first = c * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
+    int used = 0, position, local;
+    for (int i = first + lane; i < last; i += 32)
+      used += source_of_row<false>(tb, i, a.ctx.num_ranks, 1, &position, &local) >= 0;
+    return __reduce_add_sync(0xffffffffu, used);
+  }
+  __device__ void consume(int c, int lane) const {
+    const int first = c * a.chunk_rows, last = min(a.capacity, first + a.chunk_rows);
+    for (int i = first; i < last; ++i) receive_row(a, tb, i, lane);
+  }
+  // Token t's row once per destination, straight to its final position; the warp reads the
+  // row once and stores it to all of its destinations, then bumps each destination's arrival
+  // counter of the chunk its row landed in, after a system-scope fence.
+  __device__ void push(int t, int lane) const {
+    char* rows[kSources];
+    char* scales[kSources];
+    int landed[kSources];  // chunk of the destination's output each row landed in, or -1
+    token_destinations<kSources>(a, tb, t, lane, rows, scales, landed);
+    broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
+                  a.x_row_bytes, lane);
+    if (a.scales != nullptr)
+      broadcast_row(scales,
+                    reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+                    a.scale_row_bytes, lane);
+    __syncwarp();  // every lane's stores of this token precede lane 0's fence
+    if (lane == 0) {
+      __threadfence_system();
+#pragma unroll
+      for (int r = 0; r < kSources; ++r)
+        if (landed[r] >= 0) atomicAdd_system(&control_of(a.ctx, r)->arrivals[landed[r]], 1u);
+    }
+  }
+  __device__ int peer(int c) const {
+    int position, local;
+    return source_of_row<false>(tb, c * a.chunk_rows, a.ctx.num_ranks, 1, &position, &local);
+  }
+};
+
+// ---- expert_major: a token's row crosses NVLink once per peer that has any of its pairs,
+// into the peer's staging slot me*T + t with a record of the rows of the token's pairs there;
+// the peer expands each arrived token to those rows (reading it from its own memory, ~8x
+// NVLink's bandwidth), chunk by chunk of a source's tokens while the pushes go on. This PE's
+// own pairs go straight to their rows. A sender counts every token of a chunk into each peer's
+// counter, sent or not, so a chunk is complete at chunk-size arrivals; a record carries the
+// call's number, so that the receiver skips the slots of tokens not sent to it this call.
+struct PairEntry {
+  int32_t row, id;  // the pair's output row here and local expert (-1: not a pair here)
+  float weight;
+};
+constexpr size_t kPairRecordHeader = 4;  // the call's number (low 32 bits)
+
+// Output rows per item of the expert_major pass that zeroes the unused rows.
+constexpr int kZeroChunkRows = 64;
+
+template <int kSources>
+struct ExpertMajorPush {
+  const DispatchArgs& a;
+  const GatherTables& tb;
+  uint32_t tag;  // the call's number: marks this call's records
+  // Chunks [q*P, (q+1)*P) are source q's tokens, chunk_rows each (P per source); ours are
+  // never received: our range instead numbers the unused-row pass's items from R*P.
+  __device__ int per_source() const { return (a.num_tokens + a.chunk_rows - 1) / a.chunk_rows; }
+  __device__ int2 range(int q) const {
+    const int P = per_source(), end = a.ctx.num_ranks * P;
+    if (q == a.ctx.rank) return {end, end + (a.capacity + kZeroChunkRows - 1) / kZeroChunkRows};
+    return {q * P, (q + 1) * P};
+  }
+  __device__ int needed(int c, int) const {
+    const int P = per_source();
+    if (c >= a.ctx.num_ranks * P) return 0;
+    return min(a.chunk_rows, a.num_tokens - (c % P) * a.chunk_rows);
+  }
+  __device__ int peer(int c) const { return c / per_source(); }
+  __device__ char* record(int r, size_t slot) const {
+    return region<char>(a.ctx, r, a.push.meta) + slot * a.push.meta_stride;
+  }
+
+  __device__ void consume(int c, int lane) const {
+    const int P = per_source(), R = a.ctx.num_ranks;
+    if (c >= R * P) {  // unused output rows (alignment padding, past the groups): zeros, -1
+      const int first = (c - R * P) * kZeroChunkRows;
+      const int last = min(a.capacity, first + kZeroChunkRows);
+      int position, local;
+      for (int i = first; i < last; ++i)
+        if (source_of_row<true>(tb, i, R, a.num_experts / R, &position, &local) < 0)
+          write_unused_row(a, i, 1, lane);
+      return;
+    }
+    const int s = c / P, T = a.num_tokens, K = a.num_topk, me = a.ctx.rank;
+    const int first = (c % P) * a.chunk_rows, last = min(T, first + a.chunk_rows);
+    for (int t = first; t < last; ++t) {
+      const size_t slot = size_t(s) * T + t;
+      const char* rec = record(me, slot);
+      if (__ldcg(reinterpret_cast<const uint32_t*>(rec)) != tag) continue;  // not sent to us
+      const PairEntry* entries = reinterpret_cast<const PairEntry*>(rec + kPairRecordHeader);
+      int row = -1, id = -1;
+      float weight = 0.f;
+      if (lane < K) {
+        row = __ldcg(&entries[lane].row);
+        id = __ldcg(&entries[lane].id);
+        weight = __ldcg(&entries[lane].weight);
+      }
+      char* rows[kSources];
+      char* scales[kSources];
+#pragma unroll
+      for (int j = 0; j < kSources; ++j) {
+        const int rj = __shfl_sync(0xffffffffu, row, j);
+        const bool valid = rj >= 0 && rj < a.capacity;
+        rows[j] = valid ? static_cast<char*>(a.out_x) + size_t(rj) * a.x_row_bytes : nullptr;
+        scales[j] = valid ? reinterpret_cast<char*>(a.out_scales) + size_t(rj) * a.scale_row_bytes
+                          : nullptr;
+      }
+      broadcast_row<kSources, true>(
+          rows, region<char>(a.ctx, me, a.push.rows) + slot * row_stride(a.x_row_bytes),
+          a.x_row_bytes, lane);
+      if (a.scales != nullptr)
+        broadcast_row<kSources, true>(
+            scales,
+            region<char>(a.ctx, me, a.push.scales) + slot * row_stride(a.scale_row_bytes),
+            a.scale_row_bytes, lane);
+      if (lane < K && row >= 0 && row < a.capacity) {
+        a.out_topk_idx[row] = id;
+        a.out_topk_weights[row] = weight;
+        a.src_rank[row] = s;
+        a.src_token[row] = t;
+        a.src_k[row] = lane;
+        a.pair_row[slot * K + lane] = row;
+      }
+    }
+  }
+
+  __device__ void push(int t, int lane) const {
+    const PeerContext& ctx = a.ctx;
+    const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, E = a.num_experts, L = E / R;
+    const size_t slot = size_t(me) * a.num_tokens + t;
+    char* rows[kSources];
+    char* scales[kSources];
+    int rank_of[kSources];  // each pair's rank (-1: none, or dropped)
+    bool first_at_peer[kSources];  // the token's first kept pair on a peer: the data goes there
+#pragma unroll
+    for (int j = 0; j < kSources; ++j) {  // compile-time indices: registers
+      rows[j] = scales[j] = nullptr;
+      rank_of[j] = -1;
+      first_at_peer[j] = false;
+      if (j >= K) continue;
+      const int entry = t * K + j;
+      const int rank_in_list = a.send_slot[entry];
+      if (rank_in_list < 0) continue;  // masked
+      const int row = destination_row<true>(a, tb, entry, rank_in_list);
+      __syncwarp();
+      if (lane == 0) a.send_slot[entry] = row;
+      if (row < 0) continue;  // dropped at the destination's capacity
+      const int e = a.topk_idx[entry], r = e / L;
+      rank_of[j] = r;
+      if (r == me) {  // our own pair: straight to its row, with its metadata
+        rows[j] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
+        scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
+        if (lane == 0) {
+          a.out_topk_idx[row] = e % L;
+          a.out_topk_weights[row] = a.topk_weights[entry];
+          a.src_rank[row] = me;
+          a.src_token[row] = t;
+          a.src_k[row] = j;
+          a.pair_row[slot * K + j] = row;
+        }
+        continue;
+      }
+      bool first = true;
+#pragma unroll
+      for (int q = 0; q < j; ++q) first &= rank_of[q] != r;
+      if (!first) continue;
+      first_at_peer[j] = true;
+      rows[j] = region<char>(ctx, r, a.push.rows) + slot * row_stride(a.x_row_bytes);
+      scales[j] = region<char>(ctx, r, a.push.scales) + slot * row_stride(a.scale_row_bytes);
+    }
+    __syncwarp();  // lane 0's send_slot rows, read by every lane below
+    // each peer's record: the rows of the token's pairs there (-1 for the others)
+#pragma unroll
+    for (int j = 0; j < kSources; ++j) {
+      if (!first_at_peer[j]) continue;
+      const int r = rank_of[j];
+      char* rec = record(r, slot);
+      PairEntry* entries = reinterpret_cast<PairEntry*>(rec + kPairRecordHeader);
+      for (int k = lane; k < K; k += 32) {
+        const int e = a.topk_idx[size_t(t) * K + k], row = a.send_slot[size_t(t) * K + k];
+        const bool here = valid_expert(e, E) && e / L == r && row >= 0;
+        entries[k] = here ? PairEntry{row, e % L, a.topk_weights[size_t(t) * K + k]}
+                          : PairEntry{-1, -1, 0.f};
+      }
+      if (lane == 0) *reinterpret_cast<uint32_t*>(rec) = tag;
+    }
+    broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
+                  a.x_row_bytes, lane);
+    if (a.scales != nullptr)
+      broadcast_row(scales,
+                    reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+                    a.scale_row_bytes, lane);
+    __syncwarp();  // every lane's stores of this token precede lane 0's fence
+    if (lane == 0) {
+      __threadfence_system();
+      const int chunk = me * per_source() + t / a.chunk_rows;
+      for (int r = 0; r < R; ++r)  // every peer counts the token, sent to it or not
+        if (r != me) atomicAdd_system(&control_of(ctx, r)->arrivals[chunk], 1u);
+    }
+  }
+};
+
+template <bool kExpertMajor, int kSources>
+__global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchFused, kEnter);
+  wait_all_ready(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchFused, kWaited);
+  extern __shared__ int32_t tables[];
+  GatherTables tb;
+  build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
+  if constexpr (kExpertMajor) {
+    ExpertMajorPush<kSources> path{a, tb, static_cast<uint32_t>(call)};
+    fused_loop(a, path, ctx.num_ranks);
+  } else {
+    RankMajorPush<kSources> path{a, tb};
+    fused_loop(a, path, ctx.num_ranks);
   }
   profile_end(ctx, kProfDispatchFused);
   finish_dispatch<kExpertMajor>(a, tb, call, 7, kProfDispatchFused);
@@ -1026,10 +1182,14 @@ int max_block_shared_memory() {
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   DispatchArgs a = args;
   const int R = a.ctx.num_ranks, E = a.num_experts;
-  // Output rows per arrival counter (fused mode): small chunks, so that the copy-out of the
-  // last rows to arrive (one warp per chunk) is short, at most kMaxChunks counters.
+  // Rows per arrival counter (fused mode): output rows (rank_major) or a source's tokens
+  // (expert_major); small chunks, so that the copy-out of the last rows to arrive (one warp
+  // per chunk) is short, at most kMaxChunks counters (expert_major: R per-source ranges,
+  // rounded up each).
   constexpr int kMinChunkRows = 4;
-  a.chunk_rows = std::max(kMinChunkRows, (a.capacity + kMaxChunks - 1) / kMaxChunks);
+  const int64_t rows = a.expert_major ? int64_t(R) * a.num_tokens : a.capacity;
+  const int64_t counters = a.expert_major ? kMaxChunks - R : kMaxChunks;
+  a.chunk_rows = static_cast<int>(std::max<int64_t>(kMinChunkRows, (rows + counters - 1) / counters));
   if (a.copy_engine)
     copy_chunking(a.num_tokens, a.x_row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
                   &a.copy_chunks);
