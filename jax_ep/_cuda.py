@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _native
+from jax_ep import _native, reference
 from jax_ep._types import (
     EXPERT_MAJOR,
     SOURCE_SLOTS,
@@ -270,12 +270,30 @@ def _pair_row(handle: DispatchHandle):
     return jnp.zeros((0,), jnp.int32)
 
 
+def _cached_call(x, handle: DispatchHandle, y=None, weights=None):
+    """jax_ep_cached_dispatch: x's rows at the handle's rows; with row weights (expert_major)
+    also the combine's backward in the same pass: (weights * rows, <rows, y> per row)."""
+    C, H = handle.config.capacity, x.shape[1]
+    weighted = weights is not None
+    types = (jax.ShapeDtypeStruct((C, H), x.dtype),
+             jax.ShapeDtypeStruct((C,) if weighted else (0,), jnp.float32))
+    return _call("jax_ep_cached_dispatch", types, x, handle.src_rank, handle.src_token,
+                 _pair_row(handle), y if weighted else jnp.zeros((0,), x.dtype),
+                 weights if weighted else jnp.zeros((0,), jnp.float32),
+                 _rank(handle.config.axis_name), axis_name=handle.config.axis_name,
+                 num_blocks=_num_blocks())
+
+
 def cached_dispatch(x, handle: DispatchHandle):
-    C = handle.config.capacity
-    return _call("jax_ep_cached_dispatch", jax.ShapeDtypeStruct((C, x.shape[1]), x.dtype), x,
-                 handle.src_rank, handle.src_token, _pair_row(handle),
-                 _rank(handle.config.axis_name),
-                 axis_name=handle.config.axis_name, num_blocks=_num_blocks())
+    return _cached_call(x, handle)[0]
+
+
+def combine_backward(g, y, weights, handle: DispatchHandle):
+    """(d y, d weights) of ``combine``; expert_major with weights in one kernel pass, which
+    loads each token's gradient row once per rank and each row of y once."""
+    if weights is not None and handle.config.layout == EXPERT_MAJOR:
+        return _cached_call(g, handle, y, weights.astype(jnp.float32))
+    return reference.weighted_rows_backward(cached_dispatch(g, handle), y, weights)
 
 
 def combine(y, weights, handle: DispatchHandle):

@@ -309,12 +309,10 @@ def _combine_fwd(y, weights, handle):
 
 def _combine_bwd(residuals, g):
     y, weights, handle = residuals
-    # Each row's gradient is its token's output gradient (a dispatch along the same handle).
-    g_rows = _backend_module(handle.config.backend).cached_dispatch(g.astype(y.dtype), handle)
-    if weights is None:
-        return g_rows, None, None
-    dy = (g_rows.astype(jnp.float32) * weights[:, None]).astype(y.dtype)
-    d_weights = jnp.sum(g_rows.astype(jnp.float32) * y.astype(jnp.float32), axis=-1)
+    # Each row's gradient is its token's output gradient (a dispatch along the same handle),
+    # times the row's weight; the weight's is that gradient's dot product with the row.
+    backend = _backend_module(handle.config.backend)
+    dy, d_weights = backend.combine_backward(g.astype(y.dtype), y, weights, handle)
     return dy, d_weights, None
 
 

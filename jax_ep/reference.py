@@ -216,6 +216,19 @@ def cached_dispatch(x, handle: DispatchHandle):
     return jnp.where(used[:, None], rows, jnp.zeros_like(rows))
 
 
+def weighted_rows_backward(g_rows, y, weights):
+    """(d y, d weights) of ``combine`` from the output gradient's rows: w * g and <g, y>."""
+    if weights is None:
+        return g_rows, None
+    dy = (g_rows.astype(jnp.float32) * weights[:, None]).astype(y.dtype)
+    return dy, jnp.sum(g_rows.astype(jnp.float32) * y.astype(jnp.float32), axis=-1)
+
+
+def combine_backward(g, y, weights, handle: DispatchHandle):
+    """(d y, d weights) of ``combine`` for the output gradient g [T, H] in y's dtype."""
+    return weighted_rows_backward(cached_dispatch(g, handle), y, weights)
+
+
 def combine(y, weights, handle: DispatchHandle):
     """Sum each token's rows back on its source rank, in float32, in the contract's order."""
     config = handle.config

@@ -160,18 +160,24 @@ def test_dispatch_combine_match_reference(T, H, K, per_rank, kind, mask, dtype, 
 
 
 def _check_dispatch_combine(x, idx, w, y, row_w, g, dtype, **dispatch_args):
-    """Dispatch, combine (weighted and plain) and the cached dispatch of combine's backward
-    against the reference; returns the CUDA dispatch's output."""
+    """Dispatch, combine (weighted and plain), the cached dispatch of combine's backward and
+    the weighted backward itself against the reference; returns the CUDA dispatch's output."""
     def fn(backend, x, idx, w, y, row_w, g):
         out = jax_ep.dispatch(x, idx, w, axis_name=AXIS, backend=backend, **dispatch_args)
         back = jax_ep.combine(y, out.handle, weights=row_w)
         plain = jax_ep.combine(out.x, out.handle)
-        rows = jax_ep.api._backend_module(backend).cached_dispatch(g, out.handle)
-        return out, back, plain, rows
+        module = jax_ep.api._backend_module(backend)
+        rows = module.cached_dispatch(g, out.handle)
+        dy, d_weights = module.combine_backward(g, y, row_w, out.handle)
+        return out, back, plain, rows, dy, d_weights
 
-    (out, back, plain, rows), (out_r, back_r, plain_r, rows_r) = both(fn, x, idx, w, y, row_w, g)
+    (out, back, plain, rows, dy, dw), (out_r, back_r, plain_r, rows_r, dy_r, dw_r) = both(
+        fn, x, idx, w, y, row_w, g)
     assert_trees_equal(out, out_r)
     assert_trees_equal(rows, rows_r)
+    assert_trees_equal(dy, dy_r)  # w * g rounded once: exact
+    # <g, y> per row in float32: the summation order differs
+    np.testing.assert_allclose(dw, dw_r, rtol=1e-4, atol=1e-3 * np.sqrt(y.shape[-1]))
     assert_sums_close(back, back_r, dtype)
     assert_sums_close(plain, plain_r, dtype)
     return out

@@ -223,8 +223,10 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 
 ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::S32> src_rank, ffi::Buffer<ffi::S32> src_token,
-                                ffi::Buffer<ffi::S32> pair_row, ffi::Buffer<ffi::S32> rank,
-                                ffi::Result<ffi::AnyBuffer> out, int64_t num_blocks) {
+                                ffi::Buffer<ffi::S32> pair_row, ffi::AnyBuffer y,
+                                ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::ResultBuffer<ffi::F32> d_weights, int64_t num_blocks) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return invalid("cached_dispatch: x must be [T, D]");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(x.element_type());
@@ -245,6 +247,24 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
                    std::to_string(kMaxSources) + ", or empty");
   a.num_topk = pairs ? static_cast<int>(pairs / per_token) : 0;
   a.pair_row = pairs ? pair_row.typed_data() : nullptr;
+  // the combine's backward (weights given): out = weights * rows, d_weights = <rows, y>
+  if (weights.element_count() != 0) {
+    if (pairs == 0)
+      return invalid("cached_dispatch: row weights need an expert_major handle (pair_row)");
+    if (weights.element_count() != size_t(C) || d_weights->element_count() != size_t(C) ||
+        y.element_type() != x.element_type() || y.element_count() != size_t(C) * dims[1])
+      return invalid("cached_dispatch: weights and d_weights must be [capacity] and y "
+                     "[capacity, D] of x's dtype");
+    switch (x.element_type()) {
+      case ffi::DataType::BF16: a.dtype = ElementType::kBF16; break;
+      case ffi::DataType::F16: a.dtype = ElementType::kF16; break;
+      case ffi::DataType::F32: a.dtype = ElementType::kF32; break;
+      default: return invalid("cached_dispatch: weighted rows must be bf16, f16 or f32");
+    }
+    a.weights = weights.typed_data();
+    a.y = y.untyped_data();
+    a.d_weights = d_weights->typed_data();
+  }
   a.num_tokens = T;
   a.capacity = C;
   a.num_blocks = blocks_or_default(num_blocks);
@@ -367,8 +387,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_blocks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,

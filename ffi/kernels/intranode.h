@@ -74,6 +74,8 @@ struct DispatchArgs {
   bool engine_local;
 };
 
+enum class ElementType { kBF16, kF16, kF32 };
+
 struct CachedDispatchArgs {
   PeerContext ctx;
   int num_tokens, capacity, num_blocks;
@@ -86,9 +88,14 @@ struct CachedDispatchArgs {
   // NVLink once and is stored to all of its rows here; nullptr: one load per row.
   const int32_t* pair_row;
   void* out;
+  // The combine's backward (expert_major, weighted): out[i] = weights[i] * x_row(i) in x's
+  // dtype, and d_weights[i] = <x_row(i), y[i]> in float32, from one load of each row; weights
+  // nullptr otherwise.
+  const float* weights;
+  const void* y;
+  float* d_weights;
+  ElementType dtype;
 };
-
-enum class ElementType { kBF16, kF16, kF32 };
 
 struct CombineArgs {
   PeerContext ctx;
@@ -223,6 +230,10 @@ cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream,
 cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
 void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
+// The cached dispatch's stage (its owner's rows into the symmetric buffer), and the combine's
+// weighted backward after it (intranode_combine.cu).
+cudaError_t launch_cached_stage(const CachedDispatchArgs& args, cudaStream_t stream);
+cudaError_t launch_combine_backward(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 
 }  // namespace jax_ep

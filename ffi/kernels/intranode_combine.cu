@@ -499,6 +499,94 @@ cudaError_t enqueue_combine_slots(const CombineArgs& a, size_t row_bytes, cudaSt
   return copy_engine_run(ctx, sequence, stream);
 }
 
+// The combine's backward, expert_major with row weights: each (source, token) row of the
+// output gradient (staged by its owner) is loaded once, over NVLink for a peer's, and for each
+// of the token's pairs here gives dy = w * g (rounded to T) and d_weight = <g, y> (float32,
+// summed per lane then across the warp). Rows of no pair get zeros.
+template <typename T, int kVector, int kPairs>
+__global__ void __launch_bounds__(kThreads) combine_backward_pairs(CachedDispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCachedGather, kEnter);
+  wait_all_ready(ctx, call, "cached_dispatch");
+  profile_mark(ctx, kProfCachedGather, kWaited);
+  const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kWarps, R = ctx.num_ranks, K = a.num_topk;
+  const int chunks = static_cast<int>(a.row_bytes / sizeof(T)) / kVector;
+  for (int i = warp; i < a.capacity; i += warps) {
+    const int s = a.src_rank[i];
+    if (s >= 0 && s < R) continue;
+    zero_row(static_cast<char*>(a.out) + size_t(i) * a.row_bytes, a.row_bytes, lane, 32);
+    if (lane == 0) a.d_weights[i] = 0.f;
+  }
+  for (int item = warp; item < R * a.num_tokens; item += warps) {
+    int rows[kPairs];
+    float weights[kPairs], dots[kPairs];
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      const int row = j < K ? a.pair_row[size_t(item) * K + j] : -1;
+      rows[j] = row >= 0 && row < a.capacity ? row : -1;
+      weights[j] = rows[j] >= 0 ? a.weights[rows[j]] : 0.f;
+      dots[j] = 0.f;
+      any |= rows[j] >= 0;
+    }
+    if (!any) continue;
+    const int s = item / a.num_tokens, t = item % a.num_tokens;
+    const T* g = reinterpret_cast<const T*>(region<char>(ctx, s, plan.rows) +
+                                            size_t(t) * row_stride(a.row_bytes));
+    for (int c = lane; c < chunks; c += 32) {
+      T gv[kVector];
+      load_vector<kVector>(gv, g, c);
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        if (rows[j] < 0) continue;
+        T yv[kVector], dy[kVector];
+        load_vector<kVector>(yv, reinterpret_cast<const T*>(static_cast<const char*>(a.y) +
+                                                             size_t(rows[j]) * a.row_bytes), c);
+#pragma unroll
+        for (int v = 0; v < kVector; ++v) {
+          const float gf = Element<T>::load(gv[v]);
+          dy[v] = Element<T>::store(__fmul_rn(gf, weights[j]));
+          dots[j] = fmaf(gf, Element<T>::load(yv[v]), dots[j]);
+        }
+        store_vector<kVector>(reinterpret_cast<T*>(static_cast<char*>(a.out) +
+                                                   size_t(rows[j]) * a.row_bytes), c, dy);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      if (rows[j] < 0) continue;
+      float d = dots[j];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
+      if (lane == 0) a.d_weights[rows[j]] = d;
+    }
+  }
+  profile_end(ctx, kProfCachedGather);
+  if (last_block(ctx, 3) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kDone, call);
+    control_of(ctx, ctx.rank)->epoch = call;
+    profile_mark(ctx, kProfCachedGather, kRetired);
+  }
+}
+
+template <typename T>
+cudaError_t launch_backward_typed(const CachedDispatchArgs& a, cudaStream_t stream) {
+  constexpr int kWide = 16 / sizeof(T);
+  const bool wide = (a.row_bytes / sizeof(T)) % kWide == 0;
+  auto launch = [&](auto kernel) {
+    return launch_after_previous(kernel, a.num_blocks, kThreads, 0, stream, a);
+  };
+  if (a.num_topk <= 8)
+    return wide ? launch(combine_backward_pairs<T, kWide, 8>)
+                : launch(combine_backward_pairs<T, 1, 8>);
+  return wide ? launch(combine_backward_pairs<T, kWide, kMaxSources>)
+              : launch(combine_backward_pairs<T, 1, kMaxSources>);
+}
+
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
   const size_t row_bytes = sizeof(T) * a.hidden;
@@ -527,6 +615,17 @@ cudaError_t launch_typed(const CombineArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+cudaError_t launch_combine_backward(const CachedDispatchArgs& a, cudaStream_t stream) {
+  const cudaError_t status = launch_cached_stage(a, stream);
+  if (status != cudaSuccess) return status;
+  switch (a.dtype) {
+    case ElementType::kBF16: return launch_backward_typed<__nv_bfloat16>(a, stream);
+    case ElementType::kF16: return launch_backward_typed<__half>(a, stream);
+    case ElementType::kF32: return launch_backward_typed<float>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
 
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
   CombineArgs a = args;

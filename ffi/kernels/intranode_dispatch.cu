@@ -1206,8 +1206,13 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   return a.expert_major ? launch(std::true_type{}) : launch(std::false_type{});
 }
 
+cudaError_t launch_cached_stage(const CachedDispatchArgs& a, cudaStream_t stream) {
+  return launch_after_previous(stage_rows, a.num_blocks, kThreads, 0, stream, a);
+}
+
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& a, cudaStream_t stream) {
-  const cudaError_t status = launch_after_previous(stage_rows, a.num_blocks, kThreads, 0, stream, a);
+  if (a.weights != nullptr) return launch_combine_backward(a, stream);
+  const cudaError_t status = launch_cached_stage(a, stream);
   if (status != cudaSuccess) return status;
   auto launch = [&](auto kernel) {
     return launch_after_previous(kernel, a.num_blocks, kThreads, 0, stream, a);
