@@ -190,8 +190,8 @@ JAX_EP_HOST_DEVICE inline SlotsCombinePlan plan_combine_slots(int num_ranks, int
 // Push-mode dispatch. rank_major: senders write rows straight to their final position in the
 // receiver's region (rows from this PE go straight to the output), with a metadata record per
 // row (token, K local ids, K weights). expert_major: a token's row goes once to each peer's
-// staging slot s*T + t, with a record of the call's number and K (row, local id, weight)
-// entries, the rows of its pairs there.
+// staging slot s*T + t, with a record: whether it was sent this call, then K (row, local id,
+// weight) entries, the rows of its pairs there.
 struct PushPlan {
   size_t matrix = 0, rows = 0, scales = 0, meta = 0, meta_stride = 0, end = 0;
 };

@@ -804,13 +804,14 @@ struct RankMajorPush {
 // the peer expands each arrived token to those rows (reading it from its own memory, ~8x
 // NVLink's bandwidth), chunk by chunk of a source's tokens while the pushes go on. This PE's
 // own pairs go straight to their rows. A sender counts every token of a chunk into each peer's
-// counter, sent or not, so a chunk is complete at chunk-size arrivals; a record carries the
-// call's number, so that the receiver skips the slots of tokens not sent to it this call.
+// counter, and writes its record's header, sent or not (a header of 0: nothing sent; a stale
+// record, or other data left in the region by other calls, is never trusted), so a chunk is
+// complete at chunk-size arrivals.
 struct PairEntry {
   int32_t row, id;  // the pair's output row here and local expert (-1: not a pair here)
   float weight;
 };
-constexpr size_t kPairRecordHeader = 4;  // the call's number (low 32 bits)
+constexpr size_t kPairRecordHeader = 4;  // 1: the token was sent here this call, 0: not
 
 // Output rows per item of the expert_major pass that zeroes the unused rows.
 constexpr int kZeroChunkRows = 64;
@@ -819,7 +820,6 @@ template <int kSources>
 struct ExpertMajorPush {
   const DispatchArgs& a;
   const GatherTables& tb;
-  uint32_t tag;  // the call's number: marks this call's records
   // Chunks [q*P, (q+1)*P) are source q's tokens, chunk_rows each (P per source); ours are
   // never received: our range instead numbers the unused-row pass's items from R*P.
   __device__ int per_source() const { return (a.num_tokens + a.chunk_rows - 1) / a.chunk_rows; }
@@ -854,7 +854,7 @@ struct ExpertMajorPush {
     for (int t = first; t < last; ++t) {
       const size_t slot = size_t(s) * T + t;
       const char* rec = record(me, slot);
-      if (__ldcg(reinterpret_cast<const uint32_t*>(rec)) != tag) continue;  // not sent to us
+      if (__ldcg(reinterpret_cast<const uint32_t*>(rec)) == 0) continue;  // not sent to us
       const PairEntry* entries = reinterpret_cast<const PairEntry*>(rec + kPairRecordHeader);
       int row = -1, id = -1;
       float weight = 0.f;
@@ -950,7 +950,15 @@ struct ExpertMajorPush {
         entries[k] = here ? PairEntry{row, e % L, a.topk_weights[size_t(t) * K + k]}
                           : PairEntry{-1, -1, 0.f};
       }
-      if (lane == 0) *reinterpret_cast<uint32_t*>(rec) = tag;
+      if (lane == 0) *reinterpret_cast<uint32_t*>(rec) = 1;
+    }
+    if (lane == 0) {  // the peers this token does not reach: a header of 0
+      uint32_t reached = 1u << me;
+#pragma unroll
+      for (int j = 0; j < kSources; ++j)
+        if (first_at_peer[j]) reached |= 1u << rank_of[j];
+      for (int r = 0; r < R; ++r)
+        if (!(reached >> r & 1u)) *reinterpret_cast<uint32_t*>(record(r, slot)) = 0;
     }
     broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
                   a.x_row_bytes, lane);
@@ -980,7 +988,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
   if constexpr (kExpertMajor) {
-    ExpertMajorPush<kSources> path{a, tb, static_cast<uint32_t>(call)};
+    ExpertMajorPush<kSources> path{a, tb};
     fused_loop(a, path, ctx.num_ranks);
   } else {
     RankMajorPush<kSources> path{a, tb};
