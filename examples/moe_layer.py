@@ -6,8 +6,11 @@ GPUs (one process per GPU, CUDA kernels):
     python -m jax_ep.launch -n 2 examples/moe_layer.py --backend cuda
 
 The model is two residual MoE feed-forward blocks regressing a fixed random teacher network;
-tokens are sharded over the expert-parallel axis and every rank holds E / R experts. Each
-step prints the loss, the rows dropped for lack of capacity, and the token throughput.
+tokens are sharded over the expert-parallel axis and every rank holds E / R experts. With
+``--data-parallel D`` the mesh is (data=D, ep=N/D): D expert-parallel groups run at once, each
+over its own devices, the experts replicated over the data axis (reference backend only so
+far). Each step prints the loss, the rows dropped for lack of capacity, and the token
+throughput.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def parse_args():
                    help="Adam step; default 3e-2 * 64 / hidden (the step of a hidden weight "
                         "scales as 1 / fan-in: 3e-2 diverges at hidden 2048)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="data-parallel groups: mesh (data, ep) with EP over devices / this")
     return p.parse_args()
 
 
@@ -57,7 +62,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 from jax_ep import moe  # noqa: E402
 
-AXIS = "ep"
+AXIS, DATA = "ep", "data"
 
 
 def init_params(key, H, F, E, layers=2):
@@ -90,15 +95,22 @@ def main():
 
         launch.init_distributed()
     devices = jax.devices()
-    R = len(devices)
+    D = args.data_parallel
+    if D < 1 or len(devices) % D:
+        sys.exit(f"--data-parallel={D} must divide the {len(devices)} devices")
+    R = len(devices) // D  # the EP group's size
     if args.experts % R:
-        sys.exit(f"--experts={args.experts} must be divisible by the {R} devices")
+        sys.exit(f"--experts={args.experts} must be divisible by the {R} devices of an EP group")
     if args.backend == "cuda" or (args.backend == "auto" and jax.default_backend() == "gpu"):
+        if D > 1:
+            sys.exit("--data-parallel > 1: the CUDA kernels need the EP axis to span every "
+                     "process so far; use --backend reference")
         from jax_ep import runtime
 
         runtime.initialize()
-    mesh = jax.make_mesh((R,), (AXIS,), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((D, R), (DATA, AXIS), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    BOTH = (DATA, AXIS)
     T, H, F, E, K = args.tokens, args.hidden, args.ffn, args.experts, args.top_k
     L = E // R
     capacity = None
@@ -111,7 +123,7 @@ def main():
     dtype = jnp.dtype(args.dtype)
     lr = args.lr if args.lr is not None else 3e-2 * 64 / H
 
-    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(AXIS), P(AXIS)), out_specs=(P(), P()))
+    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(BOTH), P(BOTH)), out_specs=(P(), P()))
     def loss_fn(params, x, target):
         h, dropped = x.astype(dtype), 0
         for layer in params:
@@ -120,7 +132,7 @@ def main():
                                    capacity=capacity, layout=args.layout, backend=args.backend)
             h, dropped = h + out, dropped + d
         loss = jnp.mean((h.astype(jnp.float32) - target) ** 2)
-        return jax.lax.pmean(loss, AXIS), jax.lax.psum(dropped, AXIS)
+        return jax.lax.pmean(loss, BOTH), jax.lax.psum(dropped, BOTH)
 
     @jax.jit
     def train_step(params, opt, x, target):
@@ -138,7 +150,7 @@ def main():
         return params, (step, m, v), loss, dropped
 
     key = jax.random.key(0)
-    shard = NamedSharding(mesh, P(AXIS))
+    shard = NamedSharding(mesh, P(BOTH))
     params = jax.device_put(init_params(key, H, F, E),
                             [jax.tree.map(lambda s: NamedSharding(mesh, s), sp) for sp in specs])
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -146,12 +158,13 @@ def main():
     teacher_key = jax.random.fold_in(key, 99)
     backend = jax_ep.api._resolve_backend(args.backend)
     if jax.process_index() == 0:
-        print(f"{R} devices ({jax.default_backend()}), backend={backend}, layout={args.layout}, "
+        print(f"{D * R} devices ({jax.default_backend()}; {D} EP group(s) of {R}), "
+              f"backend={backend}, layout={args.layout}, "
               f"T={T}/rank H={H} F={F} E={E} top-{K}, capacity={capacity or 'worst case'}, "
               f"{args.dtype}, lr {lr:.2g}")
     for step in range(args.steps):
         xkey = jax.random.fold_in(key, 1000 + step)
-        x = jax.random.normal(xkey, (R * T, H), jnp.float32)
+        x = jax.random.normal(xkey, (D * R * T, H), jnp.float32)
         x = jax.device_put(x, shard)
         target = jax.device_put(teacher(x, teacher_key), shard)
         t0 = time.perf_counter()
@@ -161,7 +174,7 @@ def main():
         if jax.process_index() == 0:
             note = " (includes compilation)" if step == 0 else ""
             print(f"step {step:3d}  loss {loss:.5f}  dropped {int(dropped):4d}  "
-                  f"{R * T / dt:10.0f} tokens/s{note}", flush=True)
+                  f"{D * R * T / dt:10.0f} tokens/s{note}", flush=True)
 
 
 if __name__ == "__main__":
