@@ -173,3 +173,40 @@ def test_a_closed_output_does_not_hang_the_launcher(tmp_path):
     proc.stdout.readline()
     proc.stdout.close()
     proc.wait(timeout=60)  # raises TimeoutExpired if it hangs
+
+
+def test_two_launchers_form_one_job_like_two_hosts(tmp_path):
+    """Two invocations on one machine, as on two hosts: a shared loopback coordinator,
+    --num-processes 4 and each its --process-id-offset; the four processes are one
+    jax.distributed job with global ranks 0..3."""
+    import socket
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import jax
+        from jax._src import distributed
+        from jax_ep import launch
+        assert launch.init_distributed()
+        me, n = jax.process_index(), jax.process_count()
+        assert me == int(os.environ["JAX_EP_RANK"]) and n == 4
+        client = distributed.global_state.client
+        client.key_value_set(f"hosts/{me}", os.environ["JAX_EP_LOCAL_RANK"])
+        heard = [client.blocking_key_value_get(f"hosts/{p}", 60_000) for p in range(n)]
+        print("process", me, "of", n, "devices", jax.device_count(), "local ranks", heard)
+    """))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS="")
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--num-processes", "4",
+         "--process-id-offset", str(offset), "--coordinator", f"127.0.0.1:{port}", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        for offset in (0, 2)]
+    outs = [p.communicate(timeout=180) for p in launchers]
+    for p, (stdout, stderr) in zip(launchers, outs):
+        assert p.returncode == 0, stdout + stderr
+    for rank, host in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        assert (f"[rank {rank}] process {rank} of 4 devices 4 local ranks "
+                f"['0', '1', '0', '1']") in outs[host][0]
