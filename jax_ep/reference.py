@@ -246,7 +246,9 @@ def combine(y, weights, handle: DispatchHandle):
         partial = jnp.zeros((R, T) + y.shape[1:], jnp.float32)
         for k in range(K):  # absent pairs add +0.0, which leaves every sum as it is
             partial = partial + send[:, :, k]
-        partial = partial.astype(y.dtype).astype(jnp.float32)
+        # The barrier keeps the rounding: XLA:GPU (default xla_allow_excess_precision) folds
+        # a convert pair away.
+        partial = jax.lax.optimization_barrier(partial.astype(y.dtype)).astype(jnp.float32)
         back = _exchange(partial, config.axis_name)  # [R(expert rank), T, H]
         dest, _ = _routing(handle.topk_idx, config.num_experts, R)
         kept = handle.send_slot >= 0  # [T, K]

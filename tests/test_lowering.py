@@ -112,6 +112,35 @@ def test_reference_low_latency_combine_keeps_the_partials_rounding():
     assert len(widened) == R, text  # one fenced rounding per rank's partial
 
 
+def _fenced_roundings(text, dtype="bf16"):
+    """Converts to float32 of values that an optimization barrier produced in `dtype`."""
+    fenced = set()
+    for line in text.splitlines():
+        m = re.match(r"\s*(%[\w.]+)(?::\d+)? = stablehlo\.optimization_barrier .*" + dtype +
+                     r">\s*$", line)
+        if m:
+            fenced.add(m.group(1))
+    return [line for line in text.splitlines() if "stablehlo.convert" in line
+            and any(re.search(re.escape(v) + r"[#\s,)]", line) for v in fenced)
+            and "-> tensor<" in line and "xf32>" in line.split("->")[-1]]
+
+
+def test_reference_expert_major_combine_keeps_the_partials_rounding():
+    """expert_major's combine rounds each rank's partial sum to y's dtype (the contract); the
+    reference fences that rounding like the low-latency one's, or XLA:GPU folds it away."""
+    import jax_ep
+
+    def per_device(x, idx):
+        out = jax_ep.dispatch(x, idx, num_experts=4, axis_name=AXIS, layout="expert_major",
+                              backend="reference")
+        return jax_ep.combine(out.x, out.handle)
+
+    x = jnp.ones((2 * 4, 128), jnp.bfloat16)
+    idx = jnp.asarray(np.tile(np.array([0, 3], np.int32), (2 * 4, 1)))
+    text = _lowered_for_cuda(per_device, x, idx)
+    assert _fenced_roundings(text), text
+
+
 def test_expected_token_share_matches_sampling():
     rng = np.random.default_rng(0)
     for R, K, E in [(2, 8, 256), (4, 8, 256), (8, 8, 256), (4, 2, 8)]:
