@@ -26,6 +26,7 @@ from jax_ep.api import (
     dispatch,
     get_dispatch_layout,
 )
+from jax_ep.config import Config
 from jax_ep.fp8 import dequantize_fp8, quantize_fp8
 from jax_ep.low_latency import (
     low_latency_buffer_size_hint,
@@ -40,6 +41,7 @@ from jax_ep.low_latency import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Config",
     "EXPERT_MAJOR",
     "RANK_MAJOR",
     "SOURCE_SLOTS",

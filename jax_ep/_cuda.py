@@ -7,13 +7,12 @@ operand so that the kernels can check it equals the process's NVSHMEM PE.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _native, reference
+from jax_ep import config as _config
 from jax_ep._types import (
     EXPERT_MAJOR,
     SOURCE_SLOTS,
@@ -26,6 +25,7 @@ from jax_ep._types import (
     LowLatencyOutput,
     no_pair_rows,
 )
+from jax_ep.config import Config
 
 
 def is_available() -> tuple[bool, str]:
@@ -39,80 +39,42 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _num_blocks() -> np.int64:
+def _num_blocks(tuning: Config | None = None) -> np.int64:
     """CTAs per communication kernel (the SM budget); 0 lets the extension choose."""
-    return np.int64(int(os.environ.get("JAX_EP_NUM_BLOCKS", "0")))
+    return np.int64(_config.num_blocks(tuning) or 0)
 
 
-# JAX_EP_DISPATCH values -> the dispatch's `push` attribute (ffi/handlers/intranode.cu decodes
-# it and refuses any other value).
+# Dispatch paths -> the dispatch's `push` attribute (ffi/handlers/intranode.cu decodes it and
+# refuses any other value).
 _DISPATCH_MODES = {"pull": 0, "fused": 2, "copy": 4}
-# `auto` picks the copy-engine paths where a peer is expected to need at least this share of
-# a rank's tokens: they send every token to every peer (2 and 4 ranks at DeepSeek-V3 shapes).
-_COPY_MIN_TOKEN_SHARE = 0.85
+_MAX_COPY_RANKS = _config.MAX_COPY_RANKS
 # The kernels' size limits (ffi/kernels/buffer_layout.h), kept here so that tracing and every
 # check made while tracing need no extension; a GPU test keeps them equal to module.limits().
 LIMITS = {
     "max_ranks": 1024,             # kMaxRanks
     "max_sources": 16,             # kMaxSources: a token's destinations in the push dispatch
                                    # and the rows one token sums in every combine
-    "max_copy_ranks": 32,          # kMaxCopyRanks: ranks of the copy-engine paths
+    "max_copy_ranks": _MAX_COPY_RANKS,  # kMaxCopyRanks: ranks of the copy-engine paths
     "low_latency_max_topk": 32,    # kLLMaxTopk
 }
-_MAX_COPY_RANKS = LIMITS["max_copy_ranks"]
+expected_token_share = _config.expected_token_share
 
 
-def expected_token_share(num_ranks, num_topk, num_experts) -> float:
-    """Share of a rank's tokens that one given peer needs when each token picks num_topk
-    distinct experts uniformly at random: 1 - C(E - L, K) / C(E, K), L = E / R."""
-    E, K = int(num_experts), int(num_topk)
-    L = E // max(int(num_ranks), 1)
-    miss = 1.0
-    for i in range(min(K, E)):  # C(E - L, K) / C(E, K) as a product
-        miss *= max(E - L - i, 0) / (E - i)
-    return 1.0 - miss
+def _push_dispatch(num_ranks=1, num_topk=1, num_experts=1, layout=None,
+                   tuning: Config | None = None) -> np.int64:
+    """The dispatch's data path (``jax_ep.config.dispatch_path``) as the `push` attribute."""
+    path = _config.dispatch_path(tuning, num_ranks=num_ranks, num_topk=num_topk,
+                                 num_experts=num_experts, layout=layout)
+    return np.int64(_DISPATCH_MODES[path])
 
 
-def _copy_pays(num_ranks, num_topk, num_experts, layout) -> bool:
-    return (layout != EXPERT_MAJOR and 1 < num_ranks <= _MAX_COPY_RANKS
-            and expected_token_share(num_ranks, num_topk, num_experts) >= _COPY_MIN_TOKEN_SHARE)
-
-
-def _push_dispatch(num_ranks=1, num_topk=1, num_experts=1, layout=None) -> np.int64:
-    """JAX_EP_DISPATCH selects the data path: fused (default: senders store rows into the
-    receivers' buffers over NVLink and, in the same kernel, the receivers copy complete chunks
-    out as they arrive; at most 16 destinations per token), pull (receivers load rows from the
-    senders' buffers: no such limit) or copy (every sender's copy engines send all of its rows
-    to every peer, the receivers' CTAs only copy locally: for few ranks, where a peer needs
-    nearly every token; at most 32 ranks).
-    auto: copy for rank_major where a peer is expected to need >= 85 % of the tokens, else
-    fused. The source_slots layout always moves its rows by the copy engines. Measurements:
-    benchmarks/RESULTS.md."""
-    mode = os.environ.get("JAX_EP_DISPATCH", "fused")
-    if mode == "auto":
-        mode = "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "fused"
-    if mode not in _DISPATCH_MODES:
-        raise ValueError(f"JAX_EP_DISPATCH must be one of {sorted(_DISPATCH_MODES) + ['auto']}, "
-                         f"got {mode!r}")
-    return np.int64(_DISPATCH_MODES[mode])
-
-
-_COMBINE_MODES = ("pull", "copy", "auto")
-
-
-def _copy_combine(num_ranks, num_topk, num_experts, layout) -> np.int64:
-    """JAX_EP_COMBINE selects the combine's data path: pull (default: the token owners load
-    the expert ranks' staged rows over NVLink), copy (rank_major only, expert_major keeps
-    pull: the expert ranks' copy engines send each owner its rows, staged per owner, and the
-    owners' CTAs sum locally) or auto (copy where JAX_EP_DISPATCH=auto would pick it).
-    source_slots defaults to copy (an owner's rows are one block of y: sent unstaged)."""
-    default = "copy" if layout == SOURCE_SLOTS else "pull"
-    mode = os.environ.get("JAX_EP_COMBINE", default)
-    if mode not in _COMBINE_MODES:
-        raise ValueError(f"JAX_EP_COMBINE must be one of {list(_COMBINE_MODES)}, got {mode!r}")
-    if mode == "auto":
-        return np.int64(_copy_pays(num_ranks, num_topk, num_experts, layout))
-    return np.int64(mode == "copy" and layout != EXPERT_MAJOR and num_ranks <= _MAX_COPY_RANKS)
+def _copy_combine(num_ranks, num_topk, num_experts, layout,
+                  tuning: Config | None = None) -> np.int64:
+    """Whether the combine takes the copy engines (``jax_ep.config.combine_path``; expert_major
+    always pulls)."""
+    path = _config.combine_path(tuning, num_ranks=num_ranks, num_topk=num_topk,
+                                num_experts=num_experts, layout=layout)
+    return np.int64(path == "copy" and layout != EXPERT_MAJOR and num_ranks <= _MAX_COPY_RANKS)
 
 
 def _limits() -> dict:
@@ -143,11 +105,11 @@ def _check_dispatch_limits(num_ranks, num_topk, expert_major, push_mode, source_
                        "limit)", num_topk if expert_major else num_ranks, expert_major)
 
 
-def _copy_engine_selected(num_ranks, num_topk, num_experts, layout) -> bool:
+def _copy_engine_selected(num_ranks, num_topk, num_experts, layout, tuning=None) -> bool:
     """Whether either copy-engine path is selected (their buffer areas count in the hint)."""
-    copy_dispatch = _push_dispatch(num_ranks, num_topk, num_experts, layout)
+    copy_dispatch = _push_dispatch(num_ranks, num_topk, num_experts, layout, tuning)
     return bool(layout == SOURCE_SLOTS or copy_dispatch == _DISPATCH_MODES["copy"]
-                or _copy_combine(num_ranks, num_topk, num_experts, layout))
+                or _copy_combine(num_ranks, num_topk, num_experts, layout, tuning))
 
 
 def _rank(axis_name):
@@ -211,11 +173,12 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
-                   expert_major, alignment, axis_name, source_slots=False):
+                   expert_major, alignment, axis_name, source_slots=False, tuning=None):
     """The jax_ep_dispatch custom call; returns its 13 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
-    push = _push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None)
+    push = _push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None,
+                          tuning)
     _check_dispatch_limits(num_ranks, K, expert_major, push, source_slots)
     has_scales = x_scales is not None
     row_meta = (C,) if expert_major else (C, K)
@@ -240,7 +203,7 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         topk_weights, _rank(axis_name), axis_name=axis_name,
         num_experts=np.int64(num_experts), capacity=np.int64(C),
         expert_major=np.int64(expert_major), alignment=np.int64(alignment),
-        has_scales=np.int64(has_scales), num_blocks=_num_blocks(),
+        has_scales=np.int64(has_scales), num_blocks=_num_blocks(tuning),
         push=push, source_slots=np.int64(source_slots))
 
 
@@ -250,7 +213,8 @@ def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> Dis
         x, x_scales, topk_idx, topk_weights, num_experts=config.num_experts,
         num_ranks=config.num_ranks, capacity=config.capacity,
         expert_major=config.layout == EXPERT_MAJOR, alignment=config.alignment,
-        axis_name=config.axis_name, source_slots=config.layout == SOURCE_SLOTS)
+        axis_name=config.axis_name, source_slots=config.layout == SOURCE_SLOTS,
+        tuning=config.tuning)
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
                             pair_row=pair_row if config.layout == EXPERT_MAJOR else no_pair_rows(),
@@ -281,7 +245,7 @@ def _cached_call(x, handle: DispatchHandle, y=None, weights=None):
                  _pair_row(handle), y if weighted else jnp.zeros((0,), x.dtype),
                  weights if weighted else jnp.zeros((0,), jnp.float32),
                  _rank(handle.config.axis_name), axis_name=handle.config.axis_name,
-                 num_blocks=_num_blocks())
+                 num_blocks=_num_blocks(handle.config.tuning))
 
 
 def cached_dispatch(x, handle: DispatchHandle):
@@ -309,9 +273,9 @@ def combine(y, weights, handle: DispatchHandle):
                  handle.num_received, handle.src_rank, _pair_row(handle), _rank(config.axis_name),
                  axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
-                 expert_major=np.int64(expert_major), num_blocks=_num_blocks(),
+                 expert_major=np.int64(expert_major), num_blocks=_num_blocks(config.tuning),
                  copy_engine=_copy_combine(config.num_ranks, config.num_topk,
-                                           config.num_experts, config.layout),
+                                           config.num_experts, config.layout, config.tuning),
                  source_slots=np.int64(config.layout == SOURCE_SLOTS))
 
 
@@ -331,7 +295,8 @@ def _ll_attrs(config: LowLatencyConfig):
         raise ValueError(f"low-latency calls: the CUDA kernels take top-k <= {limit}, got "
                          f"{config.num_topk}")
     return dict(num_experts=np.int64(config.num_experts),
-                max_tokens=np.int64(config.max_tokens_per_rank), num_blocks=_num_blocks())
+                max_tokens=np.int64(config.max_tokens_per_rank),
+                num_blocks=_num_blocks(config.tuning))
 
 
 def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
@@ -453,11 +418,12 @@ def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_t
 
 
 def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,
-                     dtype=jnp.bfloat16, layout="rank_major", fp8=False, alignment=1) -> int:
+                     dtype=jnp.bfloat16, layout="rank_major", fp8=False, alignment=1,
+                     config=None) -> int:
     """Symmetric-buffer bytes that every call of a dispatch / combine of these per-GPU shapes
     needs (forward and backward, in every path; the copy-engine paths' larger areas only when
-    JAX_EP_DISPATCH or JAX_EP_COMBINE selects them, or the layout is source_slots); the
-    kernels' own formula."""
+    ``config`` or the environment selects them, or the layout is source_slots); the kernels'
+    own formula."""
     module, why = _native.load()
     if module is None:
         raise RuntimeError(why)
@@ -469,4 +435,4 @@ def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capac
     return int(module.required_buffer_bytes(
         num_ranks, num_tokens, hidden, jnp.dtype(dtype).itemsize, num_topk, num_experts,
         capacity, layout == EXPERT_MAJOR, fp8,
-        _copy_engine_selected(num_ranks, num_topk, num_experts, layout)))
+        _copy_engine_selected(num_ranks, num_topk, num_experts, layout, config)))

@@ -62,6 +62,7 @@ class DispatchConfig:
     alignment: int = 1
     axis_name: Any = None
     backend: str = "reference"
+    tuning: Any = None  # jax_ep.Config given to dispatch (None: overrides and defaults)
 
     @property
     def num_local_experts(self) -> int:
@@ -189,6 +190,7 @@ class LowLatencyConfig:
     ue8m0: bool = False
     axis_name: Any = None
     backend: str = "reference"
+    tuning: Any = None  # jax_ep.Config (num_blocks only)
 
     @property
     def num_local_experts(self) -> int:

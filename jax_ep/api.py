@@ -7,6 +7,7 @@ to the chosen backend (``jax_ep.reference`` or the CUDA kernels), which share on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
@@ -26,6 +27,7 @@ from jax_ep._types import (
     DispatchLayout,
     DispatchOutput,
 )
+from jax_ep.config import Config
 
 BACKENDS = ("auto", "reference", "cuda")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -72,6 +74,12 @@ def _axis_size(axis_name) -> int:
         raise ValueError(
             f"axis_name={axis_name!r} is not a bound mesh axis: call jax_ep inside "
             "jax.shard_map over the expert-parallel axis") from e
+
+
+def _check_config(config):
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a jax_ep.Config or None, got {type(config).__name__}")
+    return config
 
 
 def _static_int(name, value):
@@ -181,7 +189,8 @@ def get_dispatch_layout(topk_idx, num_experts, *, axis_name=None, num_ranks=None
 # ----------------------------------------------------------------------------- dispatch
 
 def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity=None,
-             layout=RANK_MAJOR, expert_alignment=1, backend="auto") -> DispatchOutput:
+             layout=RANK_MAJOR, expert_alignment=1, backend="auto",
+             config=None) -> DispatchOutput:
     """Send each token to the ranks holding its experts. See ``jax_ep._types`` for the layout.
 
     Args:
@@ -195,6 +204,9 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         ``"source_slots"`` (rank_major's rows at fixed slots ``s*T + t``; capacity ``R*T``).
       expert_alignment: expert_major only: each group is padded to a multiple of this.
       backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
+      config: a ``jax_ep.Config`` (data paths, CTAs) for the CUDA kernels; the handle keeps it
+        for the combine and both backward passes. None: the environment's overrides and the
+        measured defaults (``jax_ep.config``).
     """
     data, scales = _split_x(x)
     num_ranks = _axis_size(axis_name)
@@ -227,10 +239,11 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         capacity = default_capacity(T, num_ranks, K, L, layout, expert_alignment)
     if _static_int("capacity", capacity) < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
+    tuning = _check_config(config)
     config = DispatchConfig(
         num_experts=int(num_experts), num_ranks=num_ranks, num_tokens=T, hidden=H, num_topk=K,
         capacity=int(capacity), layout=layout, alignment=int(expert_alignment),
-        axis_name=axis_name, backend=_resolve_backend(backend))
+        axis_name=axis_name, backend=_resolve_backend(backend), tuning=tuning)
     out = _dispatch(config, data, scales, topk_idx, topk_weights.astype(jnp.float32))
     return out._replace(num_invalid=_num_invalid(raw_idx, num_experts))
 
@@ -270,7 +283,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 # ----------------------------------------------------------------------------- combine
 
-def combine(y, handle: DispatchHandle, weights=None):
+def combine(y, handle: DispatchHandle, weights=None, config=None):
     """Sum the expert outputs of each token back on its source rank, in source order.
 
     Args:
@@ -278,6 +291,8 @@ def combine(y, handle: DispatchHandle, weights=None):
       handle: the ``handle`` of that dispatch.
       weights: optional [C] per-row weights (e.g. ``out.topk_weights`` of an expert_major
         dispatch); rows are summed unweighted when omitted.
+      config: a ``jax_ep.Config`` for this combine and its backward (default: the one the
+        dispatch was given).
 
     Returns [T, H] in y's dtype: ``sum_rows w * y`` accumulated in float32 in the contract's
     fixed order (ranks ascending for rank_major and source_slots, k ascending for
@@ -285,6 +300,9 @@ def combine(y, handle: DispatchHandle, weights=None):
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle of a dispatch, got {type(handle)}")
+    if config is not None:
+        handle = dataclasses.replace(
+            handle, config=dataclasses.replace(handle.config, tuning=_check_config(config)))
     config = handle.config
     C = config.capacity
     if y.ndim != 2 or y.shape[0] != C:

@@ -34,7 +34,8 @@ def _backend(config: LowLatencyConfig):
     return api._backend_module(config.backend)
 
 
-def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, ue8m0, backend):
+def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, ue8m0, backend,
+            tuning=None):
     if isinstance(x, (tuple, list)):  # the send quantises: a pair's scales would be lost
         raise TypeError("low_latency_dispatch takes unquantised rows (bfloat16, float16 or "
                         "float32); use_fp8=True quantises them in the send")
@@ -54,10 +55,12 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
     if use_fp8 and H % _fp8.BLOCK:
         raise ValueError(f"FP8 dispatch needs hidden divisible by {_fp8.BLOCK}, got {H}")
     resolved = api._resolve_backend(backend)
+    api._check_config(tuning)
     config = LowLatencyConfig(
         num_experts=int(num_experts), num_ranks=R, num_tokens=T, hidden=H,
         num_topk=topk_idx.shape[1], max_tokens_per_rank=int(max_tokens_per_rank),
-        use_fp8=bool(use_fp8), ue8m0=bool(ue8m0), axis_name=axis_name, backend=resolved)
+        use_fp8=bool(use_fp8), ue8m0=bool(ue8m0), axis_name=axis_name, backend=resolved,
+        tuning=tuning)
     return x, topk_idx, config, api._num_invalid(raw_idx, num_experts)
 
 
@@ -74,22 +77,24 @@ def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_t
 
 
 def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
-                         use_fp8=True, ue8m0=False, backend="auto") -> LowLatencyOutput:
+                         use_fp8=True, ue8m0=False, backend="auto",
+                         config=None) -> LowLatencyOutput:
     """Send each (token, k) pair to its expert's block. x: [T, H] bf16/f16/f32, T <= M.
 
     With ``use_fp8`` the tokens are quantised (one scale per 128 channels) before sending and
-    arrive as e4m3 data + float32 scales; then no gradient flows back to ``x``.
+    arrive as e4m3 data + float32 scales; then no gradient flows back to ``x``. ``config``: a
+    ``jax_ep.Config`` (its ``num_blocks``), kept by the handle for the combine.
     """
     x, topk_idx, config, num_invalid = _config(x, topk_idx, num_experts, max_tokens_per_rank,
-                                               axis_name, use_fp8, ue8m0, backend)
+                                               axis_name, use_fp8, ue8m0, backend, config)
     return _ll_dispatch(config, x, topk_idx)._replace(num_invalid=num_invalid)
 
 
 def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
-                              use_fp8=True, ue8m0=False, backend="auto"):
+                              use_fp8=True, ue8m0=False, backend="auto", config=None):
     """First half of ``low_latency_dispatch`` (not differentiable): returns a pending pytree."""
     x, topk_idx, config, num_invalid = _config(x, topk_idx, num_experts, max_tokens_per_rank,
-                                               axis_name, use_fp8, ue8m0, backend)
+                                               axis_name, use_fp8, ue8m0, backend, config)
     return _Pending(_backend(config).low_latency_send(x, topk_idx, config), config, num_invalid)
 
 
