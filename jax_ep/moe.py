@@ -184,7 +184,7 @@ def expert_major_capacity(capacity_factor, *, num_tokens, num_ranks, top_k,
 
 
 def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity_factor=None,
-              expert_alignment=1, renormalize=True, backend="auto"):
+              expert_alignment=1, renormalize=True, backend="auto", config=None):
     """SwiGLU mixture of experts on this rank's tokens (call inside ``jax.shard_map``).
 
     Router (float32 softmax, top-k) -> ``dispatch(layout="expert_major")`` ->
@@ -205,6 +205,7 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
       expert_alignment: each expert's row group is padded to a multiple of this.
       renormalize: gates sum to 1 per token (else they are the raw top-k probabilities).
       backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
+      config: a ``jax_ep.Config`` for the dispatch and combine (CUDA backend).
     Returns:
       ([T, H] output in x's dtype, ``MoEAux``).
     """
@@ -228,7 +229,7 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
     topk_idx, gates, probs, logits = router(x, params.router, top_k, renormalize=renormalize)
     out = api.dispatch(x, topk_idx, gates, num_experts=num_experts, axis_name=axis_name,
                        capacity=capacity, layout=EXPERT_MAJOR,
-                       expert_alignment=expert_alignment, backend=backend)
+                       expert_alignment=expert_alignment, backend=backend, config=config)
     cast = lambda w: w.astype(x.dtype)  # noqa: E731
     weights = cast(params.w_gate), cast(params.w_up), cast(params.w_down)
     dropped = out.num_dropped
