@@ -3,9 +3,11 @@
 A ``Config`` is a frozen, hashable dataclass: given as ``config=`` to ``dispatch`` (its handle
 keeps it for the combine and both backward passes) or ``combine``, it becomes part of the
 static description of the call, so jit's cache tells programs with different settings apart.
-Every field left ``None`` takes, in this order, its environment override (read here and
-nowhere else in Python, when the call is traced) or its default from ``default_config``, a
-function of the call's shape built from the measured tables in ``benchmarks/RESULTS.md``.
+Every field left ``None`` takes, in this order, the process's config (given to
+``jax_ep.runtime.initialize``, which checks that every process passed the same), its
+environment override (read here and nowhere else in Python, when the call is traced) or its
+default from ``default_config``, a function of the call's shape built from the measured tables
+in ``benchmarks/RESULTS.md``.
 
 The reference backend ignores all of it: it has one data path.
 """
@@ -92,6 +94,44 @@ def default_config(num_ranks, num_topk, num_experts, layout) -> Config:
 
 # ----------------------------------------------------------------------------- overrides
 
+_process_config: Config | None = None
+
+
+def set_process_config(config: Config | None) -> None:
+    """The fields every call of this process takes where its own config leaves them None
+    (``jax_ep.runtime.initialize(config=...)`` sets it once the processes agree on it)."""
+    global _process_config
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a jax_ep.Config or None, got {type(config).__name__}")
+    _process_config = config
+
+
+def _field(config: Config | None, name: str):
+    value = getattr(config, name) if config is not None else None
+    if value is None and _process_config is not None:
+        value = getattr(_process_config, name)
+    return value
+
+
+# Variables that choose what the peers read or write: a process whose kernels expect another
+# data path or chunking than its peers' would wait for data that never comes.
+# (``jax_ep.runtime.initialize`` compares them across processes.)
+SHARED_VARIABLES = ("JAX_EP_DISPATCH", "JAX_EP_COMBINE", "JAX_EP_COPY_CHUNK_MB")
+
+
+def shared_variable(name: str):
+    """A shared variable's value as the backend reads it (equal spellings compare equal)."""
+    value = os.environ.get(name)
+    if name == "JAX_EP_DISPATCH" and value is None:
+        return "fused"
+    if name == "JAX_EP_COPY_CHUNK_MB" and value is not None:
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _override(name, allowed):
     value = os.environ.get(name)
     if value is None or value == "":
@@ -102,10 +142,10 @@ def _override(name, allowed):
 
 
 def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
-    """The explicit value, else ``JAX_EP_DISPATCH`` (fused | pull | copy | auto; auto: the copy
-    engines for rank_major where a peer is expected to need >= 85 % of the tokens, else
-    fused), else the default."""
-    path = config.dispatch_path if config is not None else None
+    """The call's value, else the process's, else ``JAX_EP_DISPATCH`` (fused | pull | copy |
+    auto; auto: the copy engines for rank_major where a peer is expected to need >= 85 % of
+    the tokens, else fused), else the default."""
+    path = _field(config, "dispatch_path")
     path = path or _override("JAX_EP_DISPATCH", DISPATCH_PATHS + ("auto",))
     if path == "auto":
         return "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "fused"
@@ -113,9 +153,9 @@ def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, la
 
 
 def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
-    """The explicit value, else ``JAX_EP_COMBINE`` (pull | copy | auto, as for the dispatch),
-    else the default."""
-    path = config.combine_path if config is not None else None
+    """The call's value, else the process's, else ``JAX_EP_COMBINE`` (pull | copy | auto, as
+    for the dispatch), else the default."""
+    path = _field(config, "combine_path")
     path = path or _override("JAX_EP_COMBINE", COMBINE_PATHS + ("auto",))
     if path == "auto":
         return "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "pull"
@@ -123,9 +163,10 @@ def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, lay
 
 
 def num_blocks(config: Config | None) -> int | None:
-    """The explicit value, else ``JAX_EP_NUM_BLOCKS``, else None (each kernel's own default)."""
-    if config is not None and config.num_blocks is not None:
-        return config.num_blocks
+    """The call's value, else the process's, else ``JAX_EP_NUM_BLOCKS``, else None (each
+    kernel's own default)."""
+    if _field(config, "num_blocks") is not None:
+        return _field(config, "num_blocks")
     value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
     if value in ("", "0"):
         return None

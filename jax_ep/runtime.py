@@ -30,6 +30,7 @@ allocation fails, set ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lower or
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import socket
@@ -37,6 +38,7 @@ import sys
 import threading
 
 from jax_ep import _native
+from jax_ep import config as _config
 
 DEFAULT_BUFFER_BYTES = 1 << 30
 _KEY_PREFIX = "jax_ep/runtime"
@@ -106,30 +108,17 @@ def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capa
         alignment=alignment))
 
 
-# Variables that choose what the peers read or write: a process whose kernels expect another
-# data path or chunking than its peers' would wait for data that never comes. (The block
-# count and the copy engines' enqueueing variables only shape a rank's own work.)
-SHARED_VARIABLES = ("JAX_EP_DISPATCH", "JAX_EP_COMBINE", "JAX_EP_COPY_CHUNK_MB")
+# (The block count and the copy engines' enqueueing variables only shape a rank's own work.)
+SHARED_VARIABLES = _config.SHARED_VARIABLES
 
 
-def _variable(name: str):
-    """A shared variable's value as the backend reads it (equal spellings compare equal)."""
-    value = os.environ.get(name)
-    if name == "JAX_EP_DISPATCH" and value is None:
-        return "fused"
-    if name == "JAX_EP_COPY_CHUNK_MB" and value is not None:
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _shared_settings(buffer_bytes: int, low_latency_bytes: int) -> dict:
+def _shared_settings(buffer_bytes: int, low_latency_bytes: int, config=None) -> dict:
     """What every process must agree on: the symmetric allocations (NVSHMEM allocates them
-    collectively, the same size on every PE) and SHARED_VARIABLES."""
-    settings = {"buffer_bytes": buffer_bytes, "low_latency_bytes": low_latency_bytes}
-    settings.update({name: _variable(name) for name in SHARED_VARIABLES})
+    collectively, the same size on every PE), the process's ``jax_ep.Config`` and
+    SHARED_VARIABLES."""
+    settings = {"buffer_bytes": buffer_bytes, "low_latency_bytes": low_latency_bytes,
+                "config": None if config is None else dataclasses.asdict(config)}
+    settings.update({name: _config.shared_variable(name) for name in SHARED_VARIABLES})
     return settings
 
 
@@ -199,7 +188,7 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
                hidden: int | None = None, num_topk: int | None = None,
                num_experts: int | None = None, capacity: int | None = None, dtype=None,
                layout: str = "rank_major", fp8: bool = False, alignment: int = 1,
-               low_latency_bytes: int | None = None) -> None:
+               low_latency_bytes: int | None = None, config=None) -> None:
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
     Collective: every process calls it with the same arguments. The processes compare their
@@ -217,6 +206,8 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
       low_latency_bytes: the second symmetric buffer, used only by the low-latency (decode)
         calls; None: ``JAX_EP_LL_BUFFER_BYTES``, else 0 (no low-latency buffer). See
         ``jax_ep.low_latency_buffer_size_hint``.
+      config: a ``jax_ep.Config`` for every call of this process that leaves a field None
+        (compared across processes like the sizes).
     """
     global _generation, _atexit_registered
     import jax
@@ -238,6 +229,8 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         raise RuntimeError("call jax.distributed.initialize(...) (or jax_ep.launch."
                            "init_distributed()) before jax_ep.runtime.initialize()")
 
+    if config is not None and not isinstance(config, _config.Config):
+        raise TypeError(f"config must be a jax_ep.Config or None, got {type(config).__name__}")
     error = None
     try:
         buffer_bytes, low_latency_bytes = _requested_sizes(
@@ -252,14 +245,16 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     if module.is_initialized():
         # checks sizes and rank
         module.initialize(rank, world, 0, buffer_bytes, b"", True, low_latency_bytes)
+        _config.set_process_config(config)
         return
 
     generation = _generation
     _generation += 1
-    settings = _shared_settings(buffer_bytes, low_latency_bytes)
+    settings = _shared_settings(buffer_bytes, low_latency_bytes, config)
     if error is not None:
         settings["error"] = error
     single_host = _agree(client, rank, world, generation, settings)
+    _config.set_process_config(config)
     # NVSHMEM reads these when the unique id is made (its bootstrap socket) and at init.
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     if single_host:

@@ -130,3 +130,19 @@ def _dispatch_config(layout, tuning):
     return DispatchConfig(num_experts=2, num_ranks=2, num_tokens=4, hidden=128, num_topk=2,
                           capacity=8, layout=layout, axis_name=AXIS, backend="cuda",
                           tuning=tuning)
+
+
+def test_the_process_config_fills_what_a_call_leaves_unset(monkeypatch):
+    monkeypatch.setenv("JAX_EP_DISPATCH", "pull")
+    cfg.set_process_config(jax_ep.Config(dispatch_path="copy", num_blocks=12))
+    try:
+        assert cfg.resolve(None, layout="rank_major", **SHAPE) == jax_ep.Config("copy", "pull",
+                                                                                12)
+        mine = jax_ep.Config(dispatch_path="fused")
+        assert cfg.resolve(mine, layout="rank_major", **SHAPE) == jax_ep.Config("fused",
+                                                                                "pull", 12)
+        with pytest.raises(TypeError, match="jax_ep.Config"):
+            cfg.set_process_config("fused")
+    finally:
+        cfg.set_process_config(None)
+    assert cfg.dispatch_path(None, layout="rank_major", **SHAPE) == "pull"  # the override again

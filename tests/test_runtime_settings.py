@@ -177,3 +177,14 @@ def test_agreement_through_jax_distributed_on_cpu(tmp_path):
                 "the same sizes and set the same jax_ep variables; they differ in "
                 "JAX_EP_COMBINE (rank 0: unset, rank 1: copy)") in out.stdout, out.stdout
     assert "went on" not in out.stdout
+
+
+def test_a_different_process_config_is_named():
+    import jax_ep
+
+    base = runtime._shared_settings(1 << 30, 0, jax_ep.Config(num_blocks=24))
+    other = runtime._shared_settings(1 << 30, 0, jax_ep.Config(num_blocks=32))
+    runtime._check_same_settings([base, dict(base)])
+    with pytest.raises(ValueError, match=r"config \(rank 0: .*'num_blocks': 24.*rank 1: "
+                                         r".*'num_blocks': 32"):
+        runtime._check_same_settings([base, other])
