@@ -34,16 +34,20 @@ class MoE(nnx.Module):
     mesh (``mesh=`` or the ``jax.set_mesh`` context) the Params are created sharded.
 
     ``__call__(x)``: x ``[..., H]``, its leading (token) dims flattened and sharded over
-    ``axis_name`` (other mesh axes replicate it); runs ``moe.moe_layer`` under
-    ``jax.shard_map`` on ``mesh`` (default: the mesh current at call time) and returns
-    ``(y like x, moe.MoEAux)``. Add ``aux.load_balancing_loss`` (and ``router_z_loss``) to
-    the training loss with the coefficients you want.
+    ``token_axes`` (default: ``axis_name`` alone; other mesh axes replicate it); runs
+    ``moe.moe_layer`` under ``jax.shard_map`` on ``mesh`` (default: the mesh current at call
+    time) and returns ``(y like x, moe.MoEAux)``. With ``token_axes`` such as
+    ``("data", "expert")`` on a ``(data, expert)`` mesh every data index is its own EP group
+    (the experts replicated over ``data``), and the auxiliary outputs cover all of them:
+    counts summed, losses averaged over the groups. Add ``aux.load_balancing_loss`` (and
+    ``router_z_loss``) to the training loss with the coefficients you want.
+    ``config``: a ``jax_ep.Config`` for the dispatch and combine.
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, *, top_k: int,
                  shared_ffn: int | None = None, axis_name="ep", mesh=None, capacity=None,
                  capacity_factor=None, expert_alignment: int = 1, renormalize: bool = True,
-                 backend: str = "auto", param_dtype=jnp.float32,
+                 backend: str = "auto", token_axes=None, config=None, param_dtype=jnp.float32,
                  router_init=_router_init, expert_init=_expert_init,
                  shared_init=_shared_init, rngs: nnx.Rngs):
         where = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
@@ -53,6 +57,10 @@ class MoE(nnx.Module):
         if axis_name not in where.axis_names:
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                              f"{where.axis_names}")
+        token_axes = (axis_name,) if token_axes is None else tuple(token_axes)
+        if axis_name not in token_axes or any(a not in where.axis_names for a in token_axes):
+            raise ValueError(f"token_axes={token_axes} must be axes of the mesh "
+                             f"{where.axis_names} and include axis_name={axis_name!r}")
         ranks = where.shape[axis_name]
         if num_experts % ranks:
             raise ValueError(f"num_experts={num_experts} must be divisible by the {ranks} "
@@ -64,6 +72,7 @@ class MoE(nnx.Module):
         self.capacity, self.capacity_factor = capacity, capacity_factor
         self.expert_alignment, self.renormalize, self.backend = (expert_alignment, renormalize,
                                                                  backend)
+        self.token_axes, self.config = token_axes, config
 
         def param(init, shape, sharding):
             init = nnx.with_partitioning(init, sharding, mesh=mesh)
@@ -94,16 +103,30 @@ class MoE(nnx.Module):
             raise ValueError("MoE was built without mesh=: call it under jax.set_mesh(mesh)")
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ranks = mesh.shape[self.axis_name]
-        if x.shape[0] % ranks:
-            raise ValueError(f"{x.shape[0]} tokens do not split over the {ranks} ranks of axis "
-                             f"{self.axis_name!r}")
+        shards = 1
+        for axis in self.token_axes:
+            shards *= mesh.shape[axis]
+        if x.shape[0] % shards:
+            raise ValueError(f"{x.shape[0]} tokens do not split over the {shards} devices of "
+                             f"axes {self.token_axes}")
         layer = partial(moe.moe_layer, top_k=self.top_k, axis_name=self.axis_name,
                         capacity=self.capacity, capacity_factor=self.capacity_factor,
                         expert_alignment=self.expert_alignment, renormalize=self.renormalize,
-                        backend=self.backend)
-        run = jax.shard_map(lambda x, p: layer(x, p), mesh=mesh,
-                            in_specs=(P(self.axis_name), params.partition_specs(self.axis_name)),
-                            out_specs=(P(self.axis_name), P()))
+                        backend=self.backend, config=self.config)
+        groups = tuple(a for a in self.token_axes if a != self.axis_name)
+
+        def per_device(x, p):
+            y, aux = layer(x, p)
+            if groups:  # one EP group per index of these axes: aux over all of them
+                aux = moe.MoEAux(jax.lax.pmean(aux.load_balancing_loss, groups),
+                                 jax.lax.pmean(aux.router_z_loss, groups),
+                                 jax.lax.psum(aux.tokens_per_expert, groups),
+                                 jax.lax.psum(aux.num_dropped, groups))
+            return y, aux
+
+        tokens = P(self.token_axes if groups else self.axis_name)
+        run = jax.shard_map(per_device, mesh=mesh,
+                            in_specs=(tokens, params.partition_specs(self.axis_name)),
+                            out_specs=(tokens, P()))
         y, aux = run(x, params)
         return y.reshape(shape), aux

@@ -131,3 +131,41 @@ def test_import_jax_ep_does_not_import_flax_and_missing_flax_is_explained():
     assert run.returncode == 0, run.stderr
     run = _python("import sys; sys.modules['flax'] = None; import jax_ep.nnx")
     assert run.returncode != 0 and "pip install jax_ep[flax]" in run.stderr, run.stderr
+
+
+def test_token_axes_run_one_ep_group_per_data_index():
+    """On a (data=2, ep=4) mesh with token_axes=("data", "ep"): each data index's tokens go
+    through its own EP group; outputs and grads equal the dense layer's, the counts cover
+    both groups and the losses are the groups' mean."""
+    m = jax.make_mesh((2, 4), ("data", AXIS), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    layer = MoE(8, 6, 8, top_k=2, axis_name=AXIS, mesh=m, backend="reference",
+                token_axes=("data", AXIS), router_init=nnx.initializers.normal(1.0),
+                rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (16, 8))  # 2 tokens per device
+    target = jax.random.normal(jax.random.key(5), x.shape)
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum((y - target) ** 2), (y, aux)
+
+    (got_loss, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+    params = layer.moe_params()
+
+    def dense(params, x):
+        y, _ = moe.dense_moe_layer(x, params, top_k=2)
+        return jnp.sum((y - target) ** 2), y
+
+    (want_loss, want_y), want = jax.value_and_grad(dense, has_aux=True)(params, x)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(grads[name][...], getattr(want, name), rtol=2e-4, atol=2e-5,
+                                   err_msg=f"d loss / d {name}")
+    halves = [moe.dense_moe_layer(x[g * 8:(g + 1) * 8], params, top_k=2)[1] for g in (0, 1)]
+    np.testing.assert_array_equal(aux.tokens_per_expert, halves[0].tokens_per_expert
+                                  + halves[1].tokens_per_expert)
+    np.testing.assert_allclose(aux.load_balancing_loss, (halves[0].load_balancing_loss
+                                                         + halves[1].load_balancing_loss) / 2,
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="token_axes"):
+        MoE(8, 6, 8, top_k=2, axis_name=AXIS, mesh=m, token_axes=("data",), rngs=nnx.Rngs(0))
