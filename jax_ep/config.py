@@ -165,8 +165,9 @@ def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, lay
 def num_blocks(config: Config | None) -> int | None:
     """The call's value, else the process's, else ``JAX_EP_NUM_BLOCKS``, else None (each
     kernel's own default)."""
-    if _field(config, "num_blocks") is not None:
-        return _field(config, "num_blocks")
+    given = _field(config, "num_blocks")
+    if given is not None:
+        return given
     value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
     if value in ("", "0"):
         return None

@@ -195,7 +195,8 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     buffer sizes and ``SHARED_VARIABLES`` (as they are set now: keep them unchanged
     afterwards) through the key-value store before NVSHMEM starts; a difference, or a bad
     size on any process, raises ValueError on every process (it would otherwise hang or
-    corrupt). A second call with the same or a smaller size does nothing.
+    corrupt). A second call with the same or a smaller size does nothing (but set a config
+    it passes).
 
     Args:
       buffer_bytes: symmetric buffer per GPU. If None and ``num_tokens``/``hidden``/``num_topk``
@@ -245,7 +246,8 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     if module.is_initialized():
         # checks sizes and rank
         module.initialize(rank, world, 0, buffer_bytes, b"", True, low_latency_bytes)
-        _config.set_process_config(config)
+        if config is not None:  # a repeated call without one keeps the process's
+            _config.set_process_config(config)
         return
 
     generation = _generation
