@@ -809,3 +809,36 @@ def test_moe_layer_matches_reference(dtype, factor):
     for a, b in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((want[0], want[2]))):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=tol, atol=tol)
+
+
+def test_nnx_module_matches_reference():
+    """jax_ep.nnx.MoE on the kernels (global arrays over every process's GPU, nnx.jit): output
+    and parameter gradients equal to the same module on the reference backend."""
+    nnx = pytest.importorskip("flax.nnx", reason="flax not installed (pip install jax_ep[flax])")
+    from jax_ep.nnx import MoE
+
+    from ep import fetch, mesh, put
+
+    R = num_ranks()
+    T, H, F, E = 16, 64, 32, 4 * R
+    m = mesh(R)
+
+    def layer(backend):  # the same seed: the same parameters
+        return MoE(H, F, E, top_k=2, shared_ffn=F, axis_name=AXIS, mesh=m, backend=backend,
+                   router_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(5))
+
+    sharding = jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec(AXIS))
+    x = put(np.asarray(jax.random.normal(jax.random.key(6), (R * T, H))), sharding)
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum(jnp.sin(y)) + 0.1 * aux.load_balancing_loss, (y, aux.num_dropped)
+
+    step = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    with jax.default_matmul_precision("float32"):
+        got = step(layer("cuda"), x)
+        want = step(layer("reference"), x)
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(fetch(a), fetch(b), rtol=1e-4, atol=1e-4)
