@@ -39,9 +39,9 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _num_blocks(tuning: Config | None = None) -> np.int64:
+def _num_blocks(tuning: Config | None = None, layout=None) -> np.int64:
     """CTAs per communication kernel (the SM budget); 0 lets the extension choose."""
-    return np.int64(_config.num_blocks(tuning) or 0)
+    return np.int64(_config.num_blocks(tuning, layout=layout) or 0)
 
 
 # Dispatch paths -> the dispatch's `push` attribute (ffi/handlers/intranode.cu decodes it and
@@ -203,7 +203,8 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         topk_weights, _rank(axis_name), axis_name=axis_name,
         num_experts=np.int64(num_experts), capacity=np.int64(C),
         expert_major=np.int64(expert_major), alignment=np.int64(alignment),
-        has_scales=np.int64(has_scales), num_blocks=_num_blocks(tuning),
+        has_scales=np.int64(has_scales),
+        num_blocks=_num_blocks(tuning, EXPERT_MAJOR if expert_major else None),
         push=push, source_slots=np.int64(source_slots))
 
 
@@ -245,7 +246,7 @@ def _cached_call(x, handle: DispatchHandle, y=None, weights=None):
                  _pair_row(handle), y if weighted else jnp.zeros((0,), x.dtype),
                  weights if weighted else jnp.zeros((0,), jnp.float32),
                  _rank(handle.config.axis_name), axis_name=handle.config.axis_name,
-                 num_blocks=_num_blocks(handle.config.tuning))
+                 num_blocks=_num_blocks(handle.config.tuning, handle.config.layout))
 
 
 def cached_dispatch(x, handle: DispatchHandle):
@@ -273,7 +274,8 @@ def combine(y, weights, handle: DispatchHandle):
                  handle.num_received, handle.src_rank, _pair_row(handle), _rank(config.axis_name),
                  axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
-                 expert_major=np.int64(expert_major), num_blocks=_num_blocks(config.tuning),
+                 expert_major=np.int64(expert_major),
+                 num_blocks=_num_blocks(config.tuning, config.layout),
                  copy_engine=_copy_combine(config.num_ranks, config.num_topk,
                                            config.num_experts, config.layout, config.tuning),
                  source_slots=np.int64(config.layout == SOURCE_SLOTS))

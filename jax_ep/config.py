@@ -15,7 +15,10 @@ The reference backend ignores all of it: it has one data path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+
+import jax
 
 from jax_ep._types import EXPERT_MAJOR, SOURCE_SLOTS
 
@@ -79,17 +82,36 @@ def _copy_pays(num_ranks, num_topk, num_experts, layout) -> bool:
             and expected_token_share(num_ranks, num_topk, num_experts) >= COPY_MIN_TOKEN_SHARE)
 
 
+@functools.cache
+def _multiprocessors() -> int | None:
+    """SMs of this process's GPU (None without one)."""
+    try:
+        device = jax.local_devices()[0]
+    except RuntimeError:
+        return None
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else None
+
+
+def default_blocks(layout) -> int | None:
+    """CTAs per kernel: expert_major takes every SM (its kernels move ~4x rank_major's bytes
+    through HBM: 2×H200, combine 355 -> 290 µs with 132 CTAs instead of 64, its dispatch
+    equal); other layouts leave it to the kernels: 64 CTAs for the SM paths (the knee of the
+    CTA sweep; 132 made the rank_major dispatch 4 % slower), the copy-engine paths sized to
+    keep pace with the engines (24 on 2 ranks)."""
+    return _multiprocessors() if layout == EXPERT_MAJOR else None
+
+
 def default_config(num_ranks, num_topk, num_experts, layout) -> Config:
     """The measured defaults for a call's shape (benchmarks/RESULTS.md). On two GPUs at
     DeepSeek-V3 shapes the fused dispatch and the pull combine win in every layout but
     source_slots, which exists for its copy engines: fused BF16 233.7 µs against 380.5 for the
     copy engines (2×H200) and 413 against ~800 for expert_major; combine pull 251.8 against
-    294.5. ``num_blocks`` is left to the kernels: 64 CTAs for the SM paths (the knee of the
-    CTA sweep lies between 32 and 64), the copy-engine paths sized to keep pace with the
-    engines (24 on 2 ranks)."""
+    294.5. ``num_blocks``: ``default_blocks``."""
     del num_ranks, num_topk, num_experts  # one answer so far on every measured shape
     return Config(dispatch_path="fused",
-                  combine_path="copy" if layout == SOURCE_SLOTS else "pull")
+                  combine_path="copy" if layout == SOURCE_SLOTS else "pull",
+                  num_blocks=default_blocks(layout))
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -162,15 +184,15 @@ def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, lay
     return path or default_config(num_ranks, num_topk, num_experts, layout).combine_path
 
 
-def num_blocks(config: Config | None) -> int | None:
-    """The call's value, else the process's, else ``JAX_EP_NUM_BLOCKS``, else None (each
-    kernel's own default)."""
+def num_blocks(config: Config | None, *, layout=None) -> int | None:
+    """The call's value, else the process's, else ``JAX_EP_NUM_BLOCKS``, else the layout's
+    default (``default_blocks``; None: each kernel's own)."""
     given = _field(config, "num_blocks")
     if given is not None:
         return given
     value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
     if value in ("", "0"):
-        return None
+        return default_blocks(layout)
     return Config(num_blocks=int(value)).num_blocks  # validated
 
 
@@ -178,4 +200,5 @@ def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout) 
     """Every path set (explicit, overridden or default) for a call of this shape."""
     shape = dict(num_ranks=num_ranks, num_topk=num_topk, num_experts=num_experts, layout=layout)
     return Config(dispatch_path=dispatch_path(config, **shape),
-                  combine_path=combine_path(config, **shape), num_blocks=num_blocks(config))
+                  combine_path=combine_path(config, **shape),
+                  num_blocks=num_blocks(config, layout=layout))

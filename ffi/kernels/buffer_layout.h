@@ -36,6 +36,8 @@ constexpr int kMaxChunks = 16384;
 // The parallel rank_major stage: per-CTA counts of at most this many CTAs and ranks.
 constexpr int kMaxStageBlocks = 256;
 constexpr int kMaxStageRanks = 32;
+// Control::stage_counts entries: CTAs x destinations (ranks or experts) of a parallel stage.
+constexpr int kStageCounts = 32768;
 // Copy-engine dispatch: at most this many ranks, and chunks per source (Control::landed).
 constexpr int kMaxCopyRanks = kMaxStageRanks;
 constexpr int kMaxCopyChunks = 64;
@@ -77,8 +79,9 @@ struct Control {
   // arrivals[c] = rows of chunk c written into this PE's push region so far in the current
   // fused dispatch; the receiver that consumes the chunk sets it back to 0.
   uint32_t arrivals[kMaxChunks];
-  // Parallel rank_major stage: tokens each CTA has per destination, and its grid barrier.
-  int32_t stage_counts[kMaxStageBlocks][kMaxStageRanks];
+  // Parallel stages: tokens (rank_major) or pairs (expert_major) each CTA has per destination
+  // rank or expert, [CTA][destination], and their grid barrier.
+  int32_t stage_counts[kStageCounts];
   unsigned stage_arrived, stage_generation;
   // Work counters (kCursor*): warps claim tokens from them, so the SMs whose stores drain
   // faster take more of the work. The kernel launched before the one claiming zeroes it.

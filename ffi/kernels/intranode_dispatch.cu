@@ -123,14 +123,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
       if (mask >> w & 1) atomicAdd(&counts[w], 1);
   }
   __syncthreads();
-  if (threadIdx.x < R) control->stage_counts[blockIdx.x][threadIdx.x] = counts[threadIdx.x];
+  if (threadIdx.x < R) control->stage_counts[blockIdx.x * R + threadIdx.x] = counts[threadIdx.x];
   grid_barrier(ctx);
 
   // counts[w] <- tokens for w in the CTAs before this one; the last CTA publishes the totals
   if (threadIdx.x < R) {
     int before = 0, total = 0;
     for (int b = 0; b < int(gridDim.x); ++b) {
-      const int n = __ldcg(&control->stage_counts[b][threadIdx.x]);  // other CTAs' writes
+      const int n = __ldcg(&control->stage_counts[b * R + threadIdx.x]);  // other CTAs' writes
       if (b < int(blockIdx.x)) before += n;
       total += n;
     }
@@ -167,6 +167,77 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
     if (threadIdx.x < R)  // this round's tokens come before the next round's
       for (int v = 0; v < kWarps; ++v) counts[threadIdx.x] += warp_counts[v][threadIdx.x];
     __syncthreads();
+  }
+  finish_stage<kPull>(a, call);
+}
+
+// expert_major stage spread over the whole grid, the pairs' twin of dispatch_stage_ranks
+// (one CTA per expert, each scanning all T*K pairs, took 48 us of a 390 us dispatch at
+// DeepSeek-V3 shapes). CTA b takes a contiguous range of pairs: counts them per expert in
+// shared memory, meets the others at a grid barrier, then ranks each pair in its expert's list
+// after the CTAs before it, a warp at a time in pair order (within a warp: __match_any_sync).
+// Needs a co-resident grid of at most kStageCounts / E CTAs and E ints of shared memory.
+template <bool kPull>
+__global__ void __launch_bounds__(kThreads) dispatch_stage_experts(DispatchArgs a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchStage, kEnter);
+  reset_cursor(ctx, kCursorDispatch);  // for the push that follows
+  reset_call_state(a);
+  enter_call(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchStage, kWaited);
+  const int R = ctx.num_ranks, T = a.num_tokens, K = a.num_topk, E = a.num_experts;
+  // the pairs that reach this PE overwrite theirs in the kernel after this
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < R * T * K; i += gridDim.x * kThreads)
+    a.pair_row[i] = -1;
+  const int n = T * K, span = (n + gridDim.x - 1) / gridDim.x;
+  const int begin = min(n, int(blockIdx.x) * span), end = min(n, begin + span);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  Control* control = control_of(ctx, ctx.rank);
+  extern __shared__ int32_t counts[];  // [E]
+  for (int e = threadIdx.x; e < E; e += kThreads) counts[e] = 0;
+  __syncthreads();
+  for (int i = begin + threadIdx.x; i < end; i += kThreads) {
+    const int e = a.topk_idx[i];
+    if (valid_expert(e, E)) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kThreads)
+    control->stage_counts[blockIdx.x * E + e] = counts[e];
+  grid_barrier(ctx);
+
+  // counts[e] <- pairs for e in the CTAs before this one; the last CTA publishes the totals
+  const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    int before = 0, total = 0;
+    for (int b = 0; b < int(gridDim.x); ++b) {
+      const int c = __ldcg(&control->stage_counts[b * E + e]);  // other CTAs' writes
+      if (b < int(blockIdx.x)) before += c;
+      total += c;
+    }
+    counts[e] = before;
+    if (blockIdx.x == gridDim.x - 1)
+      for (int p = 0; p < R; ++p) region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * E + e] = total;
+  }
+  __syncthreads();
+  const uint32_t below_lane = (1u << lane) - 1;
+  for (int base = begin; base < end; base += kThreads) {
+    const int i = base + threadIdx.x;
+    const int e = i < end ? a.topk_idx[i] : -1;
+    const bool valid = i < end && valid_expert(e, E);
+    const uint32_t same = __match_any_sync(0xffffffffu, valid ? e : -1);
+    for (int v = 0; v < kWarps; ++v) {  // warps in pair order: the lists stay sorted by pair
+      if (warp == v) {
+        const int slot = valid ? counts[e] + __popc(same & below_lane) : -1;
+        __syncwarp();  // every lane has read counts before the group's first lane adds to it
+        if (valid && lane == __ffs(same) - 1) counts[e] += __popc(same);
+        if (i < end) a.send_slot[i] = slot;  // -1: a masked pair
+        if (kPull && valid)
+          region<int32_t>(ctx, ctx.rank, a.plan.lists)[size_t(e) * a.plan.list_len + slot] = i;
+      }
+      __syncthreads();
+    }
   }
   finish_stage<kPull>(a, call);
 }
@@ -843,10 +914,14 @@ struct ExpertMajorPush {
     if (c >= R * P) {  // unused output rows (alignment padding, past the groups): zeros, -1
       const int first = (c - R * P) * kZeroChunkRows;
       const int last = min(a.capacity, first + kZeroChunkRows);
-      int position, local;
-      for (int i = first; i < last; ++i)
-        if (source_of_row<true>(tb, i, R, a.num_experts / R, &position, &local) < 0)
-          write_unused_row(a, i, 1, lane);
+      for (int base = first; base < last; base += 32) {  // a row per lane looks itself up
+        int position, local;
+        const int i = base + lane;
+        const bool unused =
+            i < last && source_of_row<true>(tb, i, R, a.num_experts / R, &position, &local) < 0;
+        for (uint32_t left = __ballot_sync(0xffffffffu, unused); left != 0; left &= left - 1)
+          write_unused_row(a, base + __ffs(left) - 1, 1, lane);
+      }
       return;
     }
     const int s = c / P, T = a.num_tokens, K = a.num_topk, me = a.ctx.rank;
@@ -892,73 +967,67 @@ struct ExpertMajorPush {
     }
   }
 
+  // Lane k < K takes pair (t, k): its row, rank and metadata load in parallel (a loop over
+  // k on one lane made K dependent round trips per token).
   __device__ void push(int t, int lane) const {
     const PeerContext& ctx = a.ctx;
     const int R = ctx.num_ranks, me = ctx.rank, K = a.num_topk, E = a.num_experts, L = E / R;
     const size_t slot = size_t(me) * a.num_tokens + t;
-    char* rows[kSources];
-    char* scales[kSources];
-    int rank_of[kSources];  // each pair's rank (-1: none, or dropped)
-    bool first_at_peer[kSources];  // the token's first kept pair on a peer: the data goes there
-#pragma unroll
-    for (int j = 0; j < kSources; ++j) {  // compile-time indices: registers
-      rows[j] = scales[j] = nullptr;
-      rank_of[j] = -1;
-      first_at_peer[j] = false;
-      if (j >= K) continue;
-      const int entry = t * K + j;
+    int row = -1, rank = -1, id = -1;  // rank -1: no pair here (masked, dropped, or k >= K)
+    float weight = 0.f;
+    if (lane < K) {
+      const int entry = t * K + lane;
       const int rank_in_list = a.send_slot[entry];
-      if (rank_in_list < 0) continue;  // masked
-      const int row = destination_row<true>(a, tb, entry, rank_in_list);
-      __syncwarp();
-      if (lane == 0) a.send_slot[entry] = row;
-      if (row < 0) continue;  // dropped at the destination's capacity
-      const int e = a.topk_idx[entry], r = e / L;
-      rank_of[j] = r;
-      if (r == me) {  // our own pair: straight to its row, with its metadata
-        rows[j] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
-        scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
-        if (lane == 0) {
-          a.out_topk_idx[row] = e % L;
-          a.out_topk_weights[row] = a.topk_weights[entry];
-          a.src_rank[row] = me;
-          a.src_token[row] = t;
-          a.src_k[row] = j;
-          a.pair_row[slot * K + j] = row;
+      if (rank_in_list >= 0) {  // not masked
+        const int e = a.topk_idx[entry];
+        row = destination_row<true>(a, tb, entry, rank_in_list);
+        a.send_slot[entry] = row;  // -1: dropped at the destination's capacity
+        if (row >= 0) {
+          rank = e / L;
+          id = e % L;
+          weight = a.topk_weights[entry];
         }
-        continue;
       }
-      bool first = true;
-#pragma unroll
-      for (int q = 0; q < j; ++q) first &= rank_of[q] != r;
-      if (!first) continue;
-      first_at_peer[j] = true;
-      rows[j] = region<char>(ctx, r, a.push.rows) + slot * row_stride(a.x_row_bytes);
-      scales[j] = region<char>(ctx, r, a.push.scales) + slot * row_stride(a.scale_row_bytes);
     }
-    __syncwarp();  // lane 0's send_slot rows, read by every lane below
-    // each peer's record: the rows of the token's pairs there (-1 for the others)
-#pragma unroll
-    for (int j = 0; j < kSources; ++j) {
-      if (!first_at_peer[j]) continue;
-      const int r = rank_of[j];
-      char* rec = record(r, slot);
+    if (rank == me) {  // our own pair: straight to its row, with its metadata
+      a.out_topk_idx[row] = id;
+      a.out_topk_weights[row] = weight;
+      a.src_rank[row] = me;
+      a.src_token[row] = t;
+      a.src_k[row] = lane;
+      a.pair_row[slot * K + lane] = row;
+    }
+    // the token's first kept pair on each peer: its lane sends the data there
+    const uint32_t same_rank = __match_any_sync(0xffffffffu, rank);
+    const bool first = rank >= 0 && rank != me && lane == __ffs(same_rank) - 1;
+    const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+    // each reached peer's record: the rows of the token's pairs there (-1 for the others)
+    for (uint32_t left = firsts; left != 0; left &= left - 1) {
+      const int peer = __shfl_sync(0xffffffffu, rank, __ffs(left) - 1);
+      char* rec = record(peer, slot);
       PairEntry* entries = reinterpret_cast<PairEntry*>(rec + kPairRecordHeader);
-      for (int k = lane; k < K; k += 32) {
-        const int e = a.topk_idx[size_t(t) * K + k], row = a.send_slot[size_t(t) * K + k];
-        const bool here = valid_expert(e, E) && e / L == r && row >= 0;
-        entries[k] = here ? PairEntry{row, e % L, a.topk_weights[size_t(t) * K + k]}
-                          : PairEntry{-1, -1, 0.f};
-      }
+      if (lane < K)
+        entries[lane] = rank == peer ? PairEntry{row, id, weight} : PairEntry{-1, -1, 0.f};
       if (lane == 0) *reinterpret_cast<uint32_t*>(rec) = 1;
     }
-    if (lane == 0) {  // the peers this token does not reach: a header of 0
-      uint32_t reached = 1u << me;
+    uint32_t reached = 1u << me;  // the peers this token does not reach get a header of 0
+    for (uint32_t left = firsts; left != 0; left &= left - 1)
+      reached |= 1u << __shfl_sync(0xffffffffu, rank, __ffs(left) - 1);
+    for (int r = lane; r < R; r += 32)
+      if (!(reached >> r & 1u)) *reinterpret_cast<uint32_t*>(record(r, slot)) = 0;
+    char* rows[kSources];
+    char* scales[kSources];
 #pragma unroll
-      for (int j = 0; j < kSources; ++j)
-        if (first_at_peer[j]) reached |= 1u << rank_of[j];
-      for (int r = 0; r < R; ++r)
-        if (!(reached >> r & 1u)) *reinterpret_cast<uint32_t*>(record(r, slot)) = 0;
+    for (int j = 0; j < kSources; ++j) {  // compile-time indices: registers
+      const int rj = __shfl_sync(0xffffffffu, rank, j), row_j = __shfl_sync(0xffffffffu, row, j);
+      rows[j] = scales[j] = nullptr;
+      if (rj == me) {
+        rows[j] = static_cast<char*>(a.out_x) + size_t(row_j) * a.x_row_bytes;
+        scales[j] = reinterpret_cast<char*>(a.out_scales) + size_t(row_j) * a.scale_row_bytes;
+      } else if (firsts >> j & 1u) {
+        rows[j] = region<char>(ctx, rj, a.push.rows) + slot * row_stride(a.x_row_bytes);
+        scales[j] = region<char>(ctx, rj, a.push.scales) + slot * row_stride(a.scale_row_bytes);
+      }
     }
     broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
                   a.x_row_bytes, lane);
@@ -1099,7 +1168,8 @@ int multiprocessors() {
   return count;
 }
 
-// The stage kernel: rank_major spreads its scan over a co-resident grid when it can.
+// The stage kernel: spread over a co-resident grid when it can (rank_major: R <= 32;
+// expert_major: E ints of shared memory and kStageCounts / E CTAs).
 template <bool kExpertMajor, bool kPull>
 cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
   const int W = kExpertMajor ? a.num_experts : a.ctx.num_ranks;
@@ -1111,6 +1181,16 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
     return launch_cooperative_after_previous(
         reinterpret_cast<const void*>(dispatch_stage_ranks<kPull>), grid, kThreads, 0, stream,
         params);
+  }
+  const size_t counts_bytes = sizeof(int32_t) * a.num_experts;
+  if (kExpertMajor && a.num_experts <= kStageCounts && counts_bytes <= 48 * 1024) {
+    const int grid = std::min({a.num_blocks, multiprocessors(), kMaxStageBlocks,
+                               kStageCounts / a.num_experts});
+    DispatchArgs args = a;
+    void* params[] = {&args};
+    return launch_cooperative_after_previous(
+        reinterpret_cast<const void*>(dispatch_stage_experts<kPull>), grid, kThreads,
+        counts_bytes, stream, params);
   }
   return launch_after_previous(dispatch_stage<kExpertMajor, kPull>, std::max(W, a.num_blocks),
                                kThreads, 0, stream, a);
