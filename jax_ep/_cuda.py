@@ -39,9 +39,9 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _num_blocks(tuning: Config | None = None, layout=None) -> np.int64:
+def _num_blocks(tuning: Config | None = None, layout=None, operation="dispatch") -> np.int64:
     """CTAs per communication kernel (the SM budget); 0 lets the extension choose."""
-    return np.int64(_config.num_blocks(tuning, layout=layout) or 0)
+    return np.int64(_config.num_blocks(tuning, layout=layout, operation=operation) or 0)
 
 
 # Dispatch paths -> the dispatch's `push` attribute (ffi/handlers/intranode.cu decodes it and
@@ -246,7 +246,7 @@ def _cached_call(x, handle: DispatchHandle, y=None, weights=None):
                  _pair_row(handle), y if weighted else jnp.zeros((0,), x.dtype),
                  weights if weighted else jnp.zeros((0,), jnp.float32),
                  _rank(handle.config.axis_name), axis_name=handle.config.axis_name,
-                 num_blocks=_num_blocks(handle.config.tuning, handle.config.layout))
+                 num_blocks=_num_blocks(handle.config.tuning, handle.config.layout, "combine"))
 
 
 def cached_dispatch(x, handle: DispatchHandle):
@@ -275,7 +275,7 @@ def combine(y, weights, handle: DispatchHandle):
                  axis_name=config.axis_name,
                  num_experts=np.int64(config.num_experts),
                  expert_major=np.int64(expert_major),
-                 num_blocks=_num_blocks(config.tuning, config.layout),
+                 num_blocks=_num_blocks(config.tuning, config.layout, "combine"),
                  copy_engine=_copy_combine(config.num_ranks, config.num_topk,
                                            config.num_experts, config.layout, config.tuning),
                  source_slots=np.int64(config.layout == SOURCE_SLOTS))

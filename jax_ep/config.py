@@ -93,13 +93,15 @@ def _multiprocessors() -> int | None:
     return int(count) if count else None
 
 
-def default_blocks(layout) -> int | None:
-    """CTAs per kernel: expert_major takes every SM (its kernels move ~4x rank_major's bytes
-    through HBM: 2×H200, combine 355 -> 290 µs with 132 CTAs instead of 64, its dispatch
-    equal); other layouts leave it to the kernels: 64 CTAs for the SM paths (the knee of the
-    CTA sweep; 132 made the rank_major dispatch 4 % slower), the copy-engine paths sized to
-    keep pace with the engines (24 on 2 ranks)."""
-    return _multiprocessors() if layout == EXPERT_MAJOR else None
+def default_blocks(layout, operation="dispatch") -> int | None:
+    """CTAs per kernel. expert_major's combine and cached dispatch (the combine's backward)
+    take every SM: they sum or copy ~4x rank_major's rows through HBM (2×H200: combine 355 ->
+    289 µs with 132 CTAs instead of 64). Everything else is left to the kernels: 64 CTAs for
+    the SM paths (the expert_major dispatch 297 µs with 64, 309 with 132; rank_major's 227
+    and 235), the copy-engine paths sized to keep pace with the engines (24 on 2 ranks)."""
+    if layout == EXPERT_MAJOR and operation != "dispatch":
+        return _multiprocessors()
+    return None
 
 
 def default_config(num_ranks, num_topk, num_experts, layout) -> Config:
@@ -111,7 +113,7 @@ def default_config(num_ranks, num_topk, num_experts, layout) -> Config:
     del num_ranks, num_topk, num_experts  # one answer so far on every measured shape
     return Config(dispatch_path="fused",
                   combine_path="copy" if layout == SOURCE_SLOTS else "pull",
-                  num_blocks=default_blocks(layout))
+                  num_blocks=default_blocks(layout))  # the dispatch's
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -184,15 +186,15 @@ def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, lay
     return path or default_config(num_ranks, num_topk, num_experts, layout).combine_path
 
 
-def num_blocks(config: Config | None, *, layout=None) -> int | None:
-    """The call's value, else the process's, else ``JAX_EP_NUM_BLOCKS``, else the layout's
-    default (``default_blocks``; None: each kernel's own)."""
+def num_blocks(config: Config | None, *, layout=None, operation="dispatch") -> int | None:
+    """The call's value, else the process's, else ``JAX_EP_NUM_BLOCKS``, else the default for
+    the layout and operation (``default_blocks``; None: each kernel's own)."""
     given = _field(config, "num_blocks")
     if given is not None:
         return given
     value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
     if value in ("", "0"):
-        return default_blocks(layout)
+        return default_blocks(layout, operation)
     return Config(num_blocks=int(value)).num_blocks  # validated
 
 

@@ -45,12 +45,13 @@ def test_defaults_follow_the_layout(monkeypatch):
     for layout in ("rank_major", "expert_major"):  # no GPU here: the kernels' own CTA count
         assert cfg.resolve(None, layout=layout, **SHAPE) == jax_ep.Config("fused", "pull", None)
     assert cfg.resolve(None, layout="source_slots", **SHAPE).combine_path == "copy"
-    # on a GPU of 132 SMs expert_major takes every SM, the other layouts the kernels' count
+    # on a GPU of 132 SMs expert_major's combine takes every SM, the rest the kernels' count
     monkeypatch.setattr(cfg, "_multiprocessors", lambda: 132)
-    assert cfg.resolve(None, layout="expert_major", **SHAPE).num_blocks == 132
-    assert cfg.resolve(None, layout="rank_major", **SHAPE).num_blocks is None
+    assert cfg.num_blocks(None, layout="expert_major", operation="combine") == 132
+    assert cfg.num_blocks(None, layout="expert_major", operation="dispatch") is None
+    assert cfg.num_blocks(None, layout="rank_major", operation="combine") is None
     monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")
-    assert cfg.resolve(None, layout="expert_major", **SHAPE).num_blocks == 24
+    assert cfg.num_blocks(None, layout="expert_major", operation="combine") == 24
 
 
 def test_explicit_beats_override_beats_default(monkeypatch):
