@@ -1270,14 +1270,15 @@ int max_block_shared_memory() {
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   DispatchArgs a = args;
   const int R = a.ctx.num_ranks, E = a.num_experts;
-  // Rows per arrival counter (fused mode): output rows (rank_major) or a source's tokens
-  // (expert_major); small chunks, so that the copy-out of the last rows to arrive (one warp
-  // per chunk) is short, at most kMaxChunks counters (expert_major: R per-source ranges,
-  // rounded up each).
-  constexpr int kMinChunkRows = 4;
+  // Rows per arrival counter (fused mode): output rows (rank_major, at least 4) or a source's
+  // tokens (expert_major, as few as one: a token expands to ~K/R rows, and the last tokens to
+  // arrive are expanded by as many warps as there are tokens); small chunks, so that the
+  // copy-out of the last rows to arrive (one warp per chunk) is short, at most kMaxChunks
+  // counters (expert_major: R per-source ranges, rounded up each).
   const int64_t rows = a.expert_major ? int64_t(R) * a.num_tokens : a.capacity;
   const int64_t counters = a.expert_major ? kMaxChunks - R : kMaxChunks;
-  a.chunk_rows = static_cast<int>(std::max<int64_t>(kMinChunkRows, (rows + counters - 1) / counters));
+  const int64_t least = a.expert_major ? 1 : 4;
+  a.chunk_rows = static_cast<int>(std::max<int64_t>(least, (rows + counters - 1) / counters));
   if (a.copy_engine)
     copy_chunking(a.num_tokens, a.x_row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
                   &a.copy_chunks);
