@@ -17,6 +17,8 @@ import threading
 
 import jax
 
+from jax_ep import config
+
 # NVSHMEM reads these at initialisation. Multicast (NVLS) stays off whatever the user set: it
 # can take a shared host's GPUs out of service.
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
@@ -80,7 +82,7 @@ def register(force: bool = False) -> bool:
         if module is None:
             raise RuntimeError(why)
         extra = {}
-        if os.environ.get("JAX_EP_COMMAND_BUFFERS", "0") == "1":
+        if config.command_buffers():
             # The handlers only launch kernels whose arguments depend on buffer addresses and
             # attributes (call numbers live on the device), so XLA may record them into CUDA
             # graphs. Opt-in until measured: XLA may then run independent calls concurrently.

@@ -10,6 +10,11 @@ default from ``default_config``, a function of the call's shape built from the m
 in ``benchmarks/RESULTS.md``.
 
 The reference backend ignores all of it: it has one data path.
+
+The runtime's sizes and timeouts have their environment overrides read here too
+(``JAX_EP_BUFFER_BYTES``, ``JAX_EP_LL_BUFFER_BYTES``, ``JAX_EP_INIT_TIMEOUT_S``,
+``JAX_EP_FINALIZE_TIMEOUT_S``) and so has the opt-in ``JAX_EP_COMMAND_BUFFERS``; the
+extension still reads its own (the copy engines' knobs, the kernels' timeout, the launch mode).
 """
 
 from __future__ import annotations
@@ -204,3 +209,43 @@ def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout) 
     return Config(dispatch_path=dispatch_path(config, **shape),
                   combine_path=combine_path(config, **shape),
                   num_blocks=num_blocks(config, layout=layout))
+
+
+# ----------------------------------------------------------------------------- runtime variables
+
+def _number(name, default, kind):
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    try:
+        return kind(float(value)) if kind is int else kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def buffer_bytes_override(default: int) -> int:
+    """``JAX_EP_BUFFER_BYTES``, else ``default``: the symmetric buffer when ``initialize`` is
+    given neither a size nor shapes."""
+    return _number("JAX_EP_BUFFER_BYTES", default, int)
+
+
+def low_latency_bytes_override() -> int:
+    """``JAX_EP_LL_BUFFER_BYTES``, else 0 (no low-latency buffer)."""
+    return _number("JAX_EP_LL_BUFFER_BYTES", 0, int)
+
+
+def init_timeout_s() -> float:
+    """``JAX_EP_INIT_TIMEOUT_S``, else 300: how long ``initialize`` waits for the other
+    processes' posts in jax.distributed's key-value store."""
+    return _number("JAX_EP_INIT_TIMEOUT_S", 300.0, float)
+
+
+def finalize_timeout_s() -> float:
+    """``JAX_EP_FINALIZE_TIMEOUT_S``, else 60: how long ``finalize`` waits for NVSHMEM."""
+    return _number("JAX_EP_FINALIZE_TIMEOUT_S", 60.0, float)
+
+
+def command_buffers() -> bool:
+    """``JAX_EP_COMMAND_BUFFERS=1``: the custom calls are declared command-buffer compatible
+    (XLA may record them into CUDA graphs); off unless set."""
+    return os.environ.get("JAX_EP_COMMAND_BUFFERS", "0") == "1"

@@ -42,8 +42,8 @@ from jax_ep import config as _config
 
 DEFAULT_BUFFER_BYTES = 1 << 30
 _KEY_PREFIX = "jax_ep/runtime"
-_KV_TIMEOUT_MS = int(float(os.environ.get("JAX_EP_INIT_TIMEOUT_S", "300")) * 1000)
-_FINALIZE_TIMEOUT_S = float(os.environ.get("JAX_EP_FINALIZE_TIMEOUT_S", "60"))
+_KV_TIMEOUT_MS = int(_config.init_timeout_s() * 1000)
+_FINALIZE_TIMEOUT_S = _config.finalize_timeout_s()
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
 
@@ -53,7 +53,7 @@ _atexit_registered = False
 
 def default_buffer_bytes() -> int:
     """The buffer size used when ``initialize`` is given neither a size nor shapes."""
-    return int(os.environ.get("JAX_EP_BUFFER_BYTES", DEFAULT_BUFFER_BYTES))
+    return _config.buffer_bytes_override(DEFAULT_BUFFER_BYTES)
 
 
 def _module():
@@ -88,7 +88,7 @@ def low_latency_buffer_bytes() -> int:
 
 def default_low_latency_bytes() -> int:
     """The low-latency buffer size used when ``initialize`` is not given one."""
-    return int(os.environ.get("JAX_EP_LL_BUFFER_BYTES", 0))
+    return _config.low_latency_bytes_override()
 
 
 def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capacity, dtype,

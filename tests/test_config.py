@@ -153,3 +153,19 @@ def test_the_process_config_fills_what_a_call_leaves_unset(monkeypatch):
     finally:
         cfg.set_process_config(None)
     assert cfg.dispatch_path(None, layout="rank_major", **SHAPE) == "pull"  # the override again
+
+
+def test_runtime_variables_are_read_in_the_config_module(monkeypatch):
+    from jax_ep import runtime
+
+    monkeypatch.setenv("JAX_EP_BUFFER_BYTES", "2e9")
+    monkeypatch.setenv("JAX_EP_LL_BUFFER_BYTES", "4096")
+    assert runtime.default_buffer_bytes() == 2_000_000_000
+    assert runtime.default_low_latency_bytes() == 4096
+    monkeypatch.delenv("JAX_EP_BUFFER_BYTES")
+    assert runtime.default_buffer_bytes() == runtime.DEFAULT_BUFFER_BYTES
+    monkeypatch.setenv("JAX_EP_INIT_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="JAX_EP_INIT_TIMEOUT_S must be a number"):
+        cfg.init_timeout_s()
+    monkeypatch.setenv("JAX_EP_COMMAND_BUFFERS", "1")
+    assert cfg.command_buffers()
