@@ -23,6 +23,7 @@ from jax_ep._types import (
     LowLatencyConfig,
     LowLatencyHandle,
     LowLatencyOutput,
+    default_capacity,
     no_pair_rows,
 )
 from jax_ep.config import Config
@@ -430,8 +431,6 @@ def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capac
     if module is None:
         raise RuntimeError(why)
     if capacity is None:
-        from jax_ep.api import default_capacity
-
         capacity = default_capacity(num_tokens, num_ranks, num_topk, num_experts // num_ranks,
                                     layout, alignment)
     return int(module.required_buffer_bytes(

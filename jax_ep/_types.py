@@ -69,6 +69,14 @@ class DispatchConfig:
         return self.num_experts // self.num_ranks
 
 
+def default_capacity(num_tokens, num_ranks, num_topk, num_local_experts, layout=RANK_MAJOR,
+                     alignment=1) -> int:
+    """The worst case: nothing is ever dropped (source_slots: its only row count, R * T)."""
+    if layout == EXPERT_MAJOR:
+        return num_ranks * num_tokens * num_topk + num_local_experts * (alignment - 1)
+    return num_ranks * num_tokens  # rank_major: a token reaches a rank at most once
+
+
 def no_pair_rows() -> jax.Array:
     """``DispatchHandle.pair_row`` of the layouts that have none."""
     return jnp.full((1,), -1, jnp.int32)

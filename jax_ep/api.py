@@ -26,6 +26,7 @@ from jax_ep._types import (
     DispatchHandle,
     DispatchLayout,
     DispatchOutput,
+    default_capacity,
 )
 from jax_ep.config import Config
 
@@ -157,14 +158,6 @@ def _split_x(x):
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x must be bfloat16, float16 or float32 (or an FP8 pair), got {x.dtype}")
     return x, None
-
-
-def default_capacity(num_tokens, num_ranks, num_topk, num_local_experts, layout=RANK_MAJOR,
-                     alignment=1) -> int:
-    """The worst case: nothing is ever dropped (source_slots: its only row count, R * T)."""
-    if layout == EXPERT_MAJOR:
-        return num_ranks * num_tokens * num_topk + num_local_experts * (alignment - 1)
-    return num_ranks * num_tokens  # rank_major: a token reaches a rank at most once
 
 
 # ----------------------------------------------------------------------------- layout
