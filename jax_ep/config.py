@@ -113,7 +113,7 @@ def default_config(num_ranks, num_topk, num_experts, layout) -> Config:
     """The measured defaults for a call's shape (benchmarks/RESULTS.md). On two GPUs at
     DeepSeek-V3 shapes the fused dispatch and the pull combine win in every layout but
     source_slots, which exists for its copy engines: fused BF16 233.7 µs against 380.5 for the
-    copy engines (2×H200) and 413 against ~800 for expert_major; combine pull 251.8 against
+    copy engines (2×H200) and 269.6 against ~800 for expert_major; combine pull 251.8 against
     294.5. ``num_blocks``: ``default_blocks``."""
     del num_ranks, num_topk, num_experts  # one answer so far on every measured shape
     return Config(dispatch_path="fused",
