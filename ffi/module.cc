@@ -17,6 +17,7 @@
 #include "runtime/diagnostics.h"
 #include "runtime/host_times.h"
 #include "runtime/runtime.h"
+#include "transport/copy_engine.h"
 
 namespace nb = nanobind;
 
@@ -163,11 +164,19 @@ NB_MODULE(_C, m) {
         options.single_host = single_host;
         nb::gil_scoped_release release;  // NVSHMEM's bootstrap blocks until every PE joins
         jax_ep::initialize(options);
+        // whether copy-engine local copies may wait for landed flags: probed on a word of
+        // this PE's symmetric buffer, as the flags they wait for
+        const jax_ep::Transport* t = jax_ep::transport();
+        jax_ep::probe_copy_engine_waits(
+            t->copy_streams[size_t(t->rank) * jax_ep::kCopyStreamsPerPeer], t->local);
       },
       nb::arg("rank"), nb::arg("num_ranks"), nb::arg("local_device"), nb::arg("buffer_bytes"),
       nb::arg("unique_id"), nb::arg("single_host") = true, nb::arg("low_latency_bytes") = 0);
   m.def("finalize", [] {
     nb::gil_scoped_release release;
+    // the cached graphs' nodes name this initialisation's peers and flags (an executable
+    // graph still running is freed once it completes)
+    jax_ep::release_copy_engine_graphs();
     jax_ep::finalize();
   });
   m.def("is_initialized", &jax_ep::is_initialized);

@@ -12,6 +12,7 @@
 #include "kernels/intranode.h"
 #include "runtime/diagnostics.h"
 #include "runtime/runtime.h"
+#include "transport/copy_engine.h"
 
 namespace jax_ep {
 namespace {

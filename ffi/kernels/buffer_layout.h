@@ -15,92 +15,16 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define JAX_EP_HOST_DEVICE __host__ __device__
-#else
-#define JAX_EP_HOST_DEVICE
-#endif
+#include "runtime/control.h"
 
 namespace jax_ep {
 
-constexpr int kMaxRanks = 1024;
-constexpr int kProfileKernels = 16;
-// Rows of Control::profile: handler call c since the last reset stamps row c % (kProfileCalls
-// - 1), so a chain of calls leaves a timeline (gaps between calls included); the last row is
-// the kernels' in cached copy-engine graphs (a per-call row would change their arguments).
-constexpr int kProfileCalls = 64;
-// Stamps per kernel and call: see Control::profile.
-constexpr int kProfilePhases = 5;
-// Arrival counters of the fused dispatch: one per chunk of output rows (kMaxChunks at most).
-constexpr int kMaxChunks = 16384;
-// The parallel rank_major stage: per-CTA counts of at most this many CTAs and ranks.
-constexpr int kMaxStageBlocks = 256;
-constexpr int kMaxStageRanks = 32;
-// Control::stage_counts entries: CTAs x destinations (ranks or experts) of a parallel stage.
-constexpr int kStageCounts = 32768;
-// Copy-engine dispatch: at most this many ranks, and chunks per source (Control::landed).
-constexpr int kMaxCopyRanks = kMaxStageRanks;
-constexpr int kMaxCopyChunks = 64;
 // Rows one token sums in combine, or destinations one token has in the push dispatch: ranks
 // (rank_major) or top-k slots (expert_major). The Python API checks these limits at trace time
 // (module.limits()).
 constexpr int kMaxSources = 16;
 // Top-k of the low-latency kernels.
 constexpr int kLLMaxTopk = 32;
-
-// Kernels that stamp their phases into Control::profile (the index is the kernel's slot).
-enum ProfileSlot {
-  kProfDispatchStage = 0,
-  kProfDispatchGather,
-  kProfCachedStage,
-  kProfCachedGather,
-  kProfCombineStage,
-  kProfCombineReduce,
-  kProfDispatchFused,
-  kProfLLDispatchSend,
-  kProfLLDispatchReceive,
-  kProfLLCombineSend,
-  kProfLLCombineReceive,
-  kProfLLDispatchSlots,  // the dispatch send's slot warps: slots, pair headers, counts
-  kProfNumSlots
-};
-static_assert(kProfNumSlots <= kProfileKernels, "Control::profile has a row per slot");
-
-struct Control {
-  uint64_t epoch;               // calls this PE has completed
-  uint32_t block_counter[16];   // arrival counters of the "last block" pattern, per kernel
-  uint64_t ready[kMaxRanks];    // ready[s] = e: PE s has staged its data of call e
-  uint64_t done[kMaxRanks];     // done[s] = e: PE s has finished every access of call e
-  // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
-  // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
-  // block finished, [3] last block finished, [4] retired: the last block past its closing
-  // fences and flags (normal-mode kernels). Reset by the host (runtime profile_reset).
-  unsigned long long profile[kProfileCalls][kProfileKernels][kProfilePhases];
-  // arrivals[c] = rows of chunk c written into this PE's push region so far in the current
-  // fused dispatch; the receiver that consumes the chunk sets it back to 0.
-  uint32_t arrivals[kMaxChunks];
-  // Parallel stages: tokens (rank_major) or pairs (expert_major) each CTA has per destination
-  // rank or expert, [CTA][destination], and their grid barrier.
-  int32_t stage_counts[kStageCounts];
-  unsigned stage_arrived, stage_generation;
-  // Work counters (kCursor*): warps claim tokens from them, so the SMs whose stores drain
-  // faster take more of the work. The kernel launched before the one claiming zeroes it.
-  uint32_t work_cursor[2];
-  // Fused dispatch: chunks of each chunk range (a source's rows) already moved out.
-  uint32_t chunk_cursor[kMaxStageRanks];
-  // Copy-engine dispatch: landed[s][c] = 1 once PE s's copy engine has written chunk c of its
-  // tokens into our landing area; this PE's last gather block sets them back to 0 (after all
-  // landed) before it raises done, so PE s writes them again only in the next call (dispatch
-  // and combine both use them: calls are ordered by done[]).
-  uint64_t landed[kMaxCopyRanks][kMaxCopyChunks];
-};
-enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
-
-enum class Flag { kReady, kDone };
-
-constexpr size_t kRegionAlign = 256;
-
-JAX_EP_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // Bytes of one staged row, padded so that every row starts 16-byte aligned.
 JAX_EP_HOST_DEVICE inline size_t row_stride(size_t row_bytes) { return align_up(row_bytes, 16); }
@@ -319,21 +243,6 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 
 namespace jax_ep {
 
-constexpr int kLLOps = 2;  // 0: dispatch (and cached dispatch), 1: combine
-
-struct LLControl {
-  uint64_t calls[kLLOps];          // calls of each op started by this PE's send kernels
-  uint32_t block_counter[8];       // "last block" arrival counters, one per kernel
-  uint32_t dropped_pairs;          // the running dispatch send's pairs past max_tokens
-  // arrived[op][parity][s] = n: PE s has written all its data of call n into this buffer
-  uint64_t arrived[kLLOps][2][kMaxRanks];
-  // consumed[op][parity][d] = n: PE d has finished reading what this PE sent it in call n
-  uint64_t consumed[kLLOps][2][kMaxRanks];
-};
-
-JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
-  return align_up(sizeof(LLControl), kRegionAlign);
-}
 
 // A region holds a words section (the arrays read by their tags or written in full every
 // call) and a data section (records). Call n's region of parity 0 puts its words section

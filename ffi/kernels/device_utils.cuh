@@ -1,4 +1,5 @@
-// Device helpers shared by the communication kernels: flags, bounded waits, row copies.
+// Device helpers shared by the communication kernels: phase stamps, launch order, work
+// counters, the last-block pattern, row copies. Reaching peers: transport/peers.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,65 +8,9 @@
 #include <cstdio>
 
 #include "kernels/buffer_layout.h"
-#include "runtime/diagnostics.h"
+#include "transport/peers.cuh"
 
 namespace jax_ep {
-
-// What every communication kernel needs to find its peers and to bound its waits.
-struct PeerContext {
-  void* const* peers;    // device array: symmetric buffer base of every PE
-  int rank;              // this PE
-  int num_ranks;
-  uint64_t timeout_ns;   // a wait longer than this ends in a trap naming the peer
-  const int32_t* expected_rank;  // the EP axis index the program computed (must equal rank)
-  FaultRecord* fault;    // mapped host memory for the timeout report (may be null)
-  // This PE's Control::profile in the normal-mode buffer (the low-latency kernels stamp
-  // their phases there too).
-  unsigned long long (*profile)[kProfilePhases];
-};
-
-__device__ __forceinline__ Control* control_of(const PeerContext& ctx, int pe) {
-  return reinterpret_cast<Control*>(ctx.peers[pe]);
-}
-
-template <typename T>
-__device__ __forceinline__ T* region(const PeerContext& ctx, int pe, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(ctx.peers[pe]) + offset);
-}
-
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint32_t load_acquire_u32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_release(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Words that carry their own call number (its low 32 bits in the high half) need no flag or
-// fence between their store and their use: relaxed accesses, each one single-copy atomic.
-__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // Thread 0 of each block stamps a phase of this kernel into Control::profile (one atomic per
 // block and phase: negligible next to the kernel). kEnter/kFirstEnd keep the earliest time,
@@ -121,102 +66,6 @@ __device__ __forceinline__ void reset_cursor(const PeerContext& ctx, WorkCursor 
   if (blockIdx.x == 0 && threadIdx.x == 0) control_of(ctx, ctx.rank)->work_cursor[which] = 0;
 }
 
-__device__ inline void copy_text(char* dst, const char* src, int capacity) {
-  int i = 0;
-  for (; i < capacity - 1 && src[i] != 0; ++i) dst[i] = src[i];
-  dst[i] = 0;
-}
-
-// The first thread to time out in this process fills the host-visible fault record, which the
-// runtime's watchdog prints even if the device's printf buffer is never flushed, and prints
-// the same line from the device; later ones stay silent.
-__device__ inline void report_timeout(const PeerContext& ctx, const char* op, const char* what,
-                                      int peer, uint64_t want, uint64_t saw) {
-  FaultRecord* f = ctx.fault;
-  const bool first = f == nullptr || atomicCAS(&f->claimed, 0, 1) == 0;
-  if (!first) return;  // another thread of this process reports (once is enough)
-  if (f != nullptr) {
-    f->rank = ctx.rank;
-    f->peer = peer;
-    f->want = want;
-    f->saw = saw;
-    f->timeout_s = ctx.timeout_ns * 1e-9;
-    copy_text(f->op, op, sizeof(f->op));
-    copy_text(f->what, what, sizeof(f->what));
-    __threadfence_system();
-    f->written = 1;
-    __threadfence_system();
-  }
-  printf("jax_ep %s: PE %d timed out after %.1f s waiting for PE %d (%s, call %llu, saw %llu)\n",
-         op, ctx.rank, ctx.timeout_ns * 1e-9, peer, what, (unsigned long long)want,
-         (unsigned long long)saw);
-}
-
-// Traps after giving the host watchdog (20 ms polls) time to print the fault record: once the
-// trap surfaces, XLA may abort the process before anything else is printed.
-__device__ inline void trap_after_report() {
-  const uint64_t start = global_timer_ns();
-  while (global_timer_ns() - start < 200000000ull) {
-  }
-  __trap();
-}
-
-// Spins until *flag >= want; after ctx.timeout_ns reports who was waited for and traps.
-__device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, uint64_t want,
-                                 const char* op, const char* what, int peer) {
-  if (load_acquire(flag) >= want) return;
-  const uint64_t start = global_timer_ns();
-  while (load_acquire(flag) < want) {
-    if (global_timer_ns() - start > ctx.timeout_ns) {
-      report_timeout(ctx, op, what, peer, want, load_acquire(flag));
-      trap_after_report();
-    }
-  }
-}
-
-// Spins until the word at p carries `tag` in its high half and returns its low half; after
-// ctx.timeout_ns reports the peer and traps (as wait_flag).
-__device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p, uint32_t tag,
-                                       const char* op, const char* what, int peer) {
-  uint64_t v = load_relaxed(p);
-  if (uint32_t(v >> 32) == tag) return uint32_t(v);
-  const uint64_t start = global_timer_ns();
-  while (uint32_t((v = load_relaxed(p)) >> 32) != tag) {
-    if (global_timer_ns() - start > ctx.timeout_ns) {
-      report_timeout(ctx, op, what, peer, tag, v >> 32);
-      trap_after_report();
-    }
-  }
-  return uint32_t(v);
-}
-
-// Thread 0 of every block: the program's EP rank must be this PE, and every peer must have
-// finished the previous call before we touch any symmetric memory of this one.
-__device__ inline void enter_call(const PeerContext& ctx, uint64_t epoch, const char* op) {
-  if (threadIdx.x == 0) {
-    if (*ctx.expected_rank != ctx.rank) {
-      printf("jax_ep %s: the expert-parallel axis index %d differs from the NVSHMEM PE %d; the "
-             "EP mesh axis must list the processes in rank order\n",
-             op, *ctx.expected_rank, ctx.rank);
-      __trap();
-    }
-    Control* mine = control_of(ctx, ctx.rank);
-    for (int s = 0; s < ctx.num_ranks; ++s)
-      wait_flag(ctx, &mine->done[s], epoch - 1, op, "previous call finished", s);
-  }
-  __syncthreads();
-}
-
-// Thread 0 of every block waits until every peer has staged its data of this call.
-__device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, const char* op) {
-  if (threadIdx.x == 0) {
-    Control* mine = control_of(ctx, ctx.rank);
-    for (int s = 0; s < ctx.num_ranks; ++s)
-      wait_flag(ctx, &mine->ready[s], epoch, op, "data staged", s);
-  }
-  __syncthreads();
-}
-
 // True in exactly one block: the last to arrive at `counter` (an arrival counter in this PE's
 // control block), after every block's writes are visible system-wide; the last block resets it,
 // with no fence: only a later kernel of this PE uses the counter again, and the kernel boundary
@@ -245,45 +94,6 @@ __device__ inline bool last_block_on(unsigned* counter, bool fence_writes = true
 // last_block_on the normal-mode counter `slot`.
 __device__ inline bool last_block(const PeerContext& ctx, int slot) {
   return last_block_on(&control_of(ctx, ctx.rank)->block_counter[slot]);
-}
-
-// Called by one thread: set this PE's flag of the given kind on every peer.
-__device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t epoch) {
-  for (int p = 0; p < ctx.num_ranks; ++p) {
-    Control* peer = control_of(ctx, p);
-    uint64_t* target = flag == Flag::kReady ? &peer->ready[ctx.rank] : &peer->done[ctx.rank];
-    store_release(target, epoch);
-  }
-}
-
-// The call number this kernel belongs to: one more than the calls completed.
-__device__ __forceinline__ uint64_t current_call(const PeerContext& ctx) {
-  return *reinterpret_cast<volatile uint64_t*>(&control_of(ctx, ctx.rank)->epoch) + 1;
-}
-
-// Copy-engine paths: lane 0 waits until chunk c of source s has landed here.
-__device__ __forceinline__ void wait_landed(const PeerContext& ctx, int s, int c, int lane,
-                                            const char* op) {
-  if (lane == 0)
-    wait_flag(ctx, &control_of(ctx, ctx.rank)->landed[s][c], 1, op, "rows landed (copy engine)",
-              s);
-  __syncwarp();
-}
-
-// Copy-engine paths, one thread, before done is raised: every chunk of every source has landed
-// (a chunk holding none of our rows must not land during the next call), and the flags are
-// cleared for it (reset; without it, only the bounded wait: where copy engines wait for the
-// flags too, a missing one then ends in a report naming the peer, not in a silent hang).
-__device__ inline void close_copy_engine_call(const PeerContext& ctx, int chunks, const char* op,
-                                              bool reset = true) {
-  Control* mine = control_of(ctx, ctx.rank);
-  for (int s = 0; s < ctx.num_ranks; ++s) {
-    if (s == ctx.rank) continue;
-    for (int c = 0; c < chunks; ++c) {
-      wait_flag(ctx, &mine->landed[s][c], 1, op, "rows landed (copy engine)", s);
-      if (reset) mine->landed[s][c] = 0;
-    }
-  }
 }
 
 // A load for copy_row: cached, or (kFromPeer) bypassing L1, for data another PE wrote.

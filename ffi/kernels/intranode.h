@@ -26,6 +26,7 @@
 #include "kernels/buffer_layout.h"
 #include "kernels/device_utils.cuh"
 #include "kernels/launch.h"
+#include "transport/copy_sequence.cuh"
 
 namespace jax_ep {
 
@@ -148,84 +149,9 @@ inline size_t dispatch_table_bytes(int num_ranks, int num_experts, bool expert_m
 int max_block_shared_memory();
 // The source_slots layout (slots_dispatch.cu): always the copy engines' transfers.
 cudaError_t launch_dispatch_slots(const DispatchArgs& args, cudaStream_t stream);
-// Copy-engine transfers (copy_engine.cu), which the copy-engine dispatch and combine enqueue
-// around their kernels: a guard kernel (every peer finished the previous call), then the
-// call's copy sequence, then the caller's kernels, which wait for the landed flags, and a join
-// (the caller's stream waits for the transfers, so their sources outlive them).
-struct CopyPiece {
-  size_t dst_offset;  // in the peer's symmetric buffer (a transfer)
-  const void* src;
-  size_t bytes;
-  void* dst = nullptr;  // a local copy's destination (this PE's memory)
-};
-// One call's copy-engine work: kernels that run one after another (the combine's stage of
-// each chunk), and transfers, each a chunk's pieces to one peer followed by the chunk's landed
-// flag there, in order per peer, each after the kernel that produced its source (if any).
-// Local copies (peer kLocal) run on this PE's own copy streams, after the landed flag of
-// chunk `chunk` from `wait_source` (if >= 0), and raise no flag.
-// Run as one CUDA graph, cached per shape and updated in place where only the source
-// addresses or kernel arguments differ: ~5 host calls per call instead of 2-5 per chunk
-// (benchmarks/RESULTS.md, copy-engine host time). JAX_EP_COPY_GRAPHS=0 enqueues the same sequence call by call.
-class CopySequence {
- public:
-  struct Kernel {
-    const void* func;
-    dim3 grid, block;
-    std::vector<unsigned char> args;  // the arguments' bytes, each at its offset
-    std::vector<size_t> offsets;
-  };
-  static constexpr int kLocal = -1;
-  struct Transfer {
-    int peer, chunk, after_kernel;  // after_kernel: index into kernels(), or -1
-    CopyPiece pieces[2];
-    int num_pieces;
-    int wait_source = -1;  // local copies: the source whose landed flag they wait for
-  };
-  template <typename... Params, typename... Args>
-  int add_kernel(void (*func)(Params...), dim3 grid, dim3 block, const Args&... args) {
-    Kernel k{reinterpret_cast<const void*>(func), grid, block, {}, {}};
-    (append(k, static_cast<const Params&>(args)), ...);
-    kernels_.push_back(std::move(k));
-    return static_cast<int>(kernels_.size()) - 1;
-  }
-  void add_transfer(int peer, int chunk, int after_kernel, const CopyPiece* pieces, int n) {
-    Transfer t{peer, chunk, after_kernel, {}, 0};
-    for (int i = 0; i < n && i < 2; ++i)
-      if (pieces[i].bytes > 0) t.pieces[t.num_pieces++] = pieces[i];
-    transfers_.push_back(t);
-  }
-  void add_local_copy(int wait_source, int chunk, const CopyPiece* pieces, int n) {
-    add_transfer(kLocal, chunk, -1, pieces, n);
-    transfers_.back().wait_source = wait_source;
-  }
-  const std::vector<Kernel>& kernels() const { return kernels_; }
-  const std::vector<Transfer>& transfers() const { return transfers_; }
-
- private:
-  template <typename T>
-  static void append(Kernel& k, const T& value) {
-    size_t at = (k.args.size() + alignof(T) - 1) / alignof(T) * alignof(T);
-    k.args.resize(at + sizeof(T));
-    std::memcpy(k.args.data() + at, &value, sizeof(T));
-    k.offsets.push_back(at);
-  }
-  std::vector<Kernel> kernels_;
-  std::vector<Transfer> transfers_;
-};
 // Transfer sizes: the dispatch's default is 4 MB, the combine's 8 MB (each of its chunks is
 // also a stage kernel).
 constexpr double kDispatchCopyChunkMB = 4, kCombineCopyChunkMB = 8;
-void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chunk_rows,
-                   int* chunks);
-// combine: also resets the combine's work cursor for the reduce that follows.
-cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream);
-// Starts the sequence after the caller's stream's work so far; the caller's next kernels may
-// run alongside it.
-cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence,
-                            cudaStream_t stream);
-// local_copies: the sequence had local copies (on this PE's own streams), waited for too.
-cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream,
-                             bool local_copies = false);
 // The copy-engine dispatch's transfers (guard, then x to every peer's landing area).
 cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
 void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence);

@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "kernels/buffer_layout.h"
+#include "runtime/control.h"
 #include "runtime/runtime.h"
 
 namespace jax_ep {

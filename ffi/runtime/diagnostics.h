@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/buffer_layout.h"
+#include "runtime/control.h"
 
 namespace jax_ep {
 

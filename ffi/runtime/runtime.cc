@@ -278,8 +278,6 @@ void initialize(const InitOptions& options) {
   g_transport.copy_streams = g_copy_streams.data();
   g_transport.copy_fork = g_copy_fork;
   g_transport.copy_joins = g_copy_joins.data();
-  // a word of this PE's symmetric buffer, as the landed flags the local copies wait for
-  probe_copy_engine_waits(g_copy_streams[size_t(me) * kCopyStreamsPerPeer], local);
   g_initialized = true;
   start_fault_watchdog();
 }
@@ -296,7 +294,6 @@ void finalize() {
   if (g_transport.ll_local != nullptr) nvshmem_free(g_transport.ll_local);
   cudaFree(g_peers_device);
   cudaFree(g_ll_peers_device);
-  release_copy_engine_graphs();  // their nodes name this initialisation's peers and flags
   destroy_copy_engine_streams();
   g_host_peers.clear();
   g_peers_device = nullptr;

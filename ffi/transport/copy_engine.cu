@@ -17,9 +17,11 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/intranode.h"
 #include "runtime/host_times.h"
 #include "runtime/runtime.h"
+#include "transport/copy_engine.h"
+#include "transport/copy_sequence.cuh"
+#include "transport/peers.cuh"
 
 namespace jax_ep {
 namespace {
@@ -45,7 +47,7 @@ class HostTimer : public ScopedHostTimer {
 // claims tokens from a work cursor reset here: its stage kernels may run alongside it.
 __global__ void wait_peers_finished(PeerContext ctx, bool combine) {
   enter_call(ctx, current_call(ctx), combine ? "combine" : "dispatch");
-  if (combine) reset_cursor(ctx, kCursorCombine);
+  if (combine && threadIdx.x == 0) control_of(ctx, ctx.rank)->work_cursor[kCursorCombine] = 0;
 }
 
 // Runs after a chunk's transfers: the chunk is in the peer's memory.
