@@ -174,10 +174,9 @@ NB_MODULE(_C, m) {
       nb::arg("unique_id"), nb::arg("single_host") = true, nb::arg("low_latency_bytes") = 0);
   m.def("finalize", [] {
     nb::gil_scoped_release release;
-    // the cached graphs' nodes name this initialisation's peers and flags (an executable
-    // graph still running is freed once it completes)
+    jax_ep::finalize();  // synchronises this process's GPU (its device made current) first
+    // the cached graphs' nodes name this initialisation's peers and flags
     jax_ep::release_copy_engine_graphs();
-    jax_ep::finalize();
   });
   m.def("is_initialized", &jax_ep::is_initialized);
   m.def("buffer_bytes", [] {

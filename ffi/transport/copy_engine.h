@@ -21,7 +21,7 @@ const char* copy_sequence_mode();
 bool copy_engine_waits_available();
 void probe_copy_engine_waits(CUstream_st* stream, void* symmetric_word);
 // Destroys the cached copy-engine graphs: their nodes hold the peers' addresses and the
-// flags of this initialisation (the module's finalize calls it before the runtime's; a later
+// flags of this initialisation (the module's finalize calls it after the runtime's; a later
 // initialize() maps anew).
 void release_copy_engine_graphs();
 // JAX_EP_SLOTS_COPY=engine (read on every call, as the copy paths' other variables): the
