@@ -65,6 +65,20 @@ __device__ __forceinline__ void reset_call_state(const DispatchArgs& a) {
   for (int l = threadIdx.x; l < L; l += kThreads) a.tokens_per_expert[l] = 0;
 }
 
+// The start of every stage kernel: after the previous kernel (launched to overlap its drain),
+// the call's counters reset and the call entered; returns the call number.
+__device__ __forceinline__ uint64_t enter_stage(const DispatchArgs& a) {
+  wait_previous_kernel();
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchStage, kEnter);
+  reset_cursor(ctx, kCursorDispatch);  // for the push that follows
+  reset_call_state(a);
+  enter_call(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchStage, kWaited);
+  return call;
+}
+
 // All CTAs of the grid (co-resident: a cooperative launch) meet here; GPU scope, reusable; a
 // block that never arrives ends in a timeout report, not a hang.
 __device__ void grid_barrier(const PeerContext& ctx) {
@@ -100,14 +114,8 @@ __device__ void grid_barrier(const PeerContext& ctx) {
 // R <= kMaxStageRanks and a co-resident grid of at most kMaxStageBlocks CTAs.
 template <bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchStage, kEnter);
-  reset_cursor(ctx, kCursorDispatch);  // for the push that follows
-  reset_call_state(a);
-  enter_call(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchStage, kWaited);
+  const uint64_t call = enter_stage(a);
   const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
   const int span = (T + gridDim.x - 1) / gridDim.x;
   const int begin = min(T, int(blockIdx.x) * span), end = min(T, begin + span);
@@ -179,14 +187,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
 // Needs a co-resident grid of at most kStageCounts / E CTAs and E ints of shared memory.
 template <bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage_experts(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchStage, kEnter);
-  reset_cursor(ctx, kCursorDispatch);  // for the push that follows
-  reset_call_state(a);
-  enter_call(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchStage, kWaited);
+  const uint64_t call = enter_stage(a);
   const int R = ctx.num_ranks, T = a.num_tokens, K = a.num_topk, E = a.num_experts;
   // the pairs that reach this PE overwrite theirs in the kernel after this
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < R * T * K; i += gridDim.x * kThreads)
@@ -247,14 +249,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_experts(DispatchArgs 
 // in every peer's matrix. Then all blocks stage the tokens, ids and weights for the peers.
 template <bool kExpertMajor, bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchStage, kEnter);
-  reset_cursor(ctx, kCursorDispatch);  // for the push that follows
-  reset_call_state(a);
-  enter_call(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchStage, kWaited);
+  const uint64_t call = enter_stage(a);
   const int R = ctx.num_ranks, T = a.num_tokens, K = a.num_topk, E = a.num_experts;
   const int L = E / R;
   const int W = kExpertMajor ? E : R;
