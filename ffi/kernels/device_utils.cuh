@@ -149,4 +149,42 @@ __device__ __forceinline__ void zero_row(void* dst, size_t bytes, int lane, int 
   }
 }
 
+// Copies one row to every non-null destination, reading it once; the lanes of a warp stride
+// through it with the widest access all addresses allow. kFromPeer: the row was written by
+// another PE during this kernel (loads bypass L1).
+// 4 loads in flight per lane: 8 or 16 were no faster, and made the push kernel spill
+// registers.
+template <int kSources, bool kFromPeer = false, int kInFlight = 4>
+__device__ __forceinline__ void broadcast_row(char* (&dsts)[kSources], const char* src,
+                                              size_t bytes, int lane) {
+  uintptr_t bits = reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes);
+#pragma unroll
+  for (int j = 0; j < kSources; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
+  if ((bits & 15) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    const size_t n = bytes / 16;
+    for (size_t i = lane; i < n; i += 32 * kInFlight) {
+      int4 v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n) v[u] = kFromPeer ? __ldcg(s + i + u * 32) : s[i + u * 32];
+#pragma unroll
+      for (int j = 0; j < kSources; ++j) {
+        if (dsts[j] == nullptr) continue;
+        int4* d = reinterpret_cast<int4*>(dsts[j]);
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u)
+          if (i + u * 32 < n) d[i + u * 32] = v[u];
+      }
+    }
+  } else {
+    for (size_t i = lane; i < bytes; i += 32) {
+      const char v = kFromPeer ? __ldcg(src + i) : src[i];
+#pragma unroll
+      for (int j = 0; j < kSources; ++j)
+        if (dsts[j] != nullptr) dsts[j][i] = v;
+    }
+  }
+}
+
 }  // namespace jax_ep

@@ -30,6 +30,10 @@
 
 namespace jax_ep {
 
+// Threads per block of the intranode kernels.
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
 struct DispatchArgs {
   PeerContext ctx;
   RegionPlan plan;  // pull mode
@@ -136,6 +140,8 @@ __device__ __forceinline__ uint32_t rank_mask(const DispatchArgs& a, int t, int 
 }
 
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
+// The fused push dispatch (dispatch_fused.cu), given the bytes of its offset tables.
+cudaError_t launch_dispatch_fused(const DispatchArgs& args, size_t tables, cudaStream_t stream);
 
 // Shared memory of the dispatch kernels' routing tables (every layout but source_slots):
 // expert_major keeps per-expert counts and offsets and a per-(expert, source) matrix.

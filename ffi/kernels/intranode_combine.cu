@@ -13,9 +13,6 @@ namespace {
 
 size_t element_size(ElementType type) { return type == ElementType::kF32 ? 4 : 2; }
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
-
 template <typename T> struct Element;
 template <> struct Element<float> {
   __device__ static float load(float v) { return v; }

@@ -13,8 +13,6 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
 // Ids (and weights) a lane loads together for one row: one round trip per group of them.
 constexpr int kIdsPerRound = 8;
 
