@@ -163,9 +163,13 @@ cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
 void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence);
 cudaError_t launch_cached_dispatch(const CachedDispatchArgs& args, cudaStream_t stream);
 // The cached dispatch's stage (its owner's rows into the symmetric buffer), and the combine's
-// weighted backward after it (intranode_combine.cu).
+// weighted backward after it (combine_pairs.cu).
 cudaError_t launch_cached_stage(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_backward(const CachedDispatchArgs& args, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
+// The combine's paths (combine_pull.cu is the entry point and the pull path): the copy
+// engines' (combine_copy.cu) and expert_major's (combine_pairs.cu).
+cudaError_t launch_combine_copy(const CombineArgs& args, cudaStream_t stream);
+cudaError_t launch_combine_pairs(const CombineArgs& args, cudaStream_t stream);
 
 }  // namespace jax_ep

@@ -1,0 +1,53 @@
+// The pull combine (rank_major, the default path): every PE stages the rows of y that peers
+// will read, then each PE sums its tokens' rows, pulled over NVLink, in the contract's order.
+// Also the combine's entry point, which picks the path. docs/design.md, section 5.1.
+#include "kernels/combine_common.cuh"
+
+namespace jax_ep {
+namespace {
+
+// Stages the rows that peers will read: rows whose token lives on another PE. Rows of this
+// PE's own tokens stay where they are; the reduce reads them straight from y.
+__global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t row_bytes) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCombineStage, kEnter);
+  reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
+  enter_call(ctx, call, "combine");
+  profile_mark(ctx, kProfCombineStage, kWaited);
+  const RegionPlan plan = plan_combine(a.capacity, row_bytes);
+  const int used = min(*a.num_received, a.capacity);
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  char* rows = region<char>(ctx, ctx.rank, plan.rows);
+  for (int i = warp; i < used; i += gridDim.x * kWarps) {
+    const int source = a.src_rank[i];
+    if (source < 0 || source == ctx.rank) continue;  // padding, or read locally from y
+    copy_row(rows + i * row_stride(row_bytes), static_cast<const char*>(a.y) + i * row_bytes,
+             row_bytes, lane, 32);
+  }
+  float* weights = region<float>(ctx, ctx.rank, plan.meta_weights);
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < used; i += gridDim.x * kThreads)
+    weights[i] = a.weights[i];
+  profile_end(ctx, kProfCombineStage);
+  if (last_block(ctx, 4) && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfCombineStage, kRetired);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
+  if (args.expert_major) return launch_combine_pairs(args, stream);
+  if (args.copy_engine) return launch_combine_copy(args, stream);
+  const size_t row_bytes = element_size(args.dtype) * size_t(args.hidden);
+  cudaError_t status =
+      launch_after_previous(combine_stage, args.num_blocks, kThreads, 0, stream, args, row_bytes);
+  if (status != cudaSuccess) return status;
+  return for_element_type(args.dtype, [&](auto element) {
+    return launch_reduce_rows<decltype(element), false>(args, row_bytes, stream);
+  });
+}
+
+}  // namespace jax_ep
