@@ -30,12 +30,8 @@ __global__ void __launch_bounds__(kThreads) stage_rows(CachedDispatchArgs a) {
 }
 
 __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfCachedGather, kEnter);
-  wait_all_ready(ctx, call, "cached_dispatch");
-  profile_mark(ctx, kProfCachedGather, kWaited);
+  const uint64_t call = enter_cached_gather(ctx);
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   for (int i = warp; i < a.capacity; i += gridDim.x * kWarps) {
@@ -61,12 +57,8 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
 // peer's) and stored to every pair's row; rows of no pair get zeros.
 template <int kSources>
 __global__ void __launch_bounds__(kThreads) gather_pairs(CachedDispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfCachedGather, kEnter);
-  wait_all_ready(ctx, call, "cached_dispatch");
-  profile_mark(ctx, kProfCachedGather, kWaited);
+  const uint64_t call = enter_cached_gather(ctx);
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps, R = ctx.num_ranks, K = a.num_topk;

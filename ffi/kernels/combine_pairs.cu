@@ -192,12 +192,8 @@ cudaError_t launch_pairs_typed(const CombineArgs& a, size_t row_bytes, cudaStrea
 // summed per lane then across the warp). Rows of no pair get zeros.
 template <typename T, int kVector, int kPairs>
 __global__ void __launch_bounds__(kThreads) combine_backward_pairs(CachedDispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfCachedGather, kEnter);
-  wait_all_ready(ctx, call, "cached_dispatch");
-  profile_mark(ctx, kProfCachedGather, kWaited);
+  const uint64_t call = enter_cached_gather(ctx);
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps, R = ctx.num_ranks, K = a.num_topk;

@@ -55,6 +55,18 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
+// The start of the cached dispatch's gather kernels (and the combine's backward): after the
+// previous kernel (launched to overlap its drain), once every peer has staged its rows;
+// returns the call number.
+__device__ __forceinline__ uint64_t enter_cached_gather(const PeerContext& ctx) {
+  wait_previous_kernel();
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCachedGather, kEnter);
+  wait_all_ready(ctx, call, "cached_dispatch");
+  profile_mark(ctx, kProfCachedGather, kWaited);
+  return call;
+}
+
 // Next item for the calling warp from a work counter (Control::work_cursor); every lane gets it.
 __device__ __forceinline__ int claim_item(uint32_t* cursor, int lane) {
   uint32_t item = 0;
