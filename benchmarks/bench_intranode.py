@@ -36,8 +36,7 @@ def parse_args():
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--modes", default="pull,fused,copy,slots",
                    help="dispatch modes to time (JAX_EP_DISPATCH values, and slots: the "
-                   "source_slots layout, its combine in every --combine-modes; slots-engine: "
-                   "with JAX_EP_SLOTS_COPY=engine), comma-separated")
+                   "source_slots layout, its combine in every --combine-modes), comma-separated")
     p.add_argument("--combine-modes", default="pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
@@ -64,7 +63,6 @@ import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
     call_profile,
-    copy_engine_modes,
     copy_host_breakdown,
     gpu_events,
     host_times_reset,
@@ -200,15 +198,11 @@ def main():
            marker=None)
     modes = args.modes.split(",")
     for mode in modes:  # JAX_EP_DISPATCH, read when the call is traced
-        if mode in ("slots", "slots-engine"):  # source_slots: copy engines whatever the mode;
-            # slots-engine: the local copies into the output too (JAX_EP_SLOTS_COPY, read when
-            # the call runs)
-            os.environ["JAX_EP_SLOTS_COPY"] = "engine" if mode == "slots-engine" else "sm"
+        if mode == "slots":  # source_slots: copy engines whatever the mode
             slots = partial(dispatch, layout="source_slots", cap=R * T)
             record(f"jax_ep dispatch BF16 source_slots [{mode}]", slots, x, idx_d, w, chained=2)
             record(f"jax_ep dispatch FP8 source_slots, quantize included [{mode}]",
                    partial(slots, fp8=True), x, idx_d, w, chained=2, nbytes=bytes_fp8)
-            os.environ.pop("JAX_EP_SLOTS_COPY")
             continue
         os.environ["JAX_EP_DISPATCH"] = mode
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
@@ -228,7 +222,7 @@ def main():
         record(f"jax_ep combine BF16 [{mode}]", combine, *combine_inputs, chained=1)
     em_inputs = dispatch_for_combine("expert_major", em_capacity)(x, idx_d, w)
     record("jax_ep combine BF16 expert_major [pull]", combine, *em_inputs, chained=1)
-    if "slots" in modes or "slots-engine" in modes:
+    if "slots" in modes:
         slots_inputs = dispatch_for_combine("source_slots", R * T)(x, idx_d, w)
         for mode in args.combine_modes.split(","):
             os.environ["JAX_EP_COMBINE"] = mode
@@ -243,7 +237,7 @@ def main():
     if copy_host and jax.process_index() == 0:
         print("\nHost time of the copy-engine rows per call (µs: the median execution, and each "
               "kind of host call's median times its calls per execution, in brackets; the rest "
-              "is validation and kernel launches)" + copy_engine_modes() + ":")
+              "is validation and kernel launches):")
         for name, host, kinds in copy_host:
             parts = ", ".join(f"{kind} {us:.1f} [{calls:.0f}]" for kind, (calls, us) in
                               kinds.items())

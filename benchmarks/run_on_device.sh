@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,localfirst,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,trace,gemm,moelayer,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,trace,gemm,moelayer,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -65,13 +65,6 @@ if [[ $WHAT == *lltest* ]]; then  # the low-latency part of the suite only
     grep -E "passed|failed|FAILED|Error|timed out" | tail -12
   status=${PIPESTATUS[0]}
 fi
-if [[ $WHAT == *localfirst* ]]; then  # the low-latency tests with the opt-in local copy
-  step "low-latency GPU tests with JAX_EP_LL_LOCAL_FIRST=1 on $N GPUs"
-  JAX_EP_LL_LOCAL_FIRST=1 timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q \
-    -p no:cacheprovider tests/test_gpu.py -k "low_latency or runs_once" 2>&1 |
-    tee "$OUT/gpu_suite_ll_local_first_$N.log" | grep -E "passed|failed|FAILED|Error|timed out" | tail -12
-  status=${PIPESTATUS[0]}
-fi
 if [[ $WHAT == *bench* ]]; then
   step "intranode benchmark on $N GPUs"
   timeout 300 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_intranode.py --profile ${BENCH_ARGS:-} 2>&1 |
@@ -89,16 +82,14 @@ if [[ ,$WHAT, == *,sweep,* ]]; then
       grep -E "^\[rank 0\] \| jax_ep (dispatch BF16 \[|dispatch FP8|combine)|FAILED" | sed 's/^\[rank 0\] //'
   done
 fi
-if [[ $WHAT == *slotsweep* ]]; then  # copy-engine paths: graph chains per peer x chunk size
-  for chains in ${SWEEP_CHAINS:-1 2}; do
-    for mb in ${SWEEP_CHUNK_MB:-4 8}; do
-      step "copy-engine paths on $N GPUs, JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb"
-      JAX_EP_COPY_CHAINS=$chains JAX_EP_COPY_CHUNK_MB=$mb timeout 150 $PY -m jax_ep.launch -n "$N" \
-        $SHARE benchmarks/bench_intranode.py --skip-baselines --rounds 2 --repeats 3 --profile \
-        --modes ${SWEEP_MODES:-slots,slots-engine,copy} --combine-modes copy 2>&1 |
-        tee "$OUT/bench_chains_${chains}_mb_${mb}_$N.log" |
-        grep -E "^\[rank 0\] (\| jax_ep (dispatch|combine)|.*FAILED|jax_ep .*cycle)" | sed 's/^\[rank 0\] //'
-    done
+if [[ $WHAT == *slotsweep* ]]; then  # copy-engine paths by chunk size
+  for mb in ${SWEEP_CHUNK_MB:-8 16}; do
+    step "copy-engine paths on $N GPUs, JAX_EP_COPY_CHUNK_MB=$mb"
+    JAX_EP_COPY_CHUNK_MB=$mb timeout 150 $PY -m jax_ep.launch -n "$N" \
+      $SHARE benchmarks/bench_intranode.py --skip-baselines --rounds 2 --repeats 3 --profile \
+      --modes ${SWEEP_MODES:-slots,copy} --combine-modes copy 2>&1 |
+      tee "$OUT/bench_chunks_mb_${mb}_$N.log" |
+      grep -E "^\[rank 0\] (\| jax_ep (dispatch|combine)|.*FAILED|jax_ep .*cycle)" | sed 's/^\[rank 0\] //'
   done
 fi
 if [[ $WHAT == *variants* ]]; then

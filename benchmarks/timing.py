@@ -92,7 +92,7 @@ def host_times_reset():
 
 def copy_host_breakdown():
     """(host µs per call, {kind: (host calls, µs) per call}) of the copy-engine paths' host
-    calls (guard, fork, memcpy, flag, kernel, join, graph launch / update / build) since
+    calls (guard, fork, join, graph launch / update / build) since
     host_times_reset(), or None where none ran. Host µs per call is the median execution of the
     handler that ran most; a kind's µs is its calls per execution times its median call, so
     that a call that blocked on a full queue does not swamp it (a mean would)."""
@@ -107,16 +107,6 @@ def copy_host_breakdown():
     return float(np.median(recorded)) / 1e3, {
         kind: (calls / n, calls / n * float(np.median(ns)) / 1e3 if len(ns) else 0.0)
         for kind, (calls, ns) in kinds.items() if calls}
-
-
-def copy_engine_modes():
-    """', transfers by <graph|direct>, flags by <stream write|kernel>' of the copy-engine
-    paths, or '' where the extension lacks them."""
-    module = _native_module()
-    if module is None or not hasattr(module, "copy_sequence_mode"):
-        return ""
-    return (f"; transfers enqueued by {module.copy_sequence_mode()}, landed flags by "
-            f"{module.copy_flag_mode()}")
 
 
 def host_us_per_call():

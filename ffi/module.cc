@@ -50,15 +50,11 @@ std::atomic<unsigned long long> g_calls[kNumTargets];
 // cannot keep the GPU busy (see handler_host_times()).
 jax_ep::HostTimeRing g_host_times[kNumTargets];
 
-// Diagnostic JAX_EP_LOG_CALLS=1: one stderr line per handler execution with what tells two
-// executions apart (XLA's run id, the stream, the first operand's address, the host thread).
-bool log_calls() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("JAX_EP_LOG_CALLS");
-    return env != nullptr && env[0] == '1';
-  }();
-  return enabled;
-}
+// Diagnostic (runtime.initialize(log_calls=True)): one stderr line per handler execution with
+// what tells two executions apart (XLA's run id, the stream, the first operand's address, the
+// host thread).
+std::atomic<bool> g_log_calls{false};
+bool log_calls() { return g_log_calls.load(std::memory_order_relaxed); }
 
 void log_call(const char* name, unsigned long long n, XLA_FFI_CallFrame* frame) {
   const XLA_FFI_Api* api = frame->api;
@@ -164,14 +160,18 @@ NB_MODULE(_C, m) {
         options.single_host = single_host;
         nb::gil_scoped_release release;  // NVSHMEM's bootstrap blocks until every PE joins
         jax_ep::initialize(options);
-        // whether copy-engine local copies may wait for landed flags: probed on a word of
-        // this PE's symmetric buffer, as the flags they wait for
-        const jax_ep::Transport* t = jax_ep::transport();
-        jax_ep::probe_copy_engine_waits(
-            t->copy_streams[size_t(t->rank) * jax_ep::kCopyStreamsPerPeer], t->local);
       },
       nb::arg("rank"), nb::arg("num_ranks"), nb::arg("local_device"), nb::arg("buffer_bytes"),
       nb::arg("unique_id"), nb::arg("single_host") = true, nb::arg("low_latency_bytes") = 0);
+  m.def(
+      "set_diagnostics",
+      [](double fault_exit_s, bool log) {
+        jax_ep::set_fault_exit_s(fault_exit_s);
+        g_log_calls.store(log);
+      },
+      nb::arg("fault_exit_s"), nb::arg("log_calls"),
+      "The watchdog's grace after a kernel timeout before it ends the process (0: never), and "
+      "whether every handler execution is logged to stderr");
   m.def("finalize", [] {
     nb::gil_scoped_release release;
     jax_ep::finalize();  // synchronises this process's GPU (its device made current) first
@@ -221,21 +221,7 @@ NB_MODULE(_C, m) {
       },
       nb::arg("reset") = false,
       "{kind: (host calls, [ns of the last few thousand])} of the copy-engine paths' host calls "
-      "(guard, fork, memcpy, flag, kernel, join, graph launch / update / build) since the last "
-      "reset");
-  m.def("copy_flag_mode", [] { return std::string(jax_ep::copy_flag_mode()); },
-        "How the copy-engine paths raise their landed flags: 'stream write' or 'kernel'");
-  m.def("copy_sequence_mode", [] { return std::string(jax_ep::copy_sequence_mode()); },
-        "How the copy-engine paths enqueue a call's transfers: 'graph' (one cached CUDA graph) "
-        "or 'direct' (JAX_EP_COPY_GRAPHS=0)");
-  m.def("slots_copy_mode",
-        [] {
-          const bool engine =
-              jax_ep::slots_copy_by_engine() && jax_ep::copy_engine_waits_available();
-          return std::string(engine ? "engine" : "sm");
-        },
-        "Who copies the source_slots dispatch's rows into the output now: 'engine' (the copy "
-        "engines, JAX_EP_SLOTS_COPY=engine where the driver can wait for flags) or 'sm'");
+      "(guard, fork, join, graph launch / update / build) since the last reset");
   m.def("low_latency_calls", [] { return synchronised_list(jax_ep::read_low_latency_calls); },
         "Calls started by this PE's low-latency dispatch and combine sends (synchronises)");
   m.def("profile_reset", [] {

@@ -40,14 +40,6 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _num_blocks(tuning: Config | None = None, layout=None, operation="dispatch") -> np.int64:
-    """CTAs per communication kernel (the SM budget); 0 lets the extension choose."""
-    return np.int64(_config.num_blocks(tuning, layout=layout, operation=operation) or 0)
-
-
-# Dispatch paths -> the dispatch's `push` attribute (ffi/handlers/intranode.cu decodes it and
-# refuses any other value).
-_DISPATCH_MODES = {"pull": 0, "fused": 2, "copy": 4}
 _MAX_COPY_RANKS = _config.MAX_COPY_RANKS
 # The kernels' size limits (ffi/kernels/buffer_layout.h), kept here so that tracing and every
 # check made while tracing need no extension; a GPU test keeps them equal to module.limits().
@@ -61,21 +53,11 @@ LIMITS = {
 expected_token_share = _config.expected_token_share
 
 
-def _push_dispatch(num_ranks=1, num_topk=1, num_experts=1, layout=None,
-                   tuning: Config | None = None) -> np.int64:
-    """The dispatch's data path (``jax_ep.config.dispatch_path``) as the `push` attribute."""
-    path = _config.dispatch_path(tuning, num_ranks=num_ranks, num_topk=num_topk,
-                                 num_experts=num_experts, layout=layout)
-    return np.int64(_DISPATCH_MODES[path])
-
-
-def _copy_combine(num_ranks, num_topk, num_experts, layout,
-                  tuning: Config | None = None) -> np.int64:
-    """Whether the combine takes the copy engines (``jax_ep.config.combine_path``; expert_major
-    always pulls)."""
-    path = _config.combine_path(tuning, num_ranks=num_ranks, num_topk=num_topk,
-                                num_experts=num_experts, layout=layout)
-    return np.int64(path == "copy" and layout != EXPERT_MAJOR and num_ranks <= _MAX_COPY_RANKS)
+def _resolve(tuning: Config | None, num_ranks, num_topk, num_experts, layout,
+             operation="dispatch") -> Config:
+    """The call's tuning, every field set (``jax_ep.config.resolve``)."""
+    return _config.resolve(tuning, num_ranks=num_ranks, num_topk=num_topk,
+                           num_experts=num_experts, layout=layout, operation=operation)
 
 
 def _limits() -> dict:
@@ -94,23 +76,24 @@ def _check_sources(op, path, count, expert_major):
                          f"got {what}")
 
 
-def _check_dispatch_limits(num_ranks, num_topk, expert_major, push_mode, source_slots):
-    copy_engine = source_slots or push_mode == _DISPATCH_MODES["copy"]
+def _check_dispatch_limits(num_ranks, num_topk, layout, path):
+    copy_engine = layout == SOURCE_SLOTS or path == "copy"
     limit = _limits()["max_copy_ranks"]
     if copy_engine and num_ranks > limit:
-        path = "the source_slots layout" if source_slots else "JAX_EP_DISPATCH=copy"
-        raise ValueError(f"dispatch: the copy-engine path ({path}) supports at most {limit} "
+        what = "the source_slots layout" if layout == SOURCE_SLOTS else "dispatch_path 'copy'"
+        raise ValueError(f"dispatch: the copy-engine path ({what}) supports at most {limit} "
                          f"ranks, the mesh axis has {num_ranks}")
-    if not copy_engine and push_mode != _DISPATCH_MODES["pull"]:
-        _check_sources("dispatch", "push dispatch (JAX_EP_DISPATCH=fused; pull has no such "
-                       "limit)", num_topk if expert_major else num_ranks, expert_major)
+    if path == "fused" and not copy_engine:
+        expert_major = layout == EXPERT_MAJOR
+        _check_sources("dispatch", "fused dispatch (dispatch_path 'pull' has no such limit)",
+                       num_topk if expert_major else num_ranks, expert_major)
 
 
 def _copy_engine_selected(num_ranks, num_topk, num_experts, layout, tuning=None) -> bool:
     """Whether either copy-engine path is selected (their buffer areas count in the hint)."""
-    copy_dispatch = _push_dispatch(num_ranks, num_topk, num_experts, layout, tuning)
-    return bool(layout == SOURCE_SLOTS or copy_dispatch == _DISPATCH_MODES["copy"]
-                or _copy_combine(num_ranks, num_topk, num_experts, layout, tuning))
+    resolved = _resolve(tuning, num_ranks, num_topk, num_experts, layout)
+    return bool(layout == SOURCE_SLOTS or resolved.dispatch_path == "copy"
+                or resolved.combine_path == "copy")
 
 
 def _rank(axis_name):
@@ -174,13 +157,15 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
-                   expert_major, alignment, axis_name, source_slots=False, tuning=None):
+                   layout, alignment, axis_name, tuning=None):
     """The jax_ep_dispatch custom call; returns its 13 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
-    push = _push_dispatch(num_ranks, K, num_experts, EXPERT_MAJOR if expert_major else None,
-                          tuning)
-    _check_dispatch_limits(num_ranks, K, expert_major, push, source_slots)
+    expert_major = layout == EXPERT_MAJOR
+    resolved = _resolve(tuning, num_ranks, K, num_experts, layout)
+    # source_slots moves its rows by the copy engines whatever the path
+    path = "copy" if layout == SOURCE_SLOTS else resolved.dispatch_path
+    _check_dispatch_limits(num_ranks, K, layout, path)
     has_scales = x_scales is not None
     row_meta = (C,) if expert_major else (C, K)
     i32, f32 = jnp.int32, jnp.float32
@@ -202,21 +187,17 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
     return _call(
         "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
         topk_weights, _rank(axis_name), axis_name=axis_name,
-        num_experts=np.int64(num_experts), capacity=np.int64(C),
-        expert_major=np.int64(expert_major), alignment=np.int64(alignment),
-        has_scales=np.int64(has_scales),
-        num_blocks=_num_blocks(tuning, EXPERT_MAJOR if expert_major else None),
-        push=push, source_slots=np.int64(source_slots))
+        num_experts=np.int64(num_experts), capacity=np.int64(C), alignment=np.int64(alignment),
+        layout=layout, path=path, has_scales=has_scales,
+        tuning=_config.tuning_attributes(resolved))
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
     (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
      num_dropped, send_slot, src_rank, src_token, src_k, pair_row) = _dispatch_call(
         x, x_scales, topk_idx, topk_weights, num_experts=config.num_experts,
-        num_ranks=config.num_ranks, capacity=config.capacity,
-        expert_major=config.layout == EXPERT_MAJOR, alignment=config.alignment,
-        axis_name=config.axis_name, source_slots=config.layout == SOURCE_SLOTS,
-        tuning=config.tuning)
+        num_ranks=config.num_ranks, capacity=config.capacity, layout=config.layout,
+        alignment=config.alignment, axis_name=config.axis_name, tuning=config.tuning)
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
                             pair_row=pair_row if config.layout == EXPERT_MAJOR else no_pair_rows(),
@@ -247,7 +228,12 @@ def _cached_call(x, handle: DispatchHandle, y=None, weights=None):
                  _pair_row(handle), y if weighted else jnp.zeros((0,), x.dtype),
                  weights if weighted else jnp.zeros((0,), jnp.float32),
                  _rank(handle.config.axis_name), axis_name=handle.config.axis_name,
-                 num_blocks=_num_blocks(handle.config.tuning, handle.config.layout, "combine"))
+                 tuning=_config.tuning_attributes(_handle_tuning(handle.config, "combine")))
+
+
+def _handle_tuning(config: DispatchConfig, operation) -> Config:
+    return _resolve(config.tuning, config.num_ranks, config.num_topk, config.num_experts,
+                    config.layout, operation)
 
 
 def cached_dispatch(x, handle: DispatchHandle):
@@ -270,16 +256,13 @@ def combine(y, weights, handle: DispatchHandle):
         _check_sources("combine", "combine", config.num_topk, True)
     if weights is None:
         weights = jnp.ones((config.capacity,), jnp.float32)
+    resolved = _handle_tuning(config, "combine")
     return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
                  y, weights.astype(jnp.float32), handle.topk_idx, handle.send_slot,
                  handle.num_received, handle.src_rank, _pair_row(handle), _rank(config.axis_name),
-                 axis_name=config.axis_name,
-                 num_experts=np.int64(config.num_experts),
-                 expert_major=np.int64(expert_major),
-                 num_blocks=_num_blocks(config.tuning, config.layout, "combine"),
-                 copy_engine=_copy_combine(config.num_ranks, config.num_topk,
-                                           config.num_experts, config.layout, config.tuning),
-                 source_slots=np.int64(config.layout == SOURCE_SLOTS))
+                 axis_name=config.axis_name, num_experts=np.int64(config.num_experts),
+                 layout=config.layout, path=resolved.combine_path,
+                 tuning=_config.tuning_attributes(resolved))
 
 
 # ----------------------------------------------------------------------------- low latency
@@ -299,7 +282,7 @@ def _ll_attrs(config: LowLatencyConfig):
                          f"{config.num_topk}")
     return dict(num_experts=np.int64(config.num_experts),
                 max_tokens=np.int64(config.max_tokens_per_rank),
-                num_blocks=_num_blocks(config.tuning))
+                tuning=_config.tuning_attributes(_config.resolve_low_latency(config.tuning)))
 
 
 def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
@@ -331,15 +314,15 @@ def _ll_fused_dispatch(x, topk_idx, slots, config: LowLatencyConfig, *, cached):
     types = _ll_send_types(*topk_idx.shape) + _ll_receive_types(
         config, dtype, x.shape[1], fp8=use_fp8, with_src=not cached)
     return _call("jax_ep_ll_dispatch", types, x, topk_idx, slots, _rank(config.axis_name),
-                 axis_name=config.axis_name, use_fp8=np.int64(use_fp8),
-                 ue8m0=np.int64(config.ue8m0), cached=np.int64(cached), **_ll_attrs(config))
+                 axis_name=config.axis_name, use_fp8=bool(use_fp8), ue8m0=bool(config.ue8m0),
+                 cached=bool(cached), **_ll_attrs(config))
 
 
 def low_latency_send(x, topk_idx, config: LowLatencyConfig):
     send_slot, call, num_dropped = _call(
         "jax_ep_ll_dispatch_send", _ll_send_types(*topk_idx.shape), x, topk_idx,
         jnp.zeros((0,), jnp.int32), _rank(config.axis_name), axis_name=config.axis_name,
-        use_fp8=np.int64(config.use_fp8), ue8m0=np.int64(config.ue8m0), cached=np.int64(0),
+        use_fp8=bool(config.use_fp8), ue8m0=bool(config.ue8m0), cached=False,
         **_ll_attrs(config))
     return dict(call=call, topk_idx=topk_idx, send_slot=send_slot, num_dropped=num_dropped,
                 dtype=jnp.zeros((0,), x.dtype))

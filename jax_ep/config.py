@@ -1,26 +1,28 @@
-"""Tuning of the CUDA data paths: ``jax_ep.Config``, its defaults, and the environment overrides.
+"""Tuning of the CUDA data paths: ``jax_ep.Config``, its measured defaults, and every
+environment override jax_ep reads.
 
 A ``Config`` is a frozen, hashable dataclass: given as ``config=`` to ``dispatch`` (its handle
-keeps it for the combine and both backward passes) or ``combine``, it becomes part of the
-static description of the call, so jit's cache tells programs with different settings apart.
-Every field left ``None`` takes, in this order, the process's config (given to
-``jax_ep.runtime.initialize``, which checks that every process passed the same), its
-environment override (read here and nowhere else in Python, when the call is traced) or its
-default from ``default_config``, a function of the call's shape built from the measured tables
-in ``benchmarks/RESULTS.md``.
+keeps it for the combine and both backward passes), ``combine`` or the low-latency dispatch, it
+becomes part of the static description of the call, so jit's cache tells programs with
+different settings apart. Every field left ``None`` takes, in this order, the process's config
+(given to ``jax_ep.runtime.initialize``, which checks that every process passed the same), its
+environment override (read here and nowhere else, when the call is traced) or its default
+from ``default_config``, a function of the call's shape built from the measured tables in
+``benchmarks/RESULTS.md``. The resolved values cross into the extension as typed attributes
+of each custom call (``tuning_attributes``); the extension reads no environment variable.
+
+The environment variables, all of them (``ENVIRONMENT``): the data paths, CTAs, copy-engine
+chunk size and kernel timeout above, the runtime's buffer sizes and the opt-in
+``JAX_EP_COMMAND_BUFFERS``.
 
 The reference backend ignores all of it: it has one data path.
-
-The runtime's sizes and timeouts have their environment overrides read here too
-(``JAX_EP_BUFFER_BYTES``, ``JAX_EP_LL_BUFFER_BYTES``, ``JAX_EP_INIT_TIMEOUT_S``,
-``JAX_EP_FINALIZE_TIMEOUT_S``) and so has the opt-in ``JAX_EP_COMMAND_BUFFERS``; the
-extension still reads its own (the copy engines' knobs, the kernels' timeout, the launch mode).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import jax
@@ -34,11 +36,38 @@ MAX_COPY_RANKS = 32
 # `auto` picks the copy-engine paths where a peer is expected to need at least this share of
 # a rank's tokens: they send every token to every peer (2 and 4 ranks at DeepSeek-V3 shapes).
 COPY_MIN_TOKEN_SHARE = 0.85
+# Copy-engine transfer size: 16 MB against 8 and 4 on 2×H200 at DeepSeek-V3 shapes (dispatch
+# BF16 238 / 252 / 333 µs, source_slots 244 / 265 / 339, combine 278 / 285 / 329;
+# benchmarks/RESULTS.md). At those shapes 16 MB is the kernels' floor of 4 chunks per peer.
+DEFAULT_COPY_CHUNK_MB = 16.0
+# A device-side wait longer than this traps and reports the peer it waited for.
+DEFAULT_TIMEOUT_S = 100.0
+# CTAs of the SM data paths where nothing else is measured better.
+DEFAULT_BLOCKS = 64
+
+# Every JAX_EP_* variable that changes what jax_ep does, read in this module only.
+ENVIRONMENT = {
+    "JAX_EP_DISPATCH": "Config.dispatch_path where unset (also `auto`)",
+    "JAX_EP_COMBINE": "Config.combine_path where unset (also `auto`)",
+    "JAX_EP_NUM_BLOCKS": "Config.num_blocks where unset",
+    "JAX_EP_COPY_CHUNK_MB": "Config.copy_chunk_mb where unset",
+    "JAX_EP_TIMEOUT_S": "Config.timeout_s where unset",
+    "JAX_EP_BUFFER_BYTES": "the symmetric buffer where initialize() gets no size",
+    "JAX_EP_LL_BUFFER_BYTES": "the low-latency buffer where initialize() gets none",
+    "JAX_EP_COMMAND_BUFFERS": "1: the custom calls may be recorded into XLA's command buffers",
+}
+
+
+def _positive_number(value, name, integral):
+    kinds = (int,) if integral else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+        what = "an int >= 1" if integral else "a number > 0"
+        raise ValueError(f"Config.{name} must be {what} or None, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Tuning of the CUDA kernels' data paths (``None``: the override or the default).
+    """Tuning of the CUDA kernels (``None``: the process's config, the override or the default).
 
     dispatch_path: ``"fused"`` (senders store rows into the receivers' buffers over NVLink
         and, in the same kernel, the receivers move complete chunks out; at most 16
@@ -49,11 +78,15 @@ class Config:
         ``"copy"`` (rank_major and source_slots: the expert ranks' copy engines send each
         owner its rows; expert_major always pulls).
     num_blocks: CTAs of each communication kernel, the SMs it may take (>= 1).
+    copy_chunk_mb: MB of rows per copy-engine transfer (every rank must use the same).
+    timeout_s: how long a kernel waits for a peer before it traps, naming the peer.
     """
 
     dispatch_path: str | None = None
     combine_path: str | None = None
     num_blocks: int | None = None
+    copy_chunk_mb: float | None = None
+    timeout_s: float | None = None
 
     def __post_init__(self):
         if self.dispatch_path is not None and self.dispatch_path not in DISPATCH_PATHS:
@@ -62,11 +95,12 @@ class Config:
         if self.combine_path is not None and self.combine_path not in COMBINE_PATHS:
             raise ValueError(f"Config.combine_path must be one of {COMBINE_PATHS} or None, "
                              f"got {self.combine_path!r}")
-        if self.num_blocks is not None and (isinstance(self.num_blocks, bool)
-                                            or not isinstance(self.num_blocks, int)
-                                            or self.num_blocks < 1):
-            raise ValueError(f"Config.num_blocks must be an int >= 1 or None, "
-                             f"got {self.num_blocks!r}")
+        if self.num_blocks is not None:
+            _positive_number(self.num_blocks, "num_blocks", integral=True)
+        if self.copy_chunk_mb is not None:
+            _positive_number(self.copy_chunk_mb, "copy_chunk_mb", integral=False)
+        if self.timeout_s is not None:
+            _positive_number(self.timeout_s, "timeout_s", integral=False)
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -98,27 +132,44 @@ def _multiprocessors() -> int | None:
     return int(count) if count else None
 
 
-def default_blocks(layout, operation="dispatch") -> int | None:
-    """CTAs per kernel. expert_major's combine and cached dispatch (the combine's backward)
-    take every SM: they sum or copy ~4x rank_major's rows through HBM (2×H200: combine 355 ->
-    289 µs with 132 CTAs instead of 64). Everything else is left to the kernels: 64 CTAs for
-    the SM paths (the expert_major dispatch 297 µs with 64, 309 with 132; rank_major's 227
-    and 235), the copy-engine paths sized to keep pace with the engines (24 on 2 ranks)."""
+def copy_engine_blocks(num_ranks) -> int:
+    """CTAs of the copy-engine paths. They only copy locally and need only keep pace with the
+    engines: a rank's peers' rows arrive at ~382 GB/s (2×H200, both directions busy) and its
+    own rows, R/(R-1) as many in all, need copying in the same time, ~24 GB/s per CTA: 32
+    CTAs on 2 ranks (measured: 230.5 µs against 237.7 with 24, dispatch BF16; combine 266.7
+    against 278.8), 22 on 4, 19 on 8. The extension caps them at all SMs but two (the chunks'
+    landed flags are raised by one-thread kernels that need room beside the waiting CTAs)."""
+    peers = max(int(num_ranks) - 1, 1)
+    need = 382.0 * (peers + 1) / peers / 24.0
+    return min(max(math.ceil(need - 1e-9), 8), DEFAULT_BLOCKS)
+
+
+def default_blocks(layout, operation="dispatch", *, path=None, num_ranks=2) -> int:
+    """CTAs per kernel. The copy-engine paths: ``copy_engine_blocks``. expert_major's combine
+    and cached dispatch (the combine's backward) take every SM: they sum or copy ~4x
+    rank_major's rows through HBM (2×H200: combine 355 -> 289 µs with 132 CTAs instead of 64).
+    Everything else 64 (the expert_major dispatch 297 µs with 64, 309 with 132; rank_major's
+    227 and 235; 24 CTAs: 260 / 266 µs)."""
+    if path == "copy" or layout == SOURCE_SLOTS:
+        return copy_engine_blocks(num_ranks)
     if layout == EXPERT_MAJOR and operation != "dispatch":
-        return _multiprocessors()
-    return None
+        return _multiprocessors() or DEFAULT_BLOCKS
+    return DEFAULT_BLOCKS
 
 
-def default_config(num_ranks, num_topk, num_experts, layout) -> Config:
+def default_config(num_ranks, num_topk, num_experts, layout, operation="dispatch") -> Config:
     """The measured defaults for a call's shape (benchmarks/RESULTS.md). On two GPUs at
     DeepSeek-V3 shapes the fused dispatch and the pull combine win in every layout but
-    source_slots, which exists for its copy engines: fused BF16 233.7 µs against 380.5 for the
-    copy engines (2×H200) and 269.6 against ~800 for expert_major; combine pull 251.8 against
-    294.5. ``num_blocks``: ``default_blocks``."""
-    del num_ranks, num_topk, num_experts  # one answer so far on every measured shape
-    return Config(dispatch_path="fused",
-                  combine_path="copy" if layout == SOURCE_SLOTS else "pull",
-                  num_blocks=default_blocks(layout))  # the dispatch's
+    source_slots, which exists for its copy engines: fused BF16 227.7 µs against 237.2 for the
+    copy engines (2×H200) and 270.8 against 654 for expert_major; combine pull 237.4 against
+    278.9. ``num_blocks``: ``default_blocks`` of the operation's path."""
+    del num_topk, num_experts  # one answer so far on every measured shape
+    dispatch = "fused"
+    combine = "copy" if layout == SOURCE_SLOTS else "pull"
+    path = dispatch if operation == "dispatch" else combine
+    return Config(dispatch_path=dispatch, combine_path=combine,
+                  num_blocks=default_blocks(layout, operation, path=path, num_ranks=num_ranks),
+                  copy_chunk_mb=DEFAULT_COPY_CHUNK_MB, timeout_s=DEFAULT_TIMEOUT_S)
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -170,6 +221,16 @@ def _override(name, allowed):
     return value
 
 
+def _number(name, default, kind):
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    try:
+        return kind(float(value)) if kind is int else kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
 def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
     """The call's value, else the process's, else ``JAX_EP_DISPATCH`` (fused | pull | copy |
     auto; auto: the copy engines for rank_major where a peer is expected to need >= 85 % of
@@ -183,45 +244,82 @@ def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, la
 
 def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
     """The call's value, else the process's, else ``JAX_EP_COMBINE`` (pull | copy | auto, as
-    for the dispatch), else the default."""
+    for the dispatch), else the default. expert_major always pulls."""
     path = _field(config, "combine_path")
     path = path or _override("JAX_EP_COMBINE", COMBINE_PATHS + ("auto",))
     if path == "auto":
-        return "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "pull"
-    return path or default_config(num_ranks, num_topk, num_experts, layout).combine_path
+        path = "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "pull"
+    path = path or default_config(num_ranks, num_topk, num_experts, layout).combine_path
+    return "pull" if layout == EXPERT_MAJOR or num_ranks > MAX_COPY_RANKS else path
 
 
-def num_blocks(config: Config | None, *, layout=None, operation="dispatch") -> int | None:
+def num_blocks(config: Config | None, *, layout=None, operation="dispatch", path=None,
+               num_ranks=2) -> int:
     """The call's value, else the process's, else ``JAX_EP_NUM_BLOCKS``, else the default for
-    the layout and operation (``default_blocks``; None: each kernel's own)."""
+    the layout, operation and path (``default_blocks``)."""
     given = _field(config, "num_blocks")
     if given is not None:
         return given
     value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
     if value in ("", "0"):
-        return default_blocks(layout, operation)
+        return default_blocks(layout, operation, path=path, num_ranks=num_ranks)
     return Config(num_blocks=int(value)).num_blocks  # validated
 
 
-def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> Config:
-    """Every path set (explicit, overridden or default) for a call of this shape."""
+def copy_chunk_mb(config: Config | None) -> float:
+    """The call's value, else the process's, else ``JAX_EP_COPY_CHUNK_MB``, else 16."""
+    given = _field(config, "copy_chunk_mb")
+    if given is not None:
+        return float(given)
+    value = _number("JAX_EP_COPY_CHUNK_MB", None, float)
+    return float(Config(copy_chunk_mb=value).copy_chunk_mb) if value else DEFAULT_COPY_CHUNK_MB
+
+
+def timeout_s(config: Config | None) -> float:
+    """The call's value, else the process's, else ``JAX_EP_TIMEOUT_S``, else 100."""
+    given = _field(config, "timeout_s")
+    if given is not None:
+        return float(given)
+    value = _number("JAX_EP_TIMEOUT_S", None, float)
+    return float(Config(timeout_s=value).timeout_s) if value else DEFAULT_TIMEOUT_S
+
+
+def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout,
+            operation="dispatch") -> Config:
+    """Every field set (explicit, the process's, overridden or default) for a call of this
+    shape; ``num_blocks`` for ``operation`` ("dispatch", or "combine" for the combine and the
+    cached dispatch) on its path."""
     shape = dict(num_ranks=num_ranks, num_topk=num_topk, num_experts=num_experts, layout=layout)
-    return Config(dispatch_path=dispatch_path(config, **shape),
-                  combine_path=combine_path(config, **shape),
-                  num_blocks=num_blocks(config, layout=layout))
+    dispatch, combine = dispatch_path(config, **shape), combine_path(config, **shape)
+    path = dispatch if operation == "dispatch" else combine
+    return Config(dispatch_path=dispatch, combine_path=combine,
+                  num_blocks=num_blocks(config, layout=layout, operation=operation, path=path,
+                                        num_ranks=num_ranks),
+                  copy_chunk_mb=copy_chunk_mb(config), timeout_s=timeout_s(config))
+
+
+def resolve_low_latency(config: Config | None) -> Config:
+    """A low-latency call's fields: its CTAs (given or ``JAX_EP_NUM_BLOCKS``; None: one per
+    SM, the kernels' own) and its timeout; it has no data path to choose."""
+    given = _field(config, "num_blocks")
+    value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
+    if given is None and value not in ("", "0"):
+        given = Config(num_blocks=int(value)).num_blocks
+    return Config(num_blocks=given, copy_chunk_mb=DEFAULT_COPY_CHUNK_MB,
+                  timeout_s=timeout_s(config))
+
+
+def tuning_attributes(resolved: Config, *, num_blocks: int | None = None) -> dict:
+    """A resolved config as the custom calls' ``tuning`` attribute (a dictionary the extension
+    decodes into its ``Tuning`` struct). ``num_blocks`` 0: the kernel's own count (the
+    low-latency kernels: one per SM)."""
+    blocks = resolved.num_blocks if num_blocks is None else num_blocks
+    return dict(num_blocks=int(blocks or 0),
+                copy_chunk_bytes=int(resolved.copy_chunk_mb * (1 << 20)),
+                timeout_s=float(resolved.timeout_s))
 
 
 # ----------------------------------------------------------------------------- runtime variables
-
-def _number(name, default, kind):
-    value = os.environ.get(name, "")
-    if value == "":
-        return default
-    try:
-        return kind(float(value)) if kind is int else kind(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-
 
 def buffer_bytes_override(default: int) -> int:
     """``JAX_EP_BUFFER_BYTES``, else ``default``: the symmetric buffer when ``initialize`` is
@@ -232,17 +330,6 @@ def buffer_bytes_override(default: int) -> int:
 def low_latency_bytes_override() -> int:
     """``JAX_EP_LL_BUFFER_BYTES``, else 0 (no low-latency buffer)."""
     return _number("JAX_EP_LL_BUFFER_BYTES", 0, int)
-
-
-def init_timeout_s() -> float:
-    """``JAX_EP_INIT_TIMEOUT_S``, else 300: how long ``initialize`` waits for the other
-    processes' posts in jax.distributed's key-value store."""
-    return _number("JAX_EP_INIT_TIMEOUT_S", 300.0, float)
-
-
-def finalize_timeout_s() -> float:
-    """``JAX_EP_FINALIZE_TIMEOUT_S``, else 60: how long ``finalize`` waits for NVSHMEM."""
-    return _number("JAX_EP_FINALIZE_TIMEOUT_S", 60.0, float)
 
 
 def command_buffers() -> bool:

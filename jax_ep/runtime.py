@@ -42,8 +42,8 @@ from jax_ep import config as _config
 
 DEFAULT_BUFFER_BYTES = 1 << 30
 _KEY_PREFIX = "jax_ep/runtime"
-_KV_TIMEOUT_MS = int(_config.init_timeout_s() * 1000)
-_FINALIZE_TIMEOUT_S = _config.finalize_timeout_s()
+# How long finalize at exit waits for the other processes before it gives up on them.
+FINALIZE_AT_EXIT_TIMEOUT_S = 60.0
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
 
@@ -142,26 +142,27 @@ def _check_same_settings(settings_by_rank: list[dict]) -> None:
                          "set the same jax_ep variables; they differ in " + "; ".join(differing))
 
 
-def _exchange(client, rank, world, generation, settings) -> list[dict]:
+def _exchange(client, rank, world, generation, settings, timeout_ms=300_000) -> list[dict]:
     """Every process's settings and host name, through jax.distributed's key-value store."""
     mine = dict(settings, host=socket.gethostname())
     if world == 1:
         return [mine]
     prefix = f"{_KEY_PREFIX}/{generation}/settings"
     client.key_value_set(f"{prefix}/{rank}", json.dumps(mine))
-    return [json.loads(client.blocking_key_value_get(f"{prefix}/{r}", _KV_TIMEOUT_MS))
+    return [json.loads(client.blocking_key_value_get(f"{prefix}/{r}", timeout_ms))
             for r in range(world)]
 
 
-def _agree(client, rank, world, generation, settings) -> bool:
+def _agree(client, rank, world, generation, settings, timeout_s=300.0) -> bool:
     """Exchanges and checks the settings; True when every process is on one host. Ends in a
     barrier: a process that arrives after the others gave up waiting for it fails there too,
     instead of joining an NVSHMEM job nobody else joins."""
-    everyone = _exchange(client, rank, world, generation, settings)
+    timeout_ms = int(timeout_s * 1000)
+    everyone = _exchange(client, rank, world, generation, settings, timeout_ms)
     single_host = len({entry.pop("host") for entry in everyone}) == 1
     _check_same_settings(everyone)
     if world > 1:
-        client.wait_at_barrier(f"{_KEY_PREFIX}/{generation}/agreed", _KV_TIMEOUT_MS)
+        client.wait_at_barrier(f"{_KEY_PREFIX}/{generation}/agreed", timeout_ms)
     return single_host
 
 
@@ -188,7 +189,9 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
                hidden: int | None = None, num_topk: int | None = None,
                num_experts: int | None = None, capacity: int | None = None, dtype=None,
                layout: str = "rank_major", fp8: bool = False, alignment: int = 1,
-               low_latency_bytes: int | None = None, config=None) -> None:
+               low_latency_bytes: int | None = None, config=None,
+               init_timeout_s: float = 300.0, fault_exit_s: float = 10.0,
+               log_calls: bool = False) -> None:
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
     Collective: every process calls it with the same arguments. The processes compare their
@@ -209,6 +212,13 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         ``jax_ep.low_latency_buffer_size_hint``.
       config: a ``jax_ep.Config`` for every call of this process that leaves a field None
         (compared across processes like the sizes).
+      init_timeout_s: how long to wait for the other processes' posts in jax.distributed's
+        key-value store.
+      fault_exit_s: after a kernel timed out (its context is then unusable and tearing it
+        down can hang), the process exits with status 70 this long after reporting it; 0:
+        never.
+      log_calls: a diagnostic: one stderr line per custom-call execution, with XLA's run id
+        and stream.
     """
     global _generation, _atexit_registered
     import jax
@@ -255,7 +265,7 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     settings = _shared_settings(buffer_bytes, low_latency_bytes, config)
     if error is not None:
         settings["error"] = error
-    single_host = _agree(client, rank, world, generation, settings)
+    single_host = _agree(client, rank, world, generation, settings, init_timeout_s)
     _config.set_process_config(config)
     # NVSHMEM reads these when the unique id is made (its bootstrap socket) and at init.
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
@@ -269,11 +279,12 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         if world > 1:
             client.key_value_set_bytes(key, unique_id)
     else:
-        unique_id = client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS)
+        unique_id = client.blocking_key_value_get_bytes(key, int(init_timeout_s * 1000))
 
     device = local[0].local_hardware_id
     module.initialize(rank, world, int(device if device is not None else 0), buffer_bytes,
                       unique_id, single_host, low_latency_bytes)
+    module.set_diagnostics(float(fault_exit_s), bool(log_calls))
     _native.register(force=True)
     if not _atexit_registered:
         atexit.register(_finalize_at_exit)
@@ -304,8 +315,8 @@ def _finalize_at_exit() -> None:
             done.set()
 
     threading.Thread(target=run, name="jax_ep-finalize", daemon=True).start()
-    if not done.wait(_FINALIZE_TIMEOUT_S):
-        sys.stderr.write(f"jax_ep: finalize did not complete in {_FINALIZE_TIMEOUT_S:.0f} s "
+    if not done.wait(FINALIZE_AT_EXIT_TIMEOUT_S):
+        sys.stderr.write(f"jax_ep: finalize did not complete in {FINALIZE_AT_EXIT_TIMEOUT_S:.0f} s "
                          "(another process did not reach it); exiting without it\n")
         sys.stderr.flush()
         os._exit(1)

@@ -29,7 +29,7 @@ from jax_ep import runtime  # noqa: E402
 
 sys.stdout.reconfigure(line_buffering=True)
 
-runtime.initialize(64 << 20)
+runtime.initialize(64 << 20, fault_exit_s=5)
 print(f"runtime initialised at {time.monotonic() - START:.1f} s", flush=True)
 R = jax.device_count()
 mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -20,7 +20,7 @@ SHAPE = dict(num_ranks=2, num_topk=8, num_experts=256)
 
 @pytest.fixture(autouse=True)
 def no_overrides(monkeypatch):
-    for name in ("JAX_EP_DISPATCH", "JAX_EP_COMBINE", "JAX_EP_NUM_BLOCKS"):
+    for name in cfg.ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -30,6 +30,9 @@ def no_overrides(monkeypatch):
     (dict(num_blocks=0), "num_blocks"),
     (dict(num_blocks=2.0), "num_blocks"),
     (dict(num_blocks=True), "num_blocks"),
+    (dict(copy_chunk_mb=0), "copy_chunk_mb"),
+    (dict(copy_chunk_mb="8"), "copy_chunk_mb"),
+    (dict(timeout_s=-1.0), "timeout_s"),
 ])
 def test_bad_fields_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -41,32 +44,78 @@ def test_configs_are_hashable_static_values():
     assert a == b and hash(a) == hash(b) and a != jax_ep.Config()
 
 
-def test_defaults_follow_the_layout(monkeypatch):
-    for layout in ("rank_major", "expert_major"):  # no GPU here: the kernels' own CTA count
-        assert cfg.resolve(None, layout=layout, **SHAPE) == jax_ep.Config("fused", "pull", None)
-    assert cfg.resolve(None, layout="source_slots", **SHAPE).combine_path == "copy"
-    # on a GPU of 132 SMs expert_major's combine takes every SM, the rest the kernels' count
+def _full(dispatch_path, combine_path, num_blocks, copy_chunk_mb=16.0, timeout_s=100.0):
+    return jax_ep.Config(dispatch_path, combine_path, num_blocks, copy_chunk_mb, timeout_s)
+
+
+def test_defaults_follow_the_layout_and_the_path(monkeypatch):
+    for layout in ("rank_major", "expert_major"):
+        assert cfg.resolve(None, layout=layout, **SHAPE) == _full("fused", "pull", 64)
+    slots = cfg.resolve(None, layout="source_slots", **SHAPE)
+    assert slots.combine_path == "copy" and slots.num_blocks == 32  # its copy engines
+    # expert_major's combine takes every SM (132 here), the copy-engine paths 32 / 22 / 19 CTAs
     monkeypatch.setattr(cfg, "_multiprocessors", lambda: 132)
     assert cfg.num_blocks(None, layout="expert_major", operation="combine") == 132
-    assert cfg.num_blocks(None, layout="expert_major", operation="dispatch") is None
-    assert cfg.num_blocks(None, layout="rank_major", operation="combine") is None
+    assert cfg.num_blocks(None, layout="expert_major", operation="dispatch") == 64
+    assert cfg.num_blocks(None, layout="rank_major", operation="combine") == 64
+    assert [cfg.copy_engine_blocks(R) for R in (2, 4, 8)] == [32, 22, 19]
+    assert cfg.num_blocks(None, layout="rank_major", path="copy", num_ranks=4) == 22
+    assert cfg.resolve(jax_ep.Config(combine_path="copy"), layout="rank_major",
+                       operation="combine", **SHAPE).num_blocks == 32
     monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")
     assert cfg.num_blocks(None, layout="expert_major", operation="combine") == 24
+    # expert_major always pulls its combine
+    assert cfg.combine_path(jax_ep.Config(combine_path="copy"), layout="expert_major",
+                            **SHAPE) == "pull"
 
 
 def test_explicit_beats_override_beats_default(monkeypatch):
     monkeypatch.setenv("JAX_EP_DISPATCH", "pull")
     monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")
-    assert cfg.resolve(None, layout="rank_major", **SHAPE) == jax_ep.Config("pull", "pull", 24)
-    explicit = jax_ep.Config(dispatch_path="copy", num_blocks=32)
-    assert cfg.resolve(explicit, layout="rank_major", **SHAPE) == jax_ep.Config("copy", "pull",
-                                                                                 32)
+    monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "8")
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "30")
+    assert cfg.resolve(None, layout="rank_major", **SHAPE) == _full("pull", "pull", 24, 8, 30)
+    explicit = jax_ep.Config(dispatch_path="copy", num_blocks=32, copy_chunk_mb=4, timeout_s=5)
+    assert cfg.resolve(explicit, layout="rank_major", **SHAPE) == _full("copy", "pull", 32, 4, 5)
     monkeypatch.setenv("JAX_EP_DISPATCH", "auto")  # copy where a peer needs >= 85 % of tokens
     assert cfg.dispatch_path(None, layout="rank_major", **SHAPE) == "copy"
     assert cfg.dispatch_path(None, layout="expert_major", **SHAPE) == "fused"
     monkeypatch.setenv("JAX_EP_COMBINE", "bogus")
     with pytest.raises(ValueError, match="JAX_EP_COMBINE"):
         cfg.combine_path(None, layout="rank_major", **SHAPE)
+    monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "-2")
+    with pytest.raises(ValueError, match="copy_chunk_mb"):
+        cfg.copy_chunk_mb(None)
+
+
+def test_low_latency_calls_take_their_kernels_block_count(monkeypatch):
+    assert cfg.resolve_low_latency(None).num_blocks is None  # one per SM, the kernels' own
+    assert cfg.tuning_attributes(cfg.resolve_low_latency(None))["num_blocks"] == 0
+    assert cfg.resolve_low_latency(jax_ep.Config(num_blocks=8, timeout_s=2)) == jax_ep.Config(
+        num_blocks=8, copy_chunk_mb=16.0, timeout_s=2.0)
+    monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "12")
+    assert cfg.resolve_low_latency(None).num_blocks == 12
+
+
+def test_every_variable_is_read_in_the_config_module():
+    """The environment jax_ep reads: at most 8 variables that change what it does, all read in
+    jax_ep/config.py; the extension reads none."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert len(cfg.ENVIRONMENT) <= 8
+    launcher = {"JAX_EP_RANK", "JAX_EP_WORLD_SIZE", "JAX_EP_LOCAL_RANK", "JAX_EP_LOCAL_DEVICE",
+                "JAX_EP_COORDINATOR", "JAX_EP_SHARED_GPUS", "JAX_EP_LAUNCHER_PID"}
+    for path in sorted((root / "jax_ep").glob("*.py")):
+        if path.name == "config.py":
+            continue
+        for name in re.findall(r"JAX_EP_[A-Z0-9_]+", path.read_text()):
+            assert name in launcher or name in cfg.ENVIRONMENT, (path.name, name)
+            if name in cfg.ENVIRONMENT:  # mentioned elsewhere (docs, messages), read here
+                assert not re.search(rf"environ(\.get)?\W+{name}", path.read_text()), name
+    for path in sorted((root / "ffi").rglob("*")):
+        if path.suffix in (".cc", ".cu", ".cuh", ".h"):
+            assert "getenv(\"JAX_EP" not in path.read_text(), path.name
 
 
 def test_config_must_be_a_config():
@@ -88,13 +137,22 @@ def _lower(fn, layout_rows=4):
     return f.trace(x, idx).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _attrs(text, target):
-    """{attribute: value} of each call of `target`, in program order."""
+def call_attributes(text, target):
+    """{attribute: value} of each call of `target` in a lowered program, in program order:
+    integers, floats, strings and booleans, the `tuning` dictionary's entries among them."""
     calls = []
     for line in text.splitlines():
-        if f"custom_call @{target}(" in line:
-            calls.append({k: int(v) for k, v in re.findall(r"(\w+) = (-?\d+) : i64", line)})
+        if f"custom_call @{target}(" not in line:
+            continue
+        attrs = {k: int(v) for k, v in re.findall(r"(\w+) = (-?\d+) : i64", line)}
+        attrs.update({k: float(v) for k, v in re.findall(r"(\w+) = ([-+.\deE]+) : f64", line)})
+        attrs.update(re.findall(r'(\w+) = "([^"]*)"', line))
+        attrs.update({k: v == "true" for k, v in re.findall(r"(\w+) = (true|false)\b", line)})
+        calls.append(attrs)
     return calls
+
+
+_attrs = call_attributes
 
 
 def test_the_config_reaches_the_custom_calls_and_the_handle_keeps_it():
@@ -110,10 +168,13 @@ def test_the_config_reaches_the_custom_calls_and_the_handle_keeps_it():
 
     text = _lower(fn)
     (dispatch,) = _attrs(text, "jax_ep_dispatch")
-    assert dispatch["push"] == _cuda._DISPATCH_MODES["pull"] and dispatch["num_blocks"] == 24
+    assert dispatch["path"] == "pull" and dispatch["num_blocks"] == 24
+    assert dispatch["layout"] == "rank_major" and dispatch["has_scales"] is False
+    assert dispatch["copy_chunk_bytes"] == 16 << 20 and dispatch["timeout_s"] == 100.0
     first, second = _attrs(text, "jax_ep_combine")
-    assert first["num_blocks"] == 24 and first["copy_engine"] == 0  # the dispatch's config
-    assert second["num_blocks"] == 0 and second["copy_engine"] == 1  # its own
+    assert first["num_blocks"] == 24 and first["path"] == "pull"  # the dispatch's config
+    # its own: the copy engines at their CTA default on 2 ranks
+    assert second["num_blocks"] == cfg.copy_engine_blocks(2) == 32 and second["path"] == "copy"
 
 
 def test_environment_overrides_apply_when_no_config(monkeypatch):
@@ -121,6 +182,8 @@ def test_environment_overrides_apply_when_no_config(monkeypatch):
 
     monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
     monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "16")
+    monkeypatch.setenv("JAX_EP_COPY_CHUNK_MB", "1.5")
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "7.5")
 
     def fn(x, idx):
         out = _cuda.dispatch(x, None, idx, jnp.ones(idx.shape, jnp.float32),
@@ -128,7 +191,8 @@ def test_environment_overrides_apply_when_no_config(monkeypatch):
         return out.x
 
     (dispatch,) = _attrs(_lower(fn), "jax_ep_dispatch")
-    assert dispatch["push"] == _cuda._DISPATCH_MODES["copy"] and dispatch["num_blocks"] == 16
+    assert dispatch["path"] == "copy" and dispatch["num_blocks"] == 16
+    assert dispatch["copy_chunk_bytes"] == 3 << 19 and dispatch["timeout_s"] == 7.5
 
 
 def _dispatch_config(layout, tuning):
@@ -143,11 +207,9 @@ def test_the_process_config_fills_what_a_call_leaves_unset(monkeypatch):
     monkeypatch.setenv("JAX_EP_DISPATCH", "pull")
     cfg.set_process_config(jax_ep.Config(dispatch_path="copy", num_blocks=12))
     try:
-        assert cfg.resolve(None, layout="rank_major", **SHAPE) == jax_ep.Config("copy", "pull",
-                                                                                12)
+        assert cfg.resolve(None, layout="rank_major", **SHAPE) == _full("copy", "pull", 12)
         mine = jax_ep.Config(dispatch_path="fused")
-        assert cfg.resolve(mine, layout="rank_major", **SHAPE) == jax_ep.Config("fused",
-                                                                                "pull", 12)
+        assert cfg.resolve(mine, layout="rank_major", **SHAPE) == _full("fused", "pull", 12)
         with pytest.raises(TypeError, match="jax_ep.Config"):
             cfg.set_process_config("fused")
     finally:
@@ -164,8 +226,8 @@ def test_runtime_variables_are_read_in_the_config_module(monkeypatch):
     assert runtime.default_low_latency_bytes() == 4096
     monkeypatch.delenv("JAX_EP_BUFFER_BYTES")
     assert runtime.default_buffer_bytes() == runtime.DEFAULT_BUFFER_BYTES
-    monkeypatch.setenv("JAX_EP_INIT_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="JAX_EP_INIT_TIMEOUT_S must be a number"):
-        cfg.init_timeout_s()
+    monkeypatch.setenv("JAX_EP_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="JAX_EP_TIMEOUT_S must be a number"):
+        cfg.timeout_s(None)
     monkeypatch.setenv("JAX_EP_COMMAND_BUFFERS", "1")
     assert cfg.command_buffers()

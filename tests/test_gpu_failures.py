@@ -34,7 +34,7 @@ def _reason():
 
 @pytest.mark.skipif(_reason() is not None, reason=f"GPU failure tests: {_reason()}")
 def test_missing_peer_times_out_with_its_name():
-    env = dict(os.environ, JAX_EP_TIMEOUT_S="3", JAX_EP_FAULT_EXIT_S="5", PYTHONPATH=REPO,
+    env = dict(os.environ, JAX_EP_TIMEOUT_S="3", PYTHONPATH=REPO,
                XLA_FLAGS="")
     env.pop("JAX_PLATFORMS", None)  # conftest pins this process to the CPU; the job needs GPUs
     probe = os.path.join(REPO, "tests", "gpu_timeout_probe.py")

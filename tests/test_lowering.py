@@ -154,12 +154,12 @@ def test_auto_picks_the_copy_engine_paths_for_few_ranks(monkeypatch):
     of the tokens (2 and 4 ranks, top-8 of 256), fused / pull otherwise."""
     monkeypatch.setenv("JAX_EP_DISPATCH", "auto")
     monkeypatch.setenv("JAX_EP_COMBINE", "auto")
-    copy = _cuda._DISPATCH_MODES["copy"]
     for R, want in [(2, True), (4, True), (8, False)]:
-        assert bool(_cuda._push_dispatch(R, 8, 256, "rank_major") == copy) is want
-        assert bool(_cuda._copy_combine(R, 8, 256, "rank_major")) is want
-        assert _cuda._push_dispatch(R, 8, 256, "expert_major") == _cuda._DISPATCH_MODES["fused"]
-        assert not _cuda._copy_combine(R, 8, 256, "expert_major")
+        rank_major = _cuda._resolve(None, R, 8, 256, "rank_major")
+        assert (rank_major.dispatch_path == "copy") is want
+        assert (rank_major.combine_path == "copy") is want
+        expert_major = _cuda._resolve(None, R, 8, 256, "expert_major")
+        assert (expert_major.dispatch_path, expert_major.combine_path) == ("fused", "pull")
 
 
 def _lowered_dispatch_combine(layout):
@@ -180,36 +180,44 @@ def _lowered_dispatch_combine(layout):
     return _lowered_for_cuda(per_device, x, idx, w)
 
 
-def test_combine_lowering_carries_the_copy_engine_attribute(monkeypatch):
-    for mode, dispatch_push, copy_engine in [("pull", 2, 0), ("copy", 4, 1)]:
+def _calls(text, target):
+    from test_config import call_attributes
+
+    return call_attributes(text, target)
+
+
+def test_combine_lowering_carries_its_path(monkeypatch):
+    for mode in ("pull", "copy"):
         monkeypatch.setenv("JAX_EP_COMBINE", mode)
         monkeypatch.setenv("JAX_EP_DISPATCH", "fused" if mode == "pull" else "copy")
         text = _lowered_dispatch_combine("rank_major")
-        assert re.search(rf"copy_engine = {copy_engine} : i64", text), mode
-        assert re.search(rf"push = {dispatch_push} : i64", text), mode
+        ((dispatch,), (combine,)) = _calls(text, "jax_ep_dispatch"), _calls(text, "jax_ep_combine")
+        assert combine["path"] == mode and combine["layout"] == "rank_major", mode
+        assert dispatch["path"] == ("fused" if mode == "pull" else "copy"), mode
 
 
 def test_dispatch_lowering_carries_the_data_path(monkeypatch):
-    """JAX_EP_DISPATCH -> the dispatch's `push` attribute, the values the handler accepts."""
+    """JAX_EP_DISPATCH -> the dispatch's `path` attribute, the names the handler accepts."""
     monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
-    for mode, value in [("pull", 0), ("fused", 2), ("copy", 4)]:
+    for mode in ("pull", "fused", "copy"):
         monkeypatch.setenv("JAX_EP_DISPATCH", mode)
-        text = _lowered_dispatch_combine("rank_major")
-        assert re.search(rf"push = {value} : i64", text), mode
+        (dispatch,) = _calls(_lowered_dispatch_combine("rank_major"), "jax_ep_dispatch")
+        assert dispatch["path"] == mode
 
 
 def test_source_slots_selects_the_copy_engines(monkeypatch):
-    """source_slots: the dispatch passes its layout to the kernels (which always use the copy
-    engines), the combine defaults to copy and JAX_EP_COMBINE=pull still picks pull."""
+    """source_slots: the dispatch always takes the copy path, the combine defaults to copy and
+    JAX_EP_COMBINE=pull still picks pull."""
     monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
-    for mode, copy_engine in [(None, 1), ("pull", 0), ("copy", 1)]:
+    for mode, combine_path in [(None, "copy"), ("pull", "pull"), ("copy", "copy")]:
         if mode is None:
             monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
         else:
             monkeypatch.setenv("JAX_EP_COMBINE", mode)
         text = _lowered_dispatch_combine("source_slots")
-        assert len(re.findall(r"source_slots = 1 : i64", text)) == 2, mode  # both calls
-        assert re.search(rf"copy_engine = {copy_engine} : i64", text), mode
+        ((dispatch,), (combine,)) = _calls(text, "jax_ep_dispatch"), _calls(text, "jax_ep_combine")
+        assert dispatch["layout"] == combine["layout"] == "source_slots", mode
+        assert dispatch["path"] == "copy" and combine["path"] == combine_path, mode
 
 
 def test_cuda_layout_results_vary_like_the_reference():
@@ -248,12 +256,12 @@ def _expert_major_call(op, num_topk, monkeypatch, dispatch_mode="fused"):
 
 def test_cuda_limits_are_checked_at_trace_time(monkeypatch):
     """What the kernels cannot take is refused while tracing, with the limit and the way out,
-    not by the handler at run time: push dispatches and every combine keep a token's
+    not by the handler at run time: fused dispatches and every combine keep a token's
     destinations in registers (at most max_sources), the low-latency kernels top-k <= 32."""
     limits = _cuda._limits()
     big = limits["max_sources"] + 1
     assert "jax_ep_dispatch" in _expert_major_call("dispatch", limits["max_sources"], monkeypatch)
-    with pytest.raises(ValueError, match=rf"push dispatch .*at most {big - 1} .*top-k {big}"):
+    with pytest.raises(ValueError, match=rf"fused dispatch .*at most {big - 1} .*top-k {big}"):
         _expert_major_call("dispatch", big, monkeypatch)
     # pull has no such limit; the combine has
     assert "jax_ep_dispatch" in _expert_major_call("dispatch", big, monkeypatch, "pull")
@@ -277,6 +285,6 @@ def test_copy_engine_rank_limit_is_checked_at_trace_time(monkeypatch):
     with pytest.raises(ValueError, match="source_slots layout.*at most 1 ranks"):
         _lowered_dispatch_combine("source_slots")
     monkeypatch.setenv("JAX_EP_DISPATCH", "copy")
-    with pytest.raises(ValueError, match="JAX_EP_DISPATCH=copy.*at most 1 ranks"):
+    with pytest.raises(ValueError, match="dispatch_path 'copy'.*at most 1 ranks"):
         _lowered_dispatch_combine("rank_major")
     assert limit == _cuda._MAX_COPY_RANKS  # the auto selection's copy of the limit

@@ -78,18 +78,19 @@ def test_diagnostics_before_initialize():
         module.profile_read()
 
 
-def test_dispatch_modes_are_checked(monkeypatch):
-    from jax_ep import _cuda
+def test_dispatch_paths_are_checked(monkeypatch):
+    from jax_ep import config
 
+    shape = dict(num_ranks=2, num_topk=8, num_experts=256, layout="rank_major")
     monkeypatch.delenv("JAX_EP_DISPATCH", raising=False)
-    assert _cuda._push_dispatch() == 2  # fused by default
-    for mode, value in (("pull", 0), ("fused", 2), ("copy", 4)):
-        monkeypatch.setenv("JAX_EP_DISPATCH", mode)
-        assert _cuda._push_dispatch() == value
-    for mode in ("bogus", "push", "bulk"):
-        monkeypatch.setenv("JAX_EP_DISPATCH", mode)
+    assert config.dispatch_path(None, **shape) == "fused"  # the default
+    for path in ("pull", "fused", "copy"):
+        monkeypatch.setenv("JAX_EP_DISPATCH", path)
+        assert config.dispatch_path(None, **shape) == path
+    for path in ("bogus", "push", "bulk"):
+        monkeypatch.setenv("JAX_EP_DISPATCH", path)
         with pytest.raises(ValueError, match="JAX_EP_DISPATCH"):
-            _cuda._push_dispatch()
+            config.dispatch_path(None, **shape)
 
 
 def test_missing_extension_is_reported_clearly():

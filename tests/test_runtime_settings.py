@@ -130,13 +130,12 @@ def test_the_shared_variables_are_the_ones_the_backend_reads():
 def test_a_rank_arriving_after_the_others_gave_up_fails_at_the_barrier(monkeypatch):
     """Rank 0 times out waiting for rank 1's settings; rank 1 arrives later, finds them all
     and agrees, but must not go on into NVSHMEM's bootstrap (nobody would join it)."""
-    monkeypatch.setattr(runtime, "_KV_TIMEOUT_MS", 200)
     store, settings = FakeKeyValueStore(), runtime._shared_settings(1 << 30, 0)
     store.world = 2
     with pytest.raises(AssertionError):  # the fake store's timeout
-        runtime._agree(store, 0, 2, 0, dict(settings))
+        runtime._agree(store, 0, 2, 0, dict(settings), 0.2)
     with pytest.raises(RuntimeError, match="DEADLINE_EXCEEDED"):
-        runtime._agree(store, 1, 2, 0, dict(settings))
+        runtime._agree(store, 1, 2, 0, dict(settings), 0.2)
 
 
 def test_agreement_through_jax_distributed_on_cpu(tmp_path):

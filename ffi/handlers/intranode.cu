@@ -2,9 +2,8 @@
 // jax_ep_combine. They validate shapes, check the symmetric buffer is large enough, fill the
 // kernels' argument structs and launch; nothing here waits for the device.
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "handlers/common.h"
 #include "handlers/handlers.h"
@@ -12,26 +11,14 @@
 #include "kernels/intranode.h"
 #include "runtime/diagnostics.h"
 #include "runtime/runtime.h"
-#include "transport/copy_engine.h"
 
 namespace jax_ep {
 namespace {
 
 constexpr int kDefaultBlocks = 64;
-// Values of the dispatch's `push` attribute (the data path; jax_ep/_cuda.py, _DISPATCH_MODES).
-constexpr int64_t kDispatchPull = 0, kDispatchFused = 2, kDispatchCopy = 4;
-
-uint64_t timeout_ns() {
-  static const uint64_t value = [] {
-    const char* env = std::getenv("JAX_EP_TIMEOUT_S");
-    double seconds = env ? std::atof(env) : 100.0;
-    return static_cast<uint64_t>((seconds > 0 ? seconds : 100.0) * 1e9);
-  }();
-  return value;
-}
 
 ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t needed,
-                        PeerContext* ctx) {
+                        const Tuning& tuning, PeerContext* ctx) {
   const Transport* t = transport();
   if (t == nullptr)
     return invalid(std::string(op) + ": the runtime is not initialised: call "
@@ -42,8 +29,8 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
                    std::to_string(t->bytes) + "; pass buffer_bytes >= " +
                    std::to_string(needed) + " to jax_ep.runtime.initialize()");
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
-  *ctx = PeerContext{t->peers,    t->rank,          t->num_ranks,
-                    timeout_ns(), rank.typed_data(), device_fault_record(),
+  *ctx = PeerContext{t->peers,           t->rank,          t->num_ranks,
+                    tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
                     next_profile_row()};
   return ffi::Error::Success();
 }
@@ -62,16 +49,11 @@ int blocks_or_default(int64_t num_blocks) {
   return num_blocks > 0 ? static_cast<int>(num_blocks) : kDefaultBlocks;
 }
 
-// CTAs of the copy-engine paths when JAX_EP_NUM_BLOCKS is unset. Their CTAs only copy locally
-// and need only keep pace with the copy engines: a rank's peers' rows arrive at ~382 GB/s
-// (copy engines, both directions busy, 2×H200) and its own rows, R/(R-1) as many in all, need
-// copying in the same time; one CTA is taken to copy ~32 GB/s locally (to calibrate on a
-// 2-GPU machine: docs/design.md, section 4.3). 24 CTAs on 2 ranks, 16 on 4, 14 on 8.
-// At most all SMs but kFreeSms: where the driver's stream write is not used (copy_engine.cu),
-// the chunks' flags are raised by one-thread kernels on the copy streams, which need room on
-// some SM while the waiting CTAs (up to a whole register file each) are resident.
-int copy_engine_blocks_or_default(int64_t num_blocks, int num_ranks) {
-  constexpr double kCopyEngineGBs = 382, kLocalCopyGBsPerCta = 32;
+// CTAs of the copy-engine paths (their default: jax_ep.config.copy_engine_blocks), at most
+// all SMs but kFreeSms: the chunks' landed flags are raised by one-thread kernels on the copy
+// streams, which need room on some SM while the waiting CTAs (up to a whole register file
+// each) are resident.
+int copy_engine_blocks(int64_t num_blocks) {
   constexpr int kFreeSms = 2;
   static const int sms = [] {
     int device = 0, n = 0;
@@ -79,11 +61,7 @@ int copy_engine_blocks_or_default(int64_t num_blocks, int num_ranks) {
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
     return n > 0 ? n : 1;
   }();
-  const int most = std::max(sms - kFreeSms, 1);
-  if (num_blocks > 0) return std::min(static_cast<int>(num_blocks), most);
-  const int peers = std::max(num_ranks - 1, 1);
-  const double need = kCopyEngineGBs * (peers + 1) / peers / kLocalCopyGBsPerCta;
-  return std::min(std::clamp(static_cast<int>(std::ceil(need - 1e-9)), 8, kDefaultBlocks), most);
+  return std::min(blocks_or_default(num_blocks), std::max(sms - kFreeSms, 1));
 }
 
 ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
@@ -98,9 +76,15 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> num_dropped,
                          ffi::ResultBuffer<ffi::S32> send_slot, ffi::ResultBuffer<ffi::S32> src_rank,
                          ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
-                         ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts, int64_t capacity, int64_t expert_major,
-                         int64_t alignment, int64_t has_scales, int64_t num_blocks,
-                         int64_t push_mode, int64_t source_slots) {
+                         ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
+                         int64_t capacity, int64_t alignment, std::string_view layout_name,
+                         std::string_view path, bool has_scales, Tuning tuning) {
+  Layout layout;
+  if (!parse_layout(layout_name, &layout))
+    return invalid("dispatch: layout must be rank_major, expert_major or source_slots, got " +
+                   std::string(layout_name));
+  const bool expert_major = layout == Layout::kExpertMajor;
+  const bool source_slots = layout == Layout::kSourceSlots;
   auto x_dims = x.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0])
@@ -145,16 +129,17 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return invalid("dispatch: the rows' result must have x's dtype and the scales' "
                    "[capacity, H / 128]");
   // pull, the fused push, or pull with the rows moved by the copy engines
-  if (push_mode != kDispatchPull && push_mode != kDispatchFused && push_mode != kDispatchCopy)
-    return invalid("dispatch: push must be " + std::to_string(kDispatchPull) + " (pull), " +
-                   std::to_string(kDispatchFused) + " (fused) or " +
-                   std::to_string(kDispatchCopy) + " (copy), got " + std::to_string(push_mode));
-  // source_slots always moves its rows by the copy engines (its reason to be); push is ignored
-  if (source_slots && t != nullptr && (expert_major || capacity != int64_t(R) * T))
-    return invalid("dispatch: source_slots needs rank_major rows and capacity = " +
+  if (path != "pull" && path != "fused" && path != "copy")
+    return invalid("dispatch: path must be pull, fused or copy, got " + std::string(path));
+  // source_slots always moves its rows by the copy engines (its reason to be)
+  if (source_slots && path != "copy")
+    return invalid("dispatch: the source_slots layout takes the copy path, got " +
+                   std::string(path));
+  if (source_slots && t != nullptr && capacity != int64_t(R) * T)
+    return invalid("dispatch: source_slots needs capacity = " +
                    std::to_string(int64_t(R) * T) + " (ranks x tokens)");
-  const bool copy_engine = push_mode == kDispatchCopy || source_slots;
-  const bool push = push_mode == kDispatchFused && !copy_engine;
+  const bool copy_engine = path == "copy";
+  const bool push = path == "fused";
   if (push && (expert_major ? K : R) > kMaxSources)
     return invalid("dispatch: push mode supports at most " + std::to_string(kMaxSources) +
                    (expert_major ? " top-k slots" : " ranks"));
@@ -162,8 +147,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return invalid("dispatch: the push dispatch of expert_major supports at most " +
                    std::to_string(kMaxStageRanks) + " ranks");
   if (copy_engine && R > kMaxCopyRanks)
-    return invalid("dispatch: the copy-engine path (JAX_EP_DISPATCH=copy and the source_slots "
-                   "layout) supports at most " + std::to_string(kMaxCopyRanks) + " ranks");
+    return invalid("dispatch: the copy-engine path (path copy and the source_slots layout) "
+                   "supports at most " + std::to_string(kMaxCopyRanks) + " ranks");
   const size_t tables = dispatch_table_bytes(R, static_cast<int>(num_experts), expert_major);
   if (!source_slots && tables > size_t(max_block_shared_memory()))
     return invalid("dispatch: the routing tables of " + std::to_string(num_experts) +
@@ -172,34 +157,34 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                    std::to_string(max_block_shared_memory()) + " this GPU allows" +
                    (expert_major ? " (the rank_major layout needs far less)" : ""));
   RegionPlan plan = copy_engine ? plan_dispatch_copy(R, T, K, static_cast<int>(num_experts),
-                                                     expert_major != 0, size_t(H) * elem,
+                                                     expert_major, size_t(H) * elem,
                                                      scale_row)
                                 : plan_dispatch(R, T, K, static_cast<int>(num_experts),
-                                                expert_major != 0, size_t(H) * elem, scale_row);
+                                                expert_major, size_t(H) * elem, scale_row);
   PushPlan push_plan =
-      plan_dispatch_push(R, T, K, static_cast<int>(num_experts), expert_major != 0,
+      plan_dispatch_push(R, T, K, static_cast<int>(num_experts), expert_major,
                          static_cast<int>(capacity), size_t(H) * elem, scale_row);
   DispatchArgs a{};
   const size_t needed = copy_engine ? plan.end
                                     : dispatch_bytes(R, T, K, static_cast<int>(num_experts),
-                                                     expert_major != 0, static_cast<int>(capacity),
+                                                     expert_major, static_cast<int>(capacity),
                                                      size_t(H) * elem, scale_row, push);
-  if (auto err = peer_context("dispatch", rank, needed, &a.ctx); err.failure())
+  if (auto err = peer_context("dispatch", rank, needed, tuning, &a.ctx); err.failure())
     return err;
   a.plan = plan;
   a.push = push_plan;
   a.fused = push;
   a.copy_engine = copy_engine;
-  a.source_slots = source_slots != 0;
-  a.engine_local = a.source_slots && slots_copy_by_engine() && copy_engine_waits_available();
+  a.source_slots = source_slots;
+  a.copy_chunk_bytes = size_t(std::max<int64_t>(tuning.copy_chunk_bytes, 1));
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);
   a.capacity = static_cast<int>(capacity);
   a.alignment = static_cast<int>(alignment);
-  a.expert_major = expert_major != 0;
-  a.num_blocks = copy_engine ? copy_engine_blocks_or_default(num_blocks, R)
-                             : blocks_or_default(num_blocks);
+  a.expert_major = expert_major;
+  a.num_blocks = copy_engine ? copy_engine_blocks(tuning.num_blocks)
+                             : blocks_or_default(tuning.num_blocks);
   a.x = x.untyped_data();
   a.x_row_bytes = size_t(H) * elem;
   a.scales = has_scales ? x_scales.typed_data() : nullptr;
@@ -227,7 +212,7 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::S32> pair_row, ffi::AnyBuffer y,
                                 ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank,
                                 ffi::Result<ffi::AnyBuffer> out,
-                                ffi::ResultBuffer<ffi::F32> d_weights, int64_t num_blocks) {
+                                ffi::ResultBuffer<ffi::F32> d_weights, Tuning tuning) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return invalid("cached_dispatch: x must be [T, D]");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(x.element_type());
@@ -238,7 +223,8 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
     return invalid("cached_dispatch: result must be [capacity, D] of x's dtype");
   CachedDispatchArgs a{};
   if (auto err =
-          peer_context("cached_dispatch", rank, cached_dispatch_bytes(T, row_bytes), &a.ctx);
+          peer_context("cached_dispatch", rank, cached_dispatch_bytes(T, row_bytes), tuning,
+                       &a.ctx);
       err.failure())
     return err;
   // expert_major handles carry pair_row [R, T, K]; the others an empty one
@@ -268,7 +254,7 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
   }
   a.num_tokens = T;
   a.capacity = C;
-  a.num_blocks = blocks_or_default(num_blocks);
+  a.num_blocks = blocks_or_default(tuning.num_blocks);
   a.x = x.untyped_data();
   a.row_bytes = row_bytes;
   a.src_rank = src_rank.typed_data();
@@ -282,8 +268,16 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
                         ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> src_rank,
                         ffi::Buffer<ffi::S32> pair_row, ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                        int64_t expert_major, int64_t num_blocks, int64_t copy_engine,
-                        int64_t source_slots) {
+                        std::string_view layout_name, std::string_view path, Tuning tuning) {
+  Layout layout;
+  if (!parse_layout(layout_name, &layout))
+    return invalid("combine: layout must be rank_major, expert_major or source_slots, got " +
+                   std::string(layout_name));
+  if (path != "pull" && path != "copy")
+    return invalid("combine: path must be pull or copy, got " + std::string(path));
+  const bool expert_major = layout == Layout::kExpertMajor;
+  const bool source_slots = layout == Layout::kSourceSlots;
+  const bool copy_engine = path == "copy";
   auto y_dims = y.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (y_dims.size() != 2 || idx_dims.size() != 2)
@@ -312,9 +306,11 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   const size_t needed = !copy_engine || t == nullptr ? combine_bytes(C, row_bytes)
                         : source_slots ? plan_combine_slots(t->num_ranks, T, row_bytes).end
                                        : plan_combine_copy(t->num_ranks, T, row_bytes).end;
-  if (auto err = peer_context("combine", rank, needed, &a.ctx); err.failure()) return err;
-  a.copy_engine = copy_engine != 0;
-  a.source_slots = source_slots != 0;
+  if (auto err = peer_context("combine", rank, needed, tuning, &a.ctx); err.failure())
+    return err;
+  a.copy_engine = copy_engine;
+  a.source_slots = source_slots;
+  a.copy_chunk_bytes = size_t(std::max<int64_t>(tuning.copy_chunk_bytes, 1));
   if (num_experts < a.ctx.num_ranks || num_experts % a.ctx.num_ranks != 0)
     return invalid("combine: num_experts must be a positive multiple of the " +
                    std::to_string(a.ctx.num_ranks) + " NVSHMEM PEs");
@@ -331,9 +327,9 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.num_experts = static_cast<int>(num_experts);
   a.capacity = C;
   a.hidden = H;
-  a.expert_major = expert_major != 0;
-  a.num_blocks = a.copy_engine ? copy_engine_blocks_or_default(num_blocks, a.ctx.num_ranks)
-                               : blocks_or_default(num_blocks);
+  a.expert_major = expert_major;
+  a.num_blocks = a.copy_engine ? copy_engine_blocks(tuning.num_blocks)
+                               : blocks_or_default(tuning.num_blocks);
   a.dtype = dtype;
   a.y = y.untyped_data();
   a.weights = weights.typed_data();
@@ -374,12 +370,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("expert_major")
                                   .Attr<int64_t>("alignment")
-                                  .Attr<int64_t>("has_scales")
-                                  .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("push")
-                                  .Attr<int64_t>("source_slots"));
+                                  .Attr<std::string_view>("layout")
+                                  .Attr<std::string_view>("path")
+                                  .Attr<bool>("has_scales")
+                                  .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
                               ffi::Ffi::Bind()
@@ -393,7 +388,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                               ffi::Ffi::Bind()
@@ -408,7 +403,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("expert_major")
-                                  .Attr<int64_t>("num_blocks")
-                                  .Attr<int64_t>("copy_engine")
-                                  .Attr<int64_t>("source_slots"));
+                                  .Attr<std::string_view>("layout")
+                                  .Attr<std::string_view>("path")
+                                  .Attr<jax_ep::Tuning>("tuning"));

@@ -2,8 +2,6 @@
 // jax_ep_ll_combine_send / _receive, and the fused jax_ep_ll_dispatch / jax_ep_ll_combine. They validate shapes, check the low-latency buffer is
 // large enough, fill the kernels' argument structs and launch; nothing here waits for the
 // device.
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "handlers/common.h"
@@ -17,26 +15,6 @@ namespace jax_ep {
 namespace {
 
 constexpr size_t kMaxStaticSmem = 48 * 1024;  // dynamic shared memory without opting in
-
-uint64_t timeout_ns() {
-  static const uint64_t value = [] {
-    const char* env = std::getenv("JAX_EP_TIMEOUT_S");
-    double seconds = env ? std::atof(env) : 100.0;
-    return static_cast<uint64_t>((seconds > 0 ? seconds : 100.0) * 1e9);
-  }();
-  return value;
-}
-
-// JAX_EP_LL_LOCAL_FIRST=1: the dispatch copies this rank's own pairs before it waits for its
-// peers (copy_local_pairs / copy_own_records). Off by default: on one rank it costs 1.2-1.7 us;
-// what it saves on several GPUs (the local copy under the peers' flush) is not yet measured.
-bool local_first() {
-  static const bool value = [] {
-    const char* env = std::getenv("JAX_EP_LL_LOCAL_FIRST");
-    return env != nullptr && std::strcmp(env, "1") == 0;
-  }();
-  return value;
-}
 
 int sm_count() {
   static const int value = [] {
@@ -84,7 +62,7 @@ std::string hint_text() {
 // one parity of this call needs; `combine` picks the combine area.
 ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_experts,
                       int64_t max_tokens, int64_t num_topk, size_t region, bool combine,
-                      PeerContext* ctx, size_t* begin, size_t* end) {
+                      const Tuning& tuning, PeerContext* ctx, size_t* begin, size_t* end) {
   const Transport* t = transport();
   if (t == nullptr)
     return invalid(std::string(op) + ": the runtime is not initialised: call "
@@ -108,8 +86,8 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
     return invalid(std::string(op) + ": this call needs a low-latency buffer of " +
                    std::to_string(needed) + " bytes but the runtime has " +
                    std::to_string(t->ll_bytes) + "; " + hint_text());
-  *ctx = PeerContext{t->ll_peers,  t->rank,          t->num_ranks,
-                    timeout_ns(), rank.typed_data(), device_fault_record(),
+  *ctx = PeerContext{t->ll_peers,          t->rank,          t->num_ranks,
+                    tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
                     next_profile_row()};
   *begin = combine ? areas.combine_begin : areas.dispatch_begin;
   *end = combine ? areas.combine_end : areas.dispatch_end;
@@ -126,8 +104,8 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                               ffi::ResultBuffer<ffi::S32> send_slot,
                               ffi::ResultBuffer<ffi::S32> call,
                               ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
-                              int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
-                              int64_t num_blocks, LLDispatchSendArgs& a) {
+                              int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
+                              const Tuning& tuning, LLDispatchSendArgs& a) {
   const char* op = "low_latency_dispatch (send)";
   auto x_dims = x.dimensions();
   auto idx_dims = topk_idx.dimensions();
@@ -165,8 +143,8 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
   const int R = num_ranks_or_one();
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens), K,
                             a.row_bytes, a.scale_bytes);
-  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, false, &a.ctx,
-                            &a.area_begin, &a.area_end);
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, false, tuning,
+                            &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
   const int E = static_cast<int>(num_experts);
@@ -180,7 +158,7 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
   a.num_experts = E;
   a.max_tokens = static_cast<int>(max_tokens);
   a.hidden = D;
-  a.num_blocks = blocks_or_default(num_blocks);
+  a.num_blocks = blocks_or_default(tuning.num_blocks);
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.slots_in = a.cached ? slots_in.typed_data() : nullptr;
@@ -195,11 +173,11 @@ ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> send_slot,
                               ffi::ResultBuffer<ffi::S32> call,
                               ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
-                              int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
-                              int64_t num_blocks) {
+                              int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
+                              Tuning tuning) {
   LLDispatchSendArgs a;
   if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
-                                    num_experts, max_tokens, use_fp8, ue8m0, cached, num_blocks,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, tuning,
                                     a);
       err.failure())
     return err;
@@ -216,7 +194,7 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
                                  ffi::ResultBuffer<ffi::S32> src_k,
                                  ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
-                                 int64_t num_blocks, LLDispatchReceiveArgs& a) {
+                                 const Tuning& tuning, LLDispatchReceiveArgs& a) {
   const char* op = "low_latency_dispatch (receive)";
   auto dims = out_x->dimensions();
   const int R = num_ranks_or_one();
@@ -253,14 +231,14 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
                             static_cast<int>(num_topk), a.row_bytes, a.scale_bytes);
   if (auto err = ll_context(op, rank, num_experts, max_tokens, num_topk, a.plan.bytes, false,
-                            &a.ctx, &a.area_begin, &a.area_end);
+                            tuning, &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
   a.num_experts = static_cast<int>(num_experts);
   a.max_tokens = static_cast<int>(max_tokens);
   a.num_tokens = static_cast<int>(num_tokens);
   a.num_topk = static_cast<int>(num_topk);
-  a.num_blocks = blocks_or_default(num_blocks);
+  a.num_blocks = blocks_or_default(tuning.num_blocks);
   a.call = call;
   a.out_x = out_x->untyped_data();
   a.out_scales = fp8 ? out_scales->typed_data() : nullptr;
@@ -269,7 +247,6 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   a.src_token = want_src ? src_token->typed_data() : nullptr;
   a.src_k = want_src ? src_k->typed_data() : nullptr;
   a.pair_row = want_src ? pair_row->typed_data() : nullptr;
-  a.local_first = local_first();
   return ffi::Error::Success();
 }
 
@@ -282,13 +259,13 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call
                                  ffi::ResultBuffer<ffi::S32> src_k,
                                  ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
-                                 int64_t num_blocks) {
+                                 Tuning tuning) {
   if (call.element_count() != 2)
     return invalid("low_latency_dispatch (receive): call must be [2] int32");
   LLDispatchReceiveArgs a;
   if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
                                        src_rank, src_token, src_k, pair_row, num_experts,
-                                       max_tokens, num_tokens, num_topk, num_blocks, a);
+                                       max_tokens, num_tokens, num_topk, tuning, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_dispatch_receive(a, stream), "low_latency_dispatch (receive)");
@@ -305,18 +282,18 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_rank, ffi::ResultBuffer<ffi::S32> src_token,
                          ffi::ResultBuffer<ffi::S32> src_k,
                          ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
-                         int64_t max_tokens, int64_t use_fp8, int64_t ue8m0, int64_t cached,
-                         int64_t num_blocks) {
+                         int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
+                         Tuning tuning) {
   LLDispatchSendArgs send;
   if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
-                                    num_experts, max_tokens, use_fp8, ue8m0, cached, num_blocks,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, tuning,
                                     send);
       err.failure())
     return err;
   LLDispatchReceiveArgs receive;
   if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
                                        src_rank, src_token, src_k, pair_row, num_experts,
-                                       max_tokens, send.num_tokens, send.num_topk, num_blocks,
+                                       max_tokens, send.num_tokens, send.num_topk, tuning,
                                        receive);
       err.failure())
     return err;
@@ -334,7 +311,7 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
-                             int64_t num_experts, int64_t max_tokens, int64_t num_blocks,
+                             int64_t num_experts, int64_t max_tokens, const Tuning& tuning,
                              LLCombineSendArgs& a) {
   const char* op = "low_latency_combine (send)";
   auto dims = y.dimensions();
@@ -362,8 +339,8 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
-  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, &a.ctx,
-                            &a.area_begin, &a.area_end);
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, tuning,
+                            &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
   a.num_local_experts = L;
@@ -374,7 +351,7 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   a.num_tokens = T;
   a.dtype = dtype;
   a.hidden = static_cast<int>(dims[2]);
-  a.num_blocks = blocks_or_default(num_blocks);
+  a.num_blocks = blocks_or_default(tuning.num_blocks);
   a.y = y.untyped_data();
   a.recv_count = recv_count.typed_data();
   a.pair_row = pair_row.typed_data();
@@ -388,11 +365,11 @@ ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
-                             int64_t num_experts, int64_t max_tokens, int64_t num_blocks) {
+                             int64_t num_experts, int64_t max_tokens, Tuning tuning) {
   LLCombineSendArgs a;
   if (auto err = make_combine_send(y, recv_count, pair_row, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
-                                   num_blocks, a);
+                                   tuning, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_combine_send(a, stream), "low_latency_combine (send)");
@@ -401,7 +378,7 @@ ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y,
 ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_idx,
                                 ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> rank,
                                 ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                                int64_t max_tokens, int64_t num_blocks,
+                                int64_t max_tokens, const Tuning& tuning,
                                 LLCombineReceiveArgs& a) {
   const char* op = "low_latency_combine (receive)";
   auto idx_dims = topk_idx.dimensions();
@@ -420,15 +397,15 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
     return invalid(std::string(op) + ": the result must be bf16, f16 or f32");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(out->element_type());
   a.plan = plan_ll_combine(num_ranks_or_one(), static_cast<int>(max_tokens), K, row_bytes);
-  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, &a.ctx,
-                            &a.area_begin, &a.area_end);
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, tuning,
+                            &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = static_cast<int>(num_experts);
   a.hidden = static_cast<int>(dims[1]);
-  a.num_blocks = blocks_or_default(num_blocks);
+  a.num_blocks = blocks_or_default(tuning.num_blocks);
   a.call = call;
   a.out = out->untyped_data();
   return ffi::Error::Success();
@@ -437,12 +414,12 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
 ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
                                 ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                                int64_t num_experts, int64_t max_tokens, int64_t num_blocks) {
+                                int64_t num_experts, int64_t max_tokens, Tuning tuning) {
   if (call.element_count() != 2)
     return invalid("low_latency_combine (receive): call must be [2] int32");
   LLCombineReceiveArgs a;
   if (auto err = make_combine_receive(call.typed_data(), topk_idx, send_slot, rank, out,
-                                      num_experts, max_tokens, num_blocks, a);
+                                      num_experts, max_tokens, tuning, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_combine_receive(a, stream), "low_latency_combine (receive)");
@@ -455,18 +432,18 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
                         ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts, int64_t max_tokens,
-                        int64_t num_blocks) {
+                        Tuning tuning) {
   if (out->element_type() != y.element_type())
     return invalid("low_latency_combine: the result must have y's dtype");
   LLCombineSendArgs send;
   if (auto err = make_combine_send(y, recv_count, pair_row, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
-                                   num_blocks, send);
+                                   tuning, send);
       err.failure())
     return err;
   LLCombineReceiveArgs receive;
   if (auto err = make_combine_receive(send.call_out, topk_idx, send_slot, rank, out, num_experts,
-                                      max_tokens, num_blocks, receive);
+                                      max_tokens, tuning, receive);
       err.failure())
     return err;
   if (receive.plan.bytes != send.plan.bytes || receive.hidden != send.hidden)
@@ -492,10 +469,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::dispatch_send_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("use_fp8")
-                                  .Attr<int64_t>("ue8m0")
-                                  .Attr<int64_t>("cached")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<bool>("use_fp8")
+                                  .Attr<bool>("ue8m0")
+                                  .Attr<bool>("cached")
+                                  .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_impl,
                               ffi::Ffi::Bind()
@@ -513,7 +490,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_i
                                   .Attr<int64_t>("max_tokens")
                                   .Attr<int64_t>("num_tokens")
                                   .Attr<int64_t>("num_topk")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
                               ffi::Ffi::Bind()
@@ -528,7 +505,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_impl,
                               ffi::Ffi::Bind()
@@ -540,7 +517,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_imp
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
                               ffi::Ffi::Bind()
@@ -561,10 +538,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("use_fp8")
-                                  .Attr<int64_t>("ue8m0")
-                                  .Attr<int64_t>("cached")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<bool>("use_fp8")
+                                  .Attr<bool>("ue8m0")
+                                  .Attr<bool>("cached")
+                                  .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
                               ffi::Ffi::Bind()
@@ -580,4 +557,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<jax_ep::Tuning>("tuning"));

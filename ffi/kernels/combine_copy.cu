@@ -77,7 +77,7 @@ cudaError_t enqueue_combine_copies(const CombineArgs& a, size_t row_bytes, cudaS
 }
 
 // Copy-engine combine, source_slots: an owner's rows are one block of y, so each chunk goes
-
+// straight from y (and the weights) to the owner's landing area; no stage kernels.
 cudaError_t enqueue_combine_slots(const CombineArgs& a, size_t row_bytes, cudaStream_t stream) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, T = a.num_tokens;
@@ -106,12 +106,12 @@ cudaError_t enqueue_combine_slots(const CombineArgs& a, size_t row_bytes, cudaSt
 cudaError_t launch_combine_copy(const CombineArgs& args, cudaStream_t stream) {
   CombineArgs a = args;
   const size_t row_bytes = element_size(a.dtype) * size_t(a.hidden);
-  if (a.source_slots)  // transfers only, no stage kernels: the dispatch's size
-    copy_chunking(a.num_tokens, row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
+  if (a.source_slots)
+    copy_chunking(a.num_tokens, row_bytes, a.copy_chunk_bytes, &a.copy_chunk_rows,
                   &a.copy_chunks);
-  else
+  else  // staged: rows travel as records (a row and its weight) of record_stride bytes
     copy_chunking(a.num_tokens, plan_combine_copy(1, 1, row_bytes).record_stride,
-                  kCombineCopyChunkMB, &a.copy_chunk_rows, &a.copy_chunks);
+                  a.copy_chunk_bytes, &a.copy_chunk_rows, &a.copy_chunks);
   cudaError_t status = a.source_slots ? enqueue_combine_slots(a, row_bytes, stream)
                                       : enqueue_combine_copies(a, row_bytes, stream);
   if (status == cudaSuccess)

@@ -195,7 +195,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   const int64_t least = a.expert_major ? 1 : 4;
   a.chunk_rows = static_cast<int>(std::max<int64_t>(least, (rows + counters - 1) / counters));
   if (a.copy_engine)
-    copy_chunking(a.num_tokens, a.x_row_bytes, kDispatchCopyChunkMB, &a.copy_chunk_rows,
+    copy_chunking(a.num_tokens, a.x_row_bytes, a.copy_chunk_bytes, &a.copy_chunk_rows,
                   &a.copy_chunks);
   if (a.source_slots) return launch_dispatch_slots(a, stream);
   const size_t tables = dispatch_table_bytes(R, E, a.expert_major);

@@ -72,11 +72,10 @@ struct DispatchArgs {
   // (plan_dispatch_copy) in chunks of copy_chunk_rows tokens, copy_chunks per source.
   bool copy_engine;
   int copy_chunk_rows, copy_chunks;
+  // Bytes of rows per copy-engine transfer, from the call's configuration.
+  size_t copy_chunk_bytes;
   // The source_slots layout: row s*T + t is source s's token t (copy_engine is set too).
   bool source_slots;
-  // source_slots with the rows copied into the output by this PE's copy engines too (after
-  // each chunk's landed flag), so that the CTAs write only metadata (JAX_EP_SLOTS_COPY=engine).
-  bool engine_local;
 };
 
 enum class ElementType { kBF16, kF16, kF32 };
@@ -108,6 +107,8 @@ struct CombineArgs {
   // copy_chunk_rows records per owner slot, copy_chunks per slot.
   bool copy_engine;
   int copy_chunk_rows, copy_chunks;
+  // Bytes of rows per copy-engine transfer, from the call's configuration.
+  size_t copy_chunk_bytes;
   // The source_slots layout (rank_major otherwise): with copy_engine, each owner's block of y
   // goes unstaged (plan_combine_slots).
   bool source_slots;
@@ -155,9 +156,6 @@ inline size_t dispatch_table_bytes(int num_ranks, int num_experts, bool expert_m
 int max_block_shared_memory();
 // The source_slots layout (slots_dispatch.cu): always the copy engines' transfers.
 cudaError_t launch_dispatch_slots(const DispatchArgs& args, cudaStream_t stream);
-// Transfer sizes: the dispatch's default is 4 MB, the combine's 8 MB (each of its chunks is
-// also a stage kernel).
-constexpr double kDispatchCopyChunkMB = 4, kCombineCopyChunkMB = 8;
 // The copy-engine dispatch's transfers (guard, then x to every peer's landing area).
 cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
 void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence);

@@ -3,28 +3,15 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
-
 namespace jax_ep {
 
-// Whether kernels are launched to start while the kernel before them drains (programmatic
-// stream serialization; each such kernel waits in wait_previous_kernel before reading
-// anything). On unless JAX_EP_PDL=0; read once.
-inline bool programmatic_launch() {
-  static const bool value = [] {
-    const char* env = std::getenv("JAX_EP_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  return value;
-}
-
-// programmatic_launch() for a launch on `stream`, except while the stream is captured into a
-// CUDA graph (JAX_EP_COMMAND_BUFFERS=1): the low-latency tests passed there with plain
-// launches, and programmatic edges in captured graphs, cooperative launches among them, have
-// not been run yet.
+// Kernels are launched to start while the kernel before them drains (programmatic stream
+// serialization; each such kernel waits in wait_previous_kernel before reading anything):
+// 2-4 µs less per normal-mode call on 2×H200 (benchmarks/RESULTS.md). Not while the stream
+// is captured into a CUDA graph (JAX_EP_COMMAND_BUFFERS=1): the low-latency tests passed
+// there with plain launches, and programmatic edges in captured graphs, cooperative launches
+// among them, have not been run.
 inline bool programmatic_launch_on(cudaStream_t stream) {
-  if (!programmatic_launch()) return false;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   return cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
          capture == cudaStreamCaptureStatusNone;

@@ -535,82 +535,12 @@ struct ReceiveUnit {
 };
 
 // Sources in every expert's block in the order me, me + 1, ..., me - 1 (position q of source
-// (me + q) % R): this rank's own pairs start each block, at rows known without any count, so
-// the fused dispatch copies them before the peers' records arrive (copy_local_pairs).
+// (me + q) % R): this rank's own pairs start each block, at rows known without any count.
 __device__ __forceinline__ int source_at(int q, int me, int R) {
   return q + me < R ? q + me : q + me - R;
 }
 __device__ __forceinline__ int position_of(int s, int me, int R) {
   return s >= me ? s - me : s - me + R;
-}
-
-// This rank's pair headers and records for call n, in its own buffer.
-struct OwnPairs {
-  const uint64_t* headers;  // [T][K] of source me
-  const char* data;         // the data section
-};
-__device__ __forceinline__ OwnPairs own_pairs(const LLDispatchReceiveArgs& a, uint64_t n) {
-  const int me = a.ctx.rank;
-  const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
-  return {reinterpret_cast<const uint64_t*>(ll_base(a.ctx, me) + at.words + a.plan.headers) +
-              size_t(me) * a.max_tokens * a.num_topk,
-          ll_base(a.ctx, me) + at.data};
-}
-
-// Record (me, t) copied by the warp into the row that header position `pos` names (local
-// expert * M + slot); a dropped pair's kNoPosition, like any local expert >= L, names none.
-__device__ __forceinline__ void copy_own_pair(const LLDispatchReceiveArgs& a, const OwnPairs& own,
-                                              uint32_t pos, int t, int lane) {
-  const int L = a.num_experts / a.ctx.num_ranks, M = a.max_tokens;
-  if (pos / uint32_t(M) >= uint32_t(L)) return;
-  const size_t row = size_t(pos / uint32_t(M)) * a.ctx.num_ranks * M + pos % uint32_t(M);
-  const char* rec =
-      own.data + a.plan.records + (size_t(a.ctx.rank) * M + t) * a.plan.record_stride;
-  copy_record(static_cast<char*>(a.out_x) + row * a.row_bytes,
-              a.out_scales != nullptr ? reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes
-                                      : nullptr,
-              rec, a.plan, a.row_bytes, a.scale_bytes, lane);
-}
-
-// The fused dispatch, between its send and its receive: each pair that this block's tokens
-// have on this rank, copied from the token's local record (written by this block's token
-// warps) into its row l * R*M + slot (the first rows of block l are this rank's own), one warp
-// a pair; the slot comes from the pair's header (this rank's slot warps write it, with this
-// call's number). Meanwhile the peers' records are in flight; the receive then copies only
-// theirs.
-__device__ void copy_local_pairs(const LLDispatchSendArgs& s, const LLDispatchReceiveArgs& a,
-                                 uint64_t n) {
-  const int E = a.num_experts, L = E / a.ctx.num_ranks, M = a.max_tokens;
-  const int T = a.num_tokens, K = a.num_topk, me = a.ctx.rank;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const OwnPairs own = own_pairs(a, n);
-  for (int t = blockIdx.x; t < T; t += gridDim.x) {  // the tokens this block sent
-    for (int k = warp; k < K; k += kWarps) {
-      const int p = t * K + k, e = __ldg(s.topk_idx + p);
-      if (e < 0 || e >= E || e / L != me) continue;
-      if (s.cached && (s.slots_in[p] < 0 || s.slots_in[p] >= M)) continue;  // not sent
-      uint32_t pos = 0;
-      if (lane == 0)
-        pos = wait_tagged(a.ctx, own.headers + p, uint32_t(n), "low_latency_dispatch",
-                          "this rank's pair header", me);
-      copy_own_pair(a, own, __shfl_sync(0xffffffffu, pos, 0), t, lane);
-    }
-  }
-}
-
-// The separate receive kernel, before it waits: the same copy as copy_local_pairs, dealt over
-// the grid's warps (one pair a warp), with no wait: the send kernel of this call has finished
-// (the receive takes its call number), so this rank's records and headers are complete; a
-// header without this call's number is a pair that was not sent here.
-__device__ void copy_own_records(const LLDispatchReceiveArgs& a, uint64_t n) {
-  const int T = a.num_tokens, K = a.num_topk;
-  const OwnPairs own = own_pairs(a, n);
-  const int warps = int(gridDim.x) * kWarps;
-  for (int p = (threadIdx.x >> 5) * int(gridDim.x) + int(blockIdx.x); p < T * K; p += warps) {
-    const uint64_t header = __ldcg(own.headers + p);
-    if (uint32_t(header >> 32) == uint32_t(n))
-      copy_own_pair(a, own, uint32_t(header), p / K, threadIdx.x & 31);
-  }
 }
 
 // prefix: E + 1 ints of shared memory (over (local expert, source position), expert-major).
@@ -619,10 +549,8 @@ __device__ void copy_own_records(const LLDispatchReceiveArgs& a, uint64_t n) {
 // (vecs 16-byte loads per lane) and the record's K pair headers in one round, before the
 // counts' scan is done, then stores the piece into the row of every pair of the record kept
 // here. So the only loads after the scan are those of later units, and a record is read once
-// however many of its pairs this rank holds (before: counts, scan, index entry, record: three
-// dependent rounds, and a record read once per pair). With local_first this rank's own records
-// were copied before the wait (copy_local_pairs in the fused dispatch, copy_own_records in the
-// separate receive): their units only write the handle.
+// however many of its pairs this rank holds (rather than counts, scan, index entry, record:
+// three dependent rounds, and a record read once per pair).
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
@@ -641,20 +569,18 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   const int32_t* counts = reinterpret_cast<const int32_t*>(words + a.plan.counts);
   const uint64_t* headers = reinterpret_cast<const uint64_t*>(words + a.plan.headers);
 
-  // Units: with local_first the local source's header-only units (T of them, the handle's
-  // entries only), then (record, piece) of the other records, by source position. A piece is
+  // Units: (record, piece) of every record, by source position. A piece is
   // `vecs` 16-byte loads per lane, as many as make one unit per warp of the grid (at most
   // kReceiveVecs); unaligned rows: whole records, copied by copy_record.
   const bool vec = ((a.row_bytes | a.plan.data_offset | a.plan.record_stride |
                      reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0;
   const int row_vecs = int(a.row_bytes / 16), chunks = (row_vecs + 31) / 32;
   const int grid_warps = int(gridDim.x) * kWarps;
-  // local_first: the local source's data was copied before the wait
-  const int header_units = a.local_first ? T : 0, records = R * T - header_units;
+  const int records = R * T;
   const int vecs = vec ? min(kReceiveVecs, max(1, (records * chunks + grid_warps - 1) / grid_warps))
                        : 0;
   const int pieces = vec ? (chunks + vecs - 1) / vecs : 1;
-  const int units = header_units + records * pieces;
+  const int units = records * pieces;
   // FP8 scales in one 16-byte load per lane with piece 0 (else copied after the data)
   const bool scales_together =
       a.out_scales != nullptr && vec && a.scale_bytes <= 16 * 32 &&
@@ -662,19 +588,16 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
 
   struct Unit {
     int s, t, piece;
-    bool data;  // false: a header-only unit
   };
   auto unit_at = [&](int u) {
-    if (u < header_units) return Unit{me, u, 0, false};
-    u -= header_units;
     const int record = u / pieces;
-    return Unit{source_at(record / T + (header_units > 0), me, R), record % T, u % pieces, true};
+    return Unit{source_at(record / T, me, R), record % T, u % pieces};
   };
   auto load_unit = [&](int u, ReceiveUnit& x) {
     const Unit w = unit_at(u);
     const size_t r = size_t(w.s) * M + w.t;
     x.header = lane < K ? __ldcg(headers + r * K + lane) : 0;
-    if (!vec || !w.data) return;
+    if (!vec) return;
     const char* rec = data + a.plan.records + r * a.plan.record_stride;
     const int4* src = reinterpret_cast<const int4*>(rec + a.plan.data_offset);
 #pragma unroll
@@ -744,7 +667,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       const int row = pair_row(x.header, w.s);
       mark_source(row, w.s, w.t);
       const char* rec = data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0 && w.data); pairs;
+      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
            pairs &= pairs - 1) {
         const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         copy_record(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes,
@@ -760,7 +683,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       const Unit w = unit_at(u);
       const int row = pair_row(x.header, w.s);
       if (w.piece == 0) mark_source(row, w.s, w.t);
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0 && w.data); pairs;
+      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
            pairs &= pairs - 1) {
         const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         int4* out =
@@ -803,9 +726,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  const uint64_t n = read_call(a.call);
-  if (a.local_first) copy_own_records(a, n);
-  dispatch_receive(a, smem, n);
+  dispatch_receive(a, smem, read_call(a.call));
 }
 
 // Send and receive in one cooperative launch (every block resident: the receive half waits
@@ -816,7 +737,6 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
   wait_previous_kernel();
   const uint64_t n = dispatch_send(send, smem);
   __syncthreads();  // shared memory is reused; this block's records are written
-  if (receive.local_first) copy_local_pairs(send, receive, n);
   dispatch_receive(receive, smem, n);
 }
 

@@ -10,19 +10,11 @@
 //                     to FP8 in registers) and stores it with 16-byte stores into record
 //                     (me, token) of each distinct destination rank (once per rank, not per
 //                     expert); the last block raises arrived[me].
-//   local copy        (JAX_EP_LL_LOCAL_FIRST=1 only) before the receive waits, this rank's
-//                     own records are copied into the rows of their pairs here (the first
-//                     rows of each expert's block: sources are laid out from this rank on,
-//                     me, me + 1, ..., me - 1), the slots read from the pairs' headers, which
-//                     carry the call number: in the fused dispatch each block copies the
-//                     tokens it sent (waiting for their headers), in the separate receive
-//                     kernel the grid's warps deal them (the send kernel has finished).
 //   dispatch receive  waits for every source; each warp loads a piece of a record with its
 //                     pair headers while the counts are scanned, then stores the piece into
 //                     the row of each of the record's pairs ([L, R*M] blocks by source from
 //                     this rank on, then (token, k)), and records each pair's row in the
 //                     handle's pair_row [R][T][K]; then raises consumed[me] at every source.
-//                     With the local copy, the local records' units write only the handle.
 //   combine send      the blocks write this rank's weights as tagged gate words into every
 //                     other rank's buffer; each warp takes (owner, token) pieces (other
 //                     owners first), finds the rows of the pair in the handle's pair_row
@@ -88,7 +80,6 @@ struct LLDispatchReceiveArgs {
   int32_t* src_token;
   int32_t* src_k;
   int32_t* pair_row;          // [R, T, K]: the row of each source pair held here, else -1
-  bool local_first;           // own pairs copied before the wait (JAX_EP_LL_LOCAL_FIRST=1)
 };
 
 struct LLCombineSendArgs {

@@ -2,13 +2,7 @@
 // Every source's copy engines land all of its rows in its peers' landing areas
 // (add_dispatch_transfers), so the CTAs only publish the routing, copy rows locally into
 // their fixed places and write each row's metadata: no per-destination scan, no token lists.
-// With engine_local the local copies are copy-engine work too (each after its chunk's landed
-// flag, on this PE's own copy streams): the CTAs write metadata only, and a last kernel after
-// the join zeroes the rows of tokens with no expert here and closes the call.
-#include <algorithm>
-
 #include "kernels/intranode.h"
-#include "runtime/runtime.h"
 
 namespace jax_ep {
 namespace {
@@ -112,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
       if (my_used) last_used = max(last_used, my_i + 1);
     }
     const uint32_t used = __ballot_sync(0xffffffffu, my_used);
-    for (int q = 0; q < 32 && !a.engine_local; ++q) {
+    for (int q = 0; q < 32; ++q) {
       const int i = __shfl_sync(0xffffffffu, my_i, q);
       if (i < 0) break;  // past the last row, and so are the later lanes' positions
       char* out_row = static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes;
@@ -148,69 +142,11 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
   if (!last_block(ctx, 1)) return;
   for (int l = threadIdx.x; l < L; l += kThreads)
     a.group_sizes[l] = __ldcg(a.tokens_per_expert + l);
-  // engine_local: slots_finish closes, after the copies; until then, the bounded wait (the
-  // copy engines' own waits for the flags have no time limit)
-  if (threadIdx.x == 0 && a.engine_local)
-    close_copy_engine_call(ctx, a.copy_chunks, "dispatch", /*reset=*/false);
-  if (threadIdx.x == 0 && !a.engine_local) {
+  if (threadIdx.x == 0) {
     close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
     signal_all(ctx, Flag::kDone, call);
     control_of(ctx, me)->epoch = call;
     profile_mark(ctx, kProfDispatchGather, kRetired);
-  }
-}
-
-// engine_local, after the join (every row is in the output): rows of tokens with no expert
-// here become zero rows; the last block closes the call (every chunk has landed and been
-// copied out, so the peers may write the landing area again).
-__global__ void __launch_bounds__(kThreads) slots_finish(DispatchArgs a) {
-  const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  const int rows = ctx.num_ranks * a.num_tokens;
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  const int warps = gridDim.x * kWarps;
-  for (int i0 = warp * 32; i0 < rows; i0 += warps * 32) {
-    uint32_t unused = __ballot_sync(0xffffffffu, i0 + lane < rows && a.src_rank[i0 + lane] < 0);
-    for (; unused != 0; unused &= unused - 1) {
-      const int i = i0 + __ffs(unused) - 1;
-      zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
-      if (a.scales != nullptr)
-        zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
-                 a.scale_row_bytes, lane, 32);
-    }
-  }
-  if (last_block(ctx, 7) && threadIdx.x == 0) {
-    close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, ctx.rank)->epoch = call;
-    profile_mark(ctx, kProfDispatchGather, kRetired);
-  }
-}
-
-// engine_local: every row into its slot by this PE's copy engines, chunk by chunk: its own
-// block from x at once (enqueued first: on a stream, a wait holds up what follows it), then
-// the peers' chunks in landing order (chunk-major), each once its landed flag is up.
-void add_local_copies(const DispatchArgs& a, CopySequence& sequence) {
-  const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, T = a.num_tokens, me = ctx.rank;
-  const char* landing = static_cast<const char*>(transport()->local);
-  char* out = static_cast<char*>(a.out_x);
-  char* out_scales = reinterpret_cast<char*>(a.out_scales);
-  for (int n = 0; n < R * a.copy_chunks; ++n) {  // own chunks first, then chunk by chunk
-    const int c = n < a.copy_chunks ? n : (n - a.copy_chunks) / (R - 1);
-    const int s = n < a.copy_chunks ? me : (me + 1 + (n - a.copy_chunks) % (R - 1)) % R;
-    const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
-    const size_t slot = size_t(s) * T + first;
-    const char* src = s == me ? static_cast<const char*>(a.x) + size_t(first) * a.x_row_bytes
-                              : landing + a.plan.rows + slot * a.x_row_bytes;
-    const char* src_scales =
-        s == me ? reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes
-                : landing + a.plan.scales + slot * a.scale_row_bytes;
-    CopyPiece pieces[2] = {{0, src, rows * a.x_row_bytes},
-                           {0, src_scales, a.scales != nullptr ? rows * a.scale_row_bytes : 0}};
-    pieces[0].dst = out + slot * a.x_row_bytes;
-    pieces[1].dst = out_scales + slot * a.scale_row_bytes;
-    sequence.add_local_copy(s == me ? -1 : s, c, pieces, 2);
   }
 }
 
@@ -221,17 +157,13 @@ cudaError_t launch_dispatch_slots(const DispatchArgs& a, cudaStream_t stream) {
   if (status != cudaSuccess) return status;
   CopySequence sequence;
   add_dispatch_transfers(a, sequence);
-  if (a.engine_local) add_local_copies(a, sequence);
   status = copy_engine_run(a.ctx, sequence, stream);
   if (status == cudaSuccess)
     status = launch_after_previous(slots_stage, a.num_blocks, kThreads, 0, stream, a);
   if (status == cudaSuccess)
     status = launch_after_previous(slots_gather, a.num_blocks, kThreads, 0, stream, a);
-  if (status == cudaSuccess) status = copy_engine_join(a.ctx, stream, a.engine_local);
-  if (status != cudaSuccess || !a.engine_local) return status;
-  // a plain launch: after the join, not overlapping it (the copies must have ended)
-  slots_finish<<<a.num_blocks, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  if (status == cudaSuccess) status = copy_engine_join(a.ctx, stream);
+  return status;
 }
 
 }  // namespace jax_ep

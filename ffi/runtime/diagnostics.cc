@@ -27,10 +27,8 @@ std::thread g_watchdog;
 // out has trapped, which leaves the CUDA context unusable; XLA reports the error at the next
 // synchronisation, but tearing such a context down can block forever. The grace period lets
 // the error reach Python first.
-double exit_after_s() {
-  const char* env = std::getenv("JAX_EP_FAULT_EXIT_S");
-  return env ? std::atof(env) : 10.0;
-}
+std::atomic<double> g_exit_after_s{10.0};
+double exit_after_s() { return g_exit_after_s.load(); }
 
 void watch() {
   using namespace std::chrono_literals;
@@ -51,7 +49,7 @@ void watch() {
       if (g_stop.load()) return;
       std::fprintf(stderr,
                    "jax_ep: PE %d is still running %.1f s after a communication timeout; its "
-                   "CUDA context is unusable, exiting with status 70 (JAX_EP_FAULT_EXIT_S=0 "
+                   "CUDA context is unusable, exiting with status 70 (initialize(fault_exit_s=0) "
                    "keeps it alive)\n",
                    f.rank, grace);
       std::fflush(stderr);
@@ -76,6 +74,8 @@ Control* local_control() {
 }  // namespace
 
 FaultRecord* device_fault_record() { return g_device_record; }
+
+void set_fault_exit_s(double seconds) { g_exit_after_s.store(seconds > 0 ? seconds : 0.0); }
 
 void start_fault_watchdog() {
   if (g_host_record != nullptr) return;

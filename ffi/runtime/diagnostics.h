@@ -28,6 +28,9 @@ FaultRecord* device_fault_record();
 // Called by the runtime: allocate the record and start the watchdog / stop and free them.
 void start_fault_watchdog();
 void stop_fault_watchdog();
+// Seconds between the watchdog's report of a timed-out kernel and its ending the process with
+// status 70 (0: never); runtime.initialize(fault_exit_s=...), 10 unless set.
+void set_fault_exit_s(double seconds);
 
 // Phase timestamps of the communication kernels (Control::profile, every row of the ring),
 // after a device sync; the reset also restarts the row count.

@@ -27,9 +27,8 @@ bool g_owns_nvshmem = false;
 void** g_peers_device = nullptr;
 void** g_ll_peers_device = nullptr;
 std::vector<void*> g_host_peers;
-std::vector<cudaStream_t> g_copy_streams;
-std::vector<cudaEvent_t> g_copy_joins;
-cudaEvent_t g_copy_fork = nullptr;
+cudaStream_t g_copy_stream = nullptr;
+cudaEvent_t g_copy_fork = nullptr, g_copy_join = nullptr;
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::runtime_error("jax_ep runtime: " + message);
@@ -71,8 +70,6 @@ std::string compiled_nvshmem_version() {
 // The device library is linked statically into the module while the host library is loaded
 // from the environment: a mismatch corrupts NVSHMEM's shared device state, so refuse it.
 void check_nvshmem_versions() {
-  const char* skip = std::getenv("JAX_EP_SKIP_NVSHMEM_VERSION_CHECK");
-  if (skip != nullptr && std::strcmp(skip, "1") == 0) return;
   const std::string loaded = nvshmem_version(), compiled = compiled_nvshmem_version();
   if (loaded != compiled) {
     fail("jax_ep._C was built against NVSHMEM " + compiled + " but loaded NVSHMEM " + loaded +
@@ -156,27 +153,22 @@ void** map_peers(void* local, int me, int n, std::vector<void*>* host_copy = nul
   return peers_device;
 }
 
-// Streams and events of the copy-engine paths (non-blocking: they order only by events).
-void create_copy_engine_streams(int n) {
-  g_copy_streams.assign(size_t(n) * kCopyStreamsPerPeer, nullptr);
-  g_copy_joins.assign(g_copy_streams.size(), nullptr);
-  for (size_t i = 0; i < g_copy_streams.size(); ++i) {
-    check_cuda(cudaStreamCreateWithFlags(&g_copy_streams[i], cudaStreamNonBlocking),
-               "creating a copy-engine stream");
-    check_cuda(cudaEventCreateWithFlags(&g_copy_joins[i], cudaEventDisableTiming),
-               "creating a copy-engine event");
-  }
+// The stream and events of the copy-engine paths (non-blocking: it orders only by events).
+void create_copy_engine_stream() {
+  check_cuda(cudaStreamCreateWithFlags(&g_copy_stream, cudaStreamNonBlocking),
+             "creating the copy-engine stream");
   check_cuda(cudaEventCreateWithFlags(&g_copy_fork, cudaEventDisableTiming),
+             "creating a copy-engine event");
+  check_cuda(cudaEventCreateWithFlags(&g_copy_join, cudaEventDisableTiming),
              "creating a copy-engine event");
 }
 
-void destroy_copy_engine_streams() {
-  for (cudaStream_t s : g_copy_streams) cudaStreamDestroy(s);
-  for (cudaEvent_t e : g_copy_joins) cudaEventDestroy(e);
+void destroy_copy_engine_stream() {
+  if (g_copy_stream != nullptr) cudaStreamDestroy(g_copy_stream);
   if (g_copy_fork != nullptr) cudaEventDestroy(g_copy_fork);
-  g_copy_streams.clear();
-  g_copy_joins.clear();
-  g_copy_fork = nullptr;
+  if (g_copy_join != nullptr) cudaEventDestroy(g_copy_join);
+  g_copy_stream = nullptr;
+  g_copy_fork = g_copy_join = nullptr;
 }
 
 }  // namespace
@@ -241,9 +233,9 @@ void initialize(const InitOptions& options) {
   void** peers_device = nullptr;
   try {
     peers_device = map_peers(local, me, n, &g_host_peers);
-    create_copy_engine_streams(n);
+    create_copy_engine_stream();
   } catch (...) {
-    destroy_copy_engine_streams();
+    destroy_copy_engine_stream();
     nvshmem_free(local);  // collective: reachability is symmetric, so every PE gets here
     throw;
   }
@@ -255,7 +247,7 @@ void initialize(const InitOptions& options) {
       ll_peers_device = map_peers(ll_local, me, n);
     } catch (...) {
       if (ll_local != nullptr) nvshmem_free(ll_local);
-      destroy_copy_engine_streams();
+      destroy_copy_engine_stream();
       cudaFree(peers_device);
       nvshmem_free(local);
       throw;
@@ -275,9 +267,9 @@ void initialize(const InitOptions& options) {
   g_transport.bytes = options.buffer_bytes;
   g_transport.peers = peers_device;
   g_transport.host_peers = g_host_peers.data();
-  g_transport.copy_streams = g_copy_streams.data();
+  g_transport.copy_stream = g_copy_stream;
   g_transport.copy_fork = g_copy_fork;
-  g_transport.copy_joins = g_copy_joins.data();
+  g_transport.copy_join = g_copy_join;
   g_initialized = true;
   start_fault_watchdog();
 }
@@ -294,7 +286,7 @@ void finalize() {
   if (g_transport.ll_local != nullptr) nvshmem_free(g_transport.ll_local);
   cudaFree(g_peers_device);
   cudaFree(g_ll_peers_device);
-  destroy_copy_engine_streams();
+  destroy_copy_engine_stream();
   g_host_peers.clear();
   g_peers_device = nullptr;
   g_ll_peers_device = nullptr;

@@ -30,17 +30,12 @@ struct Transport {
   void* const* ll_peers = nullptr;  // device array [num_ranks], like peers
   // The same bases as `peers`, on the host: copy-engine transfers are enqueued there.
   void* const* host_peers = nullptr;
-  // Copy-engine paths: kCopyStreamsPerPeer streams per peer (index pe * kCopyStreamsPerPeer
-  // + j; those of pe == rank stay unused), the event that lets them start after the caller's
-  // stream, and one event per stream that the caller's stream waits on at the end.
-  CUstream_st* const* copy_streams = nullptr;
+  // Copy-engine paths: the stream their cached graphs launch on, the event that lets it start
+  // after the caller's stream, and the event the caller's stream waits on at the end.
+  CUstream_st* copy_stream = nullptr;
   CUevent_st* copy_fork = nullptr;
-  CUevent_st* const* copy_joins = nullptr;
+  CUevent_st* copy_join = nullptr;
 };
-
-// Streams per peer for copy-engine transfers: chunks alternate between them, so that one
-// stream's flag write never holds up the next chunk's transfer.
-constexpr int kCopyStreamsPerPeer = 2;
 // Returns nullptr when initialize() has not run (the FFI handlers turn that into an error).
 const Transport* transport();
 

@@ -18,19 +18,16 @@ namespace jax_ep {
 // call's copy sequence, then the caller's kernels, which wait for the landed flags, and a join
 // (the caller's stream waits for the transfers, so their sources outlive them).
 struct CopyPiece {
-  size_t dst_offset;  // in the peer's symmetric buffer (a transfer)
+  size_t dst_offset;  // in the peer's symmetric buffer
   const void* src;
   size_t bytes;
-  void* dst = nullptr;  // a local copy's destination (this PE's memory)
 };
 // One call's copy-engine work: kernels that run one after another (the combine's stage of
 // each chunk), and transfers, each a chunk's pieces to one peer followed by the chunk's landed
 // flag there, in order per peer, each after the kernel that produced its source (if any).
-// Local copies (peer kLocal) run on this PE's own copy streams, after the landed flag of
-// chunk `chunk` from `wait_source` (if >= 0), and raise no flag.
 // Run as one CUDA graph, cached per shape and updated in place where only the source
 // addresses or kernel arguments differ: ~5 host calls per call instead of 2-5 per chunk
-// (benchmarks/RESULTS.md, copy-engine host time). JAX_EP_COPY_GRAPHS=0 enqueues the same sequence call by call.
+// (benchmarks/RESULTS.md, copy-engine host time).
 class CopySequence {
  public:
   struct Kernel {
@@ -39,12 +36,10 @@ class CopySequence {
     std::vector<unsigned char> args;  // the arguments' bytes, each at its offset
     std::vector<size_t> offsets;
   };
-  static constexpr int kLocal = -1;
   struct Transfer {
     int peer, chunk, after_kernel;  // after_kernel: index into kernels(), or -1
     CopyPiece pieces[2];
     int num_pieces;
-    int wait_source = -1;  // local copies: the source whose landed flag they wait for
   };
   template <typename... Params, typename... Args>
   int add_kernel(void (*func)(Params...), dim3 grid, dim3 block, const Args&... args) {
@@ -58,10 +53,6 @@ class CopySequence {
     for (int i = 0; i < n && i < 2; ++i)
       if (pieces[i].bytes > 0) t.pieces[t.num_pieces++] = pieces[i];
     transfers_.push_back(t);
-  }
-  void add_local_copy(int wait_source, int chunk, const CopyPiece* pieces, int n) {
-    add_transfer(kLocal, chunk, -1, pieces, n);
-    transfers_.back().wait_source = wait_source;
   }
   const std::vector<Kernel>& kernels() const { return kernels_; }
   const std::vector<Transfer>& transfers() const { return transfers_; }
@@ -77,7 +68,8 @@ class CopySequence {
   std::vector<Kernel> kernels_;
   std::vector<Transfer> transfers_;
 };
-void copy_chunking(int num_tokens, size_t row_bytes, double default_mb, int* chunk_rows,
+// A call's chunks: ~chunk_bytes (> 0) of rows of row_bytes per transfer.
+void copy_chunking(int num_tokens, size_t row_bytes, size_t chunk_bytes, int* chunk_rows,
                    int* chunks);
 // combine: also resets the combine's work cursor for the reduce that follows.
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream);
@@ -85,7 +77,6 @@ cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t
 // run alongside it.
 cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence,
                             cudaStream_t stream);
-// local_copies: the sequence had local copies (on this PE's own streams), waited for too.
-cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream,
-                             bool local_copies = false);
+// The caller's stream waits for the sequence's transfers.
+cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream);
 }  // namespace jax_ep

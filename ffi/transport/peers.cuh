@@ -192,16 +192,14 @@ __device__ __forceinline__ void wait_landed(const PeerContext& ctx, int s, int c
 
 // Copy-engine paths, one thread, before done is raised: every chunk of every source has landed
 // (a chunk holding none of our rows must not land during the next call), and the flags are
-// cleared for it (reset; without it, only the bounded wait: where copy engines wait for the
-// flags too, a missing one then ends in a report naming the peer, not in a silent hang).
-__device__ inline void close_copy_engine_call(const PeerContext& ctx, int chunks, const char* op,
-                                              bool reset = true) {
+// cleared for it.
+__device__ inline void close_copy_engine_call(const PeerContext& ctx, int chunks, const char* op) {
   Control* mine = control_of(ctx, ctx.rank);
   for (int s = 0; s < ctx.num_ranks; ++s) {
     if (s == ctx.rank) continue;
     for (int c = 0; c < chunks; ++c) {
       wait_flag(ctx, &mine->landed[s][c], 1, op, "rows landed (copy engine)", s);
-      if (reset) mine->landed[s][c] = 0;
+      mine->landed[s][c] = 0;
     }
   }
 }
