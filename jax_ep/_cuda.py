@@ -100,6 +100,23 @@ def _rank(axis_name):
     return jax.lax.axis_index(axis_name).astype(jnp.int32)
 
 
+def _group(axis_name, num_ranks) -> dict:
+    """The call's EP group as the custom calls' `group` attribute: the EP axis's size and its
+    stride in the mesh's row-major order (the product of the sizes of the axes after it).
+    With the processes listed in mesh order (process i at flat position i), a device's group
+    is then the PEs base + r * stride: the extension finds them from its own PE, and every
+    kernel checks that the axis index equals the rank it found."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names, sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
+    if axis_name not in names:  # outside a mesh context (lowering tests): a one-axis mesh
+        return dict(num_ranks=int(num_ranks), stride=1)
+    k = names.index(axis_name)
+    if sizes[k] != num_ranks:
+        raise ValueError(f"the expert-parallel axis {axis_name!r} has {sizes[k]} devices, the "
+                         f"call was set up for {num_ranks}")
+    return dict(num_ranks=int(num_ranks), stride=int(np.prod(sizes[k + 1:], dtype=np.int64)))
+
+
 def _as_varying(value, axis_name):
     """Mark a per-device result as varying over the EP axis, as shard_map's replication
     checks expect of data that differs between devices (ffi_call cannot infer it). pcast
@@ -188,7 +205,7 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
         topk_weights, _rank(axis_name), axis_name=axis_name,
         num_experts=np.int64(num_experts), capacity=np.int64(C), alignment=np.int64(alignment),
-        layout=layout, path=path, has_scales=has_scales,
+        layout=layout, path=path, has_scales=has_scales, group=_group(axis_name, num_ranks),
         tuning=_config.tuning_attributes(resolved))
 
 
@@ -228,6 +245,7 @@ def _cached_call(x, handle: DispatchHandle, y=None, weights=None):
                  _pair_row(handle), y if weighted else jnp.zeros((0,), x.dtype),
                  weights if weighted else jnp.zeros((0,), jnp.float32),
                  _rank(handle.config.axis_name), axis_name=handle.config.axis_name,
+                 group=_group(handle.config.axis_name, handle.config.num_ranks),
                  tuning=_config.tuning_attributes(_handle_tuning(handle.config, "combine")))
 
 
@@ -262,6 +280,7 @@ def combine(y, weights, handle: DispatchHandle):
                  handle.num_received, handle.src_rank, _pair_row(handle), _rank(config.axis_name),
                  axis_name=config.axis_name, num_experts=np.int64(config.num_experts),
                  layout=config.layout, path=resolved.combine_path,
+                 group=_group(config.axis_name, config.num_ranks),
                  tuning=_config.tuning_attributes(resolved))
 
 
@@ -282,6 +301,7 @@ def _ll_attrs(config: LowLatencyConfig):
                          f"{config.num_topk}")
     return dict(num_experts=np.int64(config.num_experts),
                 max_tokens=np.int64(config.max_tokens_per_rank),
+                group=_group(config.axis_name, config.num_ranks),
                 tuning=_config.tuning_attributes(_config.resolve_low_latency(config.tuning)))
 
 

@@ -818,3 +818,146 @@ def test_nnx_module_matches_reference():
     assert len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_allclose(fetch(a), fetch(b), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- EP on a sub-axis
+#
+# Two-axis meshes over every process, the EP axis one of them: each EP group (one per index of
+# the other axis) runs its own calls at once, over its own PEs. Both axis orders: with
+# (data, expert) a group's PEs are consecutive, with (expert, data) they are strided. Needs at
+# least 4 ranks (`python -m jax_ep.launch -n 4 [--gpus 1] -m pytest -q tests/test_gpu.py -k
+# sub_axis`); the reference backend on the same mesh is the oracle.
+
+DATA, EXPERT = "data", "expert"
+
+
+def _sub_axis_mesh(order, groups):
+    """(axis names, mesh shape, EP size) of a two-axis mesh over every rank; skips below 4."""
+    W = num_ranks()
+    D = 2 if groups == "two" else W // 2
+    if W < 4 or W % D:
+        pytest.skip(f"EP on a sub-axis needs 4 or more ranks (a multiple of {D}), have {W}")
+    R = W // D
+    if order == "data_major":
+        return (DATA, EXPERT), (D, R), R
+    return (EXPERT, DATA), (R, D), R
+
+
+def _ep_index(names, shape):
+    """Each device's index along the EP axis, in mesh order (= process order)."""
+    grid = np.indices(shape).reshape(2, -1)
+    return grid[names.index(EXPERT)]
+
+
+def run_2d(fn, names, shape, *args, devices=None):
+    """run() on a two-axis mesh: args [W, ...] (slice i to the device at flat mesh position i),
+    each leaf of fn's result stacked back as [W, ...]."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ep import fetch, put
+
+    devices = jax.devices() if devices is None else devices
+    m = jax.make_mesh(shape, names, devices=devices[:int(np.prod(shape))],
+                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    spec = P(names)
+
+    def per_device(*local):
+        return jax.tree.map(lambda a: a[None], fn(*[a[0] for a in local]))
+
+    f = jax.jit(jax.shard_map(per_device, mesh=m, in_specs=tuple(spec for _ in args),
+                              out_specs=spec))
+    return jax.tree.map(fetch, f(*[put(a, NamedSharding(m, spec)) for a in args]))
+
+
+def both_2d(fn, names, shape, *args):
+    cuda = run_2d(lambda *a: fn("cuda", *a), names, shape, *args)
+    W = int(np.prod(shape))
+    ref_devices = jax.local_devices(backend="cpu")[:W] if SHARED_GPUS else None
+    ref = run_2d(lambda *a: fn("reference", *a), names, shape, *args, devices=ref_devices)
+    return cuda, ref
+
+
+@pytest.mark.parametrize("order", ["data_major", "expert_major_mesh"])
+@pytest.mark.parametrize("groups", ["two", "half"])
+@pytest.mark.parametrize("layout,path", [("rank_major", "fused"), ("rank_major", "pull"),
+                                         ("expert_major", "fused")])
+def test_sub_axis_dispatch_combine_match_reference(order, groups, layout, path):
+    names, shape, R = _sub_axis_mesh(order, groups)
+    W = num_ranks()
+    T, H, K, E = 48, 256, 4, 4 * R
+    rng = np.random.default_rng(R * 10 + len(layout))
+    x = np.asarray(jnp.asarray(rng.standard_normal((W, T, H)), jnp.bfloat16))
+    idx = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+                    for _ in range(W)]).astype(np.int32)
+    idx = np.where(rng.random(idx.shape) < 0.1, -1, idx).astype(np.int32)
+    w = rng.random((W, T, K)).astype(np.float32)
+    tuning = jax_ep.Config(dispatch_path=path)
+
+    def fn(backend, x, idx, w):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=EXPERT, layout=layout,
+                              backend=backend, config=tuning)
+        y = out.x.astype(jnp.float32) * 2 + 1
+        weights = out.topk_weights if layout == "expert_major" else None
+        return out, jax_ep.combine(y, out.handle, weights=weights)
+
+    (out, back), (out_r, back_r) = both_2d(fn, names, shape, x, idx, w)
+    assert_trees_equal(out, out_r)
+    assert_sums_close(back, back_r, jnp.float32)
+
+
+@pytest.mark.parametrize("order", ["data_major", "expert_major_mesh"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sub_axis_low_latency_matches_reference(order, fp8):
+    names, shape, R = _sub_axis_mesh(order, "two")
+    W = num_ranks()
+    T, M, H, K, E = 24, 32, 256, LL_K, LL_E_PER_RANK * R
+    L = E // R
+    rng = np.random.default_rng(40 + R)
+    x = np.asarray(jnp.asarray(rng.standard_normal((W, T, H)), jnp.bfloat16))
+    idx = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+                    for _ in range(W)]).astype(np.int32)
+    w = rng.random((W, T, K)).astype(np.float32)
+    y = np.asarray(jnp.asarray(rng.standard_normal((W, L, R * M, H)), jnp.bfloat16))
+
+    def fn(backend, x, idx, w, y):
+        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=EXPERT, use_fp8=fp8,
+                  backend=backend)
+        out = jax_ep.low_latency_dispatch(x, idx, **kw)
+        split = jax_ep.low_latency_dispatch_receive(jax_ep.low_latency_dispatch_send(x, idx, **kw))
+        return out, split, jax_ep.low_latency_combine(y, w, out.handle)
+
+    (out, split, back), (out_r, _, back_r) = both_2d(fn, names, shape, x, idx, w, y)
+    used = np.asarray(out_r.handle.src_rank) >= 0
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used))
+    assert_sums_close(back, back_r, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("order", ["data_major", "expert_major_mesh"])
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_sub_axis_moe_gradients_match_reference(order, layout):
+    names, shape, R = _sub_axis_mesh(order, "two")
+    W = num_ranks()
+    T, H, F, E, top_k = 16, 64, 48, 4 * R, 2
+    L = E // R
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
+    router = np.asarray(jax.random.normal(k1, (H, E)))
+    w_in = np.asarray(jax.random.normal(k2, (E, H, F)) / np.sqrt(H)).reshape(R, L, H, F)
+    w_out = np.asarray(jax.random.normal(k3, (E, F, H)) / np.sqrt(F)).reshape(R, L, F, H)
+    x = np.asarray(jax.random.normal(k4, (W, T, H)))
+    e = _ep_index(names, shape)  # each device holds its EP index's experts
+
+    def fn(backend, x, router, w_in, w_out):
+        def loss(x, router, w_in, w_out):
+            out, _ = moe.moe_block(x, router, w_in, w_out, top_k=top_k, axis_name=EXPERT,
+                                   layout=layout, backend=backend)
+            return jnp.sum(jnp.sin(out))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
+
+    with jax.default_matmul_precision("float32"):
+        got, want = both_2d(fn, names, shape, x, np.broadcast_to(router, (W, H, E)).copy(),
+                            w_in[e], w_out[e])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -288,3 +288,38 @@ def test_copy_engine_rank_limit_is_checked_at_trace_time(monkeypatch):
     with pytest.raises(ValueError, match="dispatch_path 'copy'.*at most 1 ranks"):
         _lowered_dispatch_combine("rank_major")
     assert limit == _cuda._MAX_COPY_RANKS  # the auto selection's copy of the limit
+
+
+@pytest.mark.parametrize("names,shape,stride", [(("data", "expert"), (2, 4), 1),
+                                                (("expert", "data"), (4, 2), 2),
+                                                (("expert",), (8,), 1)])
+def test_calls_carry_their_ep_group(names, shape, stride):
+    """EP on one axis of a multi-axis mesh: every call names the axis's size and its stride in
+    the mesh's row-major order, from which the extension finds the group's PEs."""
+    from jax_ep._types import DispatchConfig
+
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:8],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    R = shape[names.index("expert")]
+    E, T, K = 2 * R, 4, 2
+    config = DispatchConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=128, num_topk=K,
+                            capacity=R * T * K, axis_name="expert", backend="cuda")
+    ll = LowLatencyConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=128, num_topk=K,
+                          max_tokens_per_rank=T, use_fp8=False, axis_name="expert",
+                          backend="cuda")
+
+    def fn(x, idx):
+        out = _cuda.dispatch(x, None, idx, jnp.ones(idx.shape, jnp.float32), config)
+        back = _cuda.combine(out.x, None, out.handle)
+        low = _cuda.low_latency_dispatch(x, idx, ll)
+        return back + _cuda.low_latency_combine(low.x, jnp.ones(idx.shape), low.handle)
+
+    spec = P(names)
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+                              check_vma=False))
+    x = jnp.zeros((8 * T, 128), jnp.bfloat16)
+    idx = jnp.zeros((8 * T, K), jnp.int32)
+    text = f.trace(x, idx).lower(lowering_platforms=("cuda",)).as_text()
+    groups = re.findall(r"group = \{num_ranks = (\d+) : i64, stride = (\d+) : i64\}", text)
+    assert len(groups) == text.count("custom_call @jax_ep_") - text.count("@jax_ep_layout")
+    assert set(groups) == {(str(shape[names.index("expert")]), str(stride))}

@@ -35,6 +35,37 @@ struct Tuning {
   }
 };
 
+// The call's EP group (its mesh axis): num_ranks devices, `stride` apart in the mesh's
+// row-major order (the product of the sizes of the axes after it; 1 for a one-axis mesh).
+// Passed as the `group` dictionary attribute of every custom call (jax_ep/_cuda.py).
+struct EpGroup {
+  int64_t num_ranks;
+  int64_t stride;
+};
+
+// This PE's place in its group: with the processes listed in mesh order, the group is the PEs
+// base + r * stride, r < num_ranks, that share this PE's position on the other axes.
+struct GroupPlace {
+  int rank, num_ranks, base, stride;
+};
+
+inline ffi::Error place_in_group(const char* op, const EpGroup& g, int pe, int num_pes,
+                                 GroupPlace* out) {
+  const int64_t R = g.num_ranks, S = g.stride;
+  if (R < 1 || S < 1 || R * S > num_pes)
+    return invalid(std::string(op) + ": the expert-parallel axis of " + std::to_string(R) +
+                   " devices (stride " + std::to_string(S) + " in the mesh) does not fit the " +
+                   std::to_string(num_pes) + " NVSHMEM PEs; the mesh must list the processes "
+                   "in order, one GPU each");
+  const int64_t rank = pe / S % R, base = pe - rank * S;
+  if (base + (R - 1) * S >= num_pes)
+    return invalid(std::string(op) + ": PE " + std::to_string(pe) + "'s group on the "
+                   "expert-parallel axis (" + std::to_string(R) + " devices, stride " +
+                   std::to_string(S) + ") runs past the " + std::to_string(num_pes) + " PEs");
+  *out = GroupPlace{int(rank), int(R), int(base), int(S)};
+  return ffi::Error::Success();
+}
+
 // The row layouts of the normal mode (jax_ep._types: RANK_MAJOR, EXPERT_MAJOR, SOURCE_SLOTS).
 enum class Layout { kRankMajor, kExpertMajor, kSourceSlots };
 
@@ -48,6 +79,9 @@ inline bool parse_layout(std::string_view name, Layout* out) {
 
 }  // namespace jax_ep
 
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::EpGroup,
+                                      ::xla::ffi::StructMember<int64_t>("num_ranks"),
+                                      ::xla::ffi::StructMember<int64_t>("stride"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::Tuning,
                                       ::xla::ffi::StructMember<int64_t>("num_blocks"),
                                       ::xla::ffi::StructMember<int64_t>("copy_chunk_bytes"),

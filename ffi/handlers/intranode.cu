@@ -17,8 +17,17 @@ namespace {
 
 constexpr int kDefaultBlocks = 64;
 
+// This PE's place in the call's EP group (a group of the job's size where the runtime is not
+// initialised: peer_context reports that).
+ffi::Error group_place(const char* op, const EpGroup& group, GroupPlace* place) {
+  *place = GroupPlace{0, int(std::max<int64_t>(group.num_ranks, 1)), 0, 1};
+  const Transport* t = transport();
+  return t == nullptr ? ffi::Error::Success()
+                      : place_in_group(op, group, t->rank, t->num_ranks, place);
+}
+
 ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t needed,
-                        const Tuning& tuning, PeerContext* ctx) {
+                        const Tuning& tuning, const GroupPlace& place, PeerContext* ctx) {
   const Transport* t = transport();
   if (t == nullptr)
     return invalid(std::string(op) + ": the runtime is not initialised: call "
@@ -29,9 +38,10 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
                    std::to_string(t->bytes) + "; pass buffer_bytes >= " +
                    std::to_string(needed) + " to jax_ep.runtime.initialize()");
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
-  *ctx = PeerContext{t->peers,           t->rank,          t->num_ranks,
+  *ctx = PeerContext{t->peers,           place.rank,        place.num_ranks,
                     tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
-                    next_profile_row()};
+                    next_profile_row(),  place.base,        place.stride,
+                    t->num_ranks};
   return ffi::Error::Success();
 }
 
@@ -78,7 +88,10 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
                          ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                          int64_t capacity, int64_t alignment, std::string_view layout_name,
-                         std::string_view path, bool has_scales, Tuning tuning) {
+                         std::string_view path, bool has_scales, EpGroup group,
+                         Tuning tuning) {
+  GroupPlace place;
+  if (auto err = group_place("dispatch", group, &place); err.failure()) return err;
   Layout layout;
   if (!parse_layout(layout_name, &layout))
     return invalid("dispatch: layout must be rank_major, expert_major or source_slots, got " +
@@ -97,21 +110,16 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (has_scales && x_scales.element_count() != size_t(T) * (H / 128))
     return invalid("dispatch: x_scales must be [T, H / 128]");
   const Transport* t = transport();
-  const int R = t ? t->num_ranks : 1;
+  const int R = place.num_ranks;
   if (num_experts < R || num_experts % R != 0)
     return invalid("dispatch: num_experts must be a positive multiple of the " +
-                   std::to_string(R) + " NVSHMEM PEs");
+                   std::to_string(R) + " ranks of the expert-parallel axis");
   if (capacity < 1 || alignment < 1)
     return invalid("dispatch: capacity and alignment must be >= 1");
   const size_t local_experts = size_t(num_experts / R);
   if (tokens_per_expert->element_count() != local_experts)
-    // The kernels exchange data with every PE: the EP axis must span all of them, in order.
-    return invalid("dispatch: the expert-parallel mesh axis has " +
-                   std::to_string(tokens_per_expert->element_count()
-                                      ? num_experts / tokens_per_expert->element_count()
-                                      : 0) +
-                   " devices but NVSHMEM has " + std::to_string(R) +
-                   " PEs; the EP axis must span every process, one GPU each");
+    return invalid("dispatch: tokens_per_expert must be [num_experts / " + std::to_string(R) +
+                   " ranks]");
   if (topk_weights.element_count() != size_t(T) * K)
     return invalid("dispatch: topk_weights must be [T, K] like topk_idx");
   if (out_topk_idx->element_count() != size_t(capacity) * (expert_major ? 1 : K) ||
@@ -169,7 +177,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                                     : dispatch_bytes(R, T, K, static_cast<int>(num_experts),
                                                      expert_major, static_cast<int>(capacity),
                                                      size_t(H) * elem, scale_row, push);
-  if (auto err = peer_context("dispatch", rank, needed, tuning, &a.ctx); err.failure())
+  if (auto err = peer_context("dispatch", rank, needed, tuning, place, &a.ctx); err.failure())
     return err;
   a.plan = plan;
   a.push = push_plan;
@@ -212,7 +220,10 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::S32> pair_row, ffi::AnyBuffer y,
                                 ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank,
                                 ffi::Result<ffi::AnyBuffer> out,
-                                ffi::ResultBuffer<ffi::F32> d_weights, Tuning tuning) {
+                                ffi::ResultBuffer<ffi::F32> d_weights, EpGroup group,
+                                Tuning tuning) {
+  GroupPlace place;
+  if (auto err = group_place("cached_dispatch", group, &place); err.failure()) return err;
   auto dims = x.dimensions();
   if (dims.size() != 2) return invalid("cached_dispatch: x must be [T, D]");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(x.element_type());
@@ -224,7 +235,7 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
   CachedDispatchArgs a{};
   if (auto err =
           peer_context("cached_dispatch", rank, cached_dispatch_bytes(T, row_bytes), tuning,
-                       &a.ctx);
+                       place, &a.ctx);
       err.failure())
     return err;
   // expert_major handles carry pair_row [R, T, K]; the others an empty one
@@ -268,7 +279,10 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
                         ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> src_rank,
                         ffi::Buffer<ffi::S32> pair_row, ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                        std::string_view layout_name, std::string_view path, Tuning tuning) {
+                        std::string_view layout_name, std::string_view path, EpGroup group,
+                        Tuning tuning) {
+  GroupPlace place;
+  if (auto err = group_place("combine", group, &place); err.failure()) return err;
   Layout layout;
   if (!parse_layout(layout_name, &layout))
     return invalid("combine: layout must be rank_major, expert_major or source_slots, got " +
@@ -296,24 +310,24 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (out->element_count() != size_t(T) * H || out->element_type() != y.element_type())
     return invalid("combine: result must be [T, H] of y's dtype");
   const size_t row_bytes = size_t(H) * element_bytes(y.element_type());
-  const Transport* t = transport();
-  if (copy_engine && (expert_major || (t != nullptr && t->num_ranks > kMaxCopyRanks)))
+  const int R = place.num_ranks;
+  if (copy_engine && (expert_major || R > kMaxCopyRanks))
     return invalid("combine: the copy-engine path needs rank_major and at most " +
                    std::to_string(kMaxCopyRanks) + " ranks");
-  if (source_slots && (expert_major || (t != nullptr && C != int64_t(t->num_ranks) * T)))
+  if (source_slots && (expert_major || C != int64_t(R) * T))
     return invalid("combine: source_slots needs rank_major rows and [ranks x tokens, H] y");
   CombineArgs a{};
-  const size_t needed = !copy_engine || t == nullptr ? combine_bytes(C, row_bytes)
-                        : source_slots ? plan_combine_slots(t->num_ranks, T, row_bytes).end
-                                       : plan_combine_copy(t->num_ranks, T, row_bytes).end;
-  if (auto err = peer_context("combine", rank, needed, tuning, &a.ctx); err.failure())
+  const size_t needed = !copy_engine  ? combine_bytes(C, row_bytes)
+                        : source_slots ? plan_combine_slots(R, T, row_bytes).end
+                                       : plan_combine_copy(R, T, row_bytes).end;
+  if (auto err = peer_context("combine", rank, needed, tuning, place, &a.ctx); err.failure())
     return err;
   a.copy_engine = copy_engine;
   a.source_slots = source_slots;
   a.copy_chunk_bytes = size_t(std::max<int64_t>(tuning.copy_chunk_bytes, 1));
   if (num_experts < a.ctx.num_ranks || num_experts % a.ctx.num_ranks != 0)
     return invalid("combine: num_experts must be a positive multiple of the " +
-                   std::to_string(a.ctx.num_ranks) + " NVSHMEM PEs");
+                   std::to_string(a.ctx.num_ranks) + " ranks of the expert-parallel axis");
   if (send_slot.element_count() != size_t(T) * (expert_major ? K : a.ctx.num_ranks))
     return invalid("combine: send_slot does not match the layout");
   if (a.ctx.num_ranks > kMaxSources || (expert_major && K > kMaxSources))
@@ -374,6 +388,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                                   .Attr<std::string_view>("layout")
                                   .Attr<std::string_view>("path")
                                   .Attr<bool>("has_scales")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
@@ -388,6 +403,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCachedDispatch, jax_ep::cached_dispatch_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
@@ -405,4 +421,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                                   .Attr<int64_t>("num_experts")
                                   .Attr<std::string_view>("layout")
                                   .Attr<std::string_view>("path")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));

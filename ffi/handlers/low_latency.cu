@@ -2,6 +2,7 @@
 // jax_ep_ll_combine_send / _receive, and the fused jax_ep_ll_dispatch / jax_ep_ll_combine. They validate shapes, check the low-latency buffer is
 // large enough, fill the kernels' argument structs and launch; nothing here waits for the
 // device.
+#include <algorithm>
 #include <string>
 
 #include "handlers/common.h"
@@ -62,13 +63,17 @@ std::string hint_text() {
 // one parity of this call needs; `combine` picks the combine area.
 ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_experts,
                       int64_t max_tokens, int64_t num_topk, size_t region, bool combine,
-                      const Tuning& tuning, PeerContext* ctx, size_t* begin, size_t* end) {
+                      const EpGroup& group, const Tuning& tuning, PeerContext* ctx,
+                      size_t* begin, size_t* end) {
   const Transport* t = transport();
   if (t == nullptr)
     return invalid(std::string(op) + ": the runtime is not initialised: call "
                    "jax_ep.runtime.initialize() after jax.distributed.initialize()");
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
-  const int R = t->num_ranks;
+  GroupPlace place;
+  if (auto err = place_in_group(op, group, t->rank, t->num_ranks, &place); err.failure())
+    return err;
+  const int R = place.num_ranks;
   if (num_experts < R || num_experts % R != 0)
     return invalid(std::string(op) + ": num_experts must be a positive multiple of the " +
                    std::to_string(R) + " NVSHMEM PEs");
@@ -86,17 +91,18 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
     return invalid(std::string(op) + ": this call needs a low-latency buffer of " +
                    std::to_string(needed) + " bytes but the runtime has " +
                    std::to_string(t->ll_bytes) + "; " + hint_text());
-  *ctx = PeerContext{t->ll_peers,          t->rank,          t->num_ranks,
+  *ctx = PeerContext{t->ll_peers,          place.rank,        place.num_ranks,
                     tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
-                    next_profile_row()};
+                    next_profile_row(),  place.base,        place.stride,
+                    t->num_ranks};
   *begin = combine ? areas.combine_begin : areas.dispatch_begin;
   *end = combine ? areas.combine_end : areas.dispatch_end;
   return ffi::Error::Success();
 }
 
-int num_ranks_or_one() {
-  const Transport* t = transport();
-  return t ? t->num_ranks : 1;
+// Ranks of the call's EP group (validated against the job in ll_context).
+int group_ranks(const EpGroup& group) {
+  return static_cast<int>(std::max<int64_t>(group.num_ranks, 1));
 }
 
 ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
@@ -105,7 +111,8 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                               ffi::ResultBuffer<ffi::S32> call,
                               ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
                               int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
-                              const Tuning& tuning, LLDispatchSendArgs& a) {
+                              const EpGroup& group, const Tuning& tuning,
+                              LLDispatchSendArgs& a) {
   const char* op = "low_latency_dispatch (send)";
   auto x_dims = x.dimensions();
   auto idx_dims = topk_idx.dimensions();
@@ -140,10 +147,11 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
     a.row_bytes = size_t(D) * elem;
     a.scale_bytes = 0;
   }
-  const int R = num_ranks_or_one();
+  const int R = group_ranks(group);
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens), K,
                             a.row_bytes, a.scale_bytes);
-  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, false, tuning,
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, false, group,
+                            tuning,
                             &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
@@ -174,10 +182,11 @@ ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
                               ffi::ResultBuffer<ffi::S32> call,
                               ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
                               int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
-                              Tuning tuning) {
+                              EpGroup group, Tuning tuning) {
   LLDispatchSendArgs a;
   if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
-                                    num_experts, max_tokens, use_fp8, ue8m0, cached, tuning,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, group,
+                                    tuning,
                                     a);
       err.failure())
     return err;
@@ -194,10 +203,11 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
                                  ffi::ResultBuffer<ffi::S32> src_k,
                                  ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
-                                 const Tuning& tuning, LLDispatchReceiveArgs& a) {
+                                 const EpGroup& group, const Tuning& tuning,
+                                 LLDispatchReceiveArgs& a) {
   const char* op = "low_latency_dispatch (receive)";
   auto dims = out_x->dimensions();
-  const int R = num_ranks_or_one();
+  const int R = group_ranks(group);
   if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
     return invalid(std::string(op) + ": bad num_experts / max_tokens_per_rank");
   const int L = static_cast<int>(num_experts / R), RM = R * static_cast<int>(max_tokens);
@@ -231,7 +241,7 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
                             static_cast<int>(num_topk), a.row_bytes, a.scale_bytes);
   if (auto err = ll_context(op, rank, num_experts, max_tokens, num_topk, a.plan.bytes, false,
-                            tuning, &a.ctx, &a.area_begin, &a.area_end);
+                            group, tuning, &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
   a.num_experts = static_cast<int>(num_experts);
@@ -259,13 +269,13 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call
                                  ffi::ResultBuffer<ffi::S32> src_k,
                                  ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
-                                 Tuning tuning) {
+                                 EpGroup group, Tuning tuning) {
   if (call.element_count() != 2)
     return invalid("low_latency_dispatch (receive): call must be [2] int32");
   LLDispatchReceiveArgs a;
   if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
                                        src_rank, src_token, src_k, pair_row, num_experts,
-                                       max_tokens, num_tokens, num_topk, tuning, a);
+                                       max_tokens, num_tokens, num_topk, group, tuning, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_dispatch_receive(a, stream), "low_latency_dispatch (receive)");
@@ -283,17 +293,18 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_k,
                          ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                          int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
-                         Tuning tuning) {
+                         EpGroup group, Tuning tuning) {
   LLDispatchSendArgs send;
   if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
-                                    num_experts, max_tokens, use_fp8, ue8m0, cached, tuning,
+                                    num_experts, max_tokens, use_fp8, ue8m0, cached, group,
+                                    tuning,
                                     send);
       err.failure())
     return err;
   LLDispatchReceiveArgs receive;
   if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
                                        src_rank, src_token, src_k, pair_row, num_experts,
-                                       max_tokens, send.num_tokens, send.num_topk, tuning,
+                                       max_tokens, send.num_tokens, send.num_topk, group, tuning,
                                        receive);
       err.failure())
     return err;
@@ -311,12 +322,13 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
-                             int64_t num_experts, int64_t max_tokens, const Tuning& tuning,
+                             int64_t num_experts, int64_t max_tokens, const EpGroup& group,
+                             const Tuning& tuning,
                              LLCombineSendArgs& a) {
   const char* op = "low_latency_combine (send)";
   auto dims = y.dimensions();
   auto idx_dims = topk_idx.dimensions();
-  const int R = num_ranks_or_one();
+  const int R = group_ranks(group);
   if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
     return invalid(std::string(op) + ": bad num_experts / max_tokens_per_rank");
   const int L = static_cast<int>(num_experts / R), RM = R * static_cast<int>(max_tokens);
@@ -339,7 +351,8 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
-  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, tuning,
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, group,
+                            tuning,
                             &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
@@ -365,11 +378,12 @@ ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> topk_idx,
                              ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
-                             int64_t num_experts, int64_t max_tokens, Tuning tuning) {
+                             int64_t num_experts, int64_t max_tokens, EpGroup group,
+                             Tuning tuning) {
   LLCombineSendArgs a;
   if (auto err = make_combine_send(y, recv_count, pair_row, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
-                                   tuning, a);
+                                   group, tuning, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_combine_send(a, stream), "low_latency_combine (send)");
@@ -378,7 +392,7 @@ ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y,
 ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_idx,
                                 ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> rank,
                                 ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
-                                int64_t max_tokens, const Tuning& tuning,
+                                int64_t max_tokens, const EpGroup& group, const Tuning& tuning,
                                 LLCombineReceiveArgs& a) {
   const char* op = "low_latency_combine (receive)";
   auto idx_dims = topk_idx.dimensions();
@@ -396,8 +410,9 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   if (!float_type(out->element_type(), &a.dtype))
     return invalid(std::string(op) + ": the result must be bf16, f16 or f32");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(out->element_type());
-  a.plan = plan_ll_combine(num_ranks_or_one(), static_cast<int>(max_tokens), K, row_bytes);
-  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, tuning,
+  a.plan = plan_ll_combine(group_ranks(group), static_cast<int>(max_tokens), K, row_bytes);
+  if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, group,
+                            tuning,
                             &a.ctx, &a.area_begin, &a.area_end);
       err.failure())
     return err;
@@ -414,12 +429,13 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
 ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
                                 ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
                                 ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                                int64_t num_experts, int64_t max_tokens, Tuning tuning) {
+                                int64_t num_experts, int64_t max_tokens, EpGroup group,
+                             Tuning tuning) {
   if (call.element_count() != 2)
     return invalid("low_latency_combine (receive): call must be [2] int32");
   LLCombineReceiveArgs a;
   if (auto err = make_combine_receive(call.typed_data(), topk_idx, send_slot, rank, out,
-                                      num_experts, max_tokens, tuning, a);
+                                      num_experts, max_tokens, group, tuning, a);
       err.failure())
     return err;
   return cuda_error(launch_ll_combine_receive(a, stream), "low_latency_combine (receive)");
@@ -432,18 +448,18 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
                         ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts, int64_t max_tokens,
-                        Tuning tuning) {
+                        EpGroup group, Tuning tuning) {
   if (out->element_type() != y.element_type())
     return invalid("low_latency_combine: the result must have y's dtype");
   LLCombineSendArgs send;
   if (auto err = make_combine_send(y, recv_count, pair_row, topk_idx,
                                    send_slot, weights, rank, call, num_experts, max_tokens,
-                                   tuning, send);
+                                   group, tuning, send);
       err.failure())
     return err;
   LLCombineReceiveArgs receive;
   if (auto err = make_combine_receive(send.call_out, topk_idx, send_slot, rank, out, num_experts,
-                                      max_tokens, tuning, receive);
+                                      max_tokens, group, tuning, receive);
       err.failure())
     return err;
   if (receive.plan.bytes != send.plan.bytes || receive.hidden != send.hidden)
@@ -472,6 +488,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::dispatch_send_impl,
                                   .Attr<bool>("use_fp8")
                                   .Attr<bool>("ue8m0")
                                   .Attr<bool>("cached")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_impl,
@@ -490,6 +507,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_i
                                   .Attr<int64_t>("max_tokens")
                                   .Attr<int64_t>("num_tokens")
                                   .Attr<int64_t>("num_topk")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
@@ -505,6 +523,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_impl,
@@ -517,6 +536,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_imp
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
@@ -541,6 +561,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
                                   .Attr<bool>("use_fp8")
                                   .Attr<bool>("ue8m0")
                                   .Attr<bool>("cached")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
@@ -557,4 +578,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
+                                  .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));

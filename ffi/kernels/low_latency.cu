@@ -37,12 +37,13 @@ constexpr uint32_t kNoPosition = 0xffffffffu;
 constexpr int kCounterDispatchSend = 0, kCounterDispatchReceive = 1, kCounterCombineSend = 2,
               kCounterCombineReceive = 3;
 
-__device__ __forceinline__ char* ll_base(const PeerContext& ctx, int pe) {
-  return static_cast<char*>(ctx.peers[pe]);
+// Base and control block of rank r of the group in the low-latency buffer.
+__device__ __forceinline__ char* ll_base(const PeerContext& ctx, int r) {
+  return static_cast<char*>(ctx.peers[pe_of(ctx, r)]);
 }
 
-__device__ __forceinline__ LLControl* ll_control(const PeerContext& ctx, int pe) {
-  return reinterpret_cast<LLControl*>(ctx.peers[pe]);
+__device__ __forceinline__ LLControl* ll_control(const PeerContext& ctx, int r) {
+  return reinterpret_cast<LLControl*>(ctx.peers[pe_of(ctx, r)]);
 }
 
 // Call n's sections of an op's area (see ll_sections).
@@ -54,16 +55,6 @@ __device__ __forceinline__ LLSections sections_of(uint64_t n, size_t begin, size
 
 __device__ __forceinline__ uint64_t read_call(const int32_t* call) {
   return uint64_t(uint32_t(call[0])) | (uint64_t(uint32_t(call[1])) << 32);
-}
-
-// One thread: the program's EP axis index must be this PE (else a message and a trap).
-__device__ inline void check_rank(const PeerContext& ctx, const char* op) {
-  if (*ctx.expected_rank != ctx.rank) {
-    printf("jax_ep %s: the expert-parallel axis index %d differs from the NVSHMEM PE %d; the EP "
-           "mesh axis must list the processes in rank order\n",
-           op, *ctx.expected_rank, ctx.rank);
-    __trap();
-  }
 }
 
 // last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
@@ -82,17 +73,19 @@ __device__ __forceinline__ size_t control_offset(const LLControl* control, const
   return reinterpret_cast<const char*>(flag) - reinterpret_cast<const char*>(control);
 }
 
-// The whole warp: the rank check, then flags[s] >= want for every peer s (lane s, strided);
-// the expected rank and the flags are loaded in one round.
+// The whole warp: the rank check, then flags[PE of s] >= want for every peer s (lane s,
+// strided); the expected rank and the flags are loaded in one round. Flags are indexed by PE
+// (as the normal mode's: a PE's next call may have another group).
 __device__ inline void warp_wait_peers(const PeerContext& ctx, const uint64_t* flags,
                                        uint64_t want, const char* op, const char* what) {
   const int lane = threadIdx.x & 31;
   const int expected = *ctx.expected_rank;
   uint64_t first = want;  // the first load of each lane's flag, issued before the rank check
-  if (lane < ctx.num_ranks) first = load_acquire(flags + lane);
+  if (lane < ctx.num_ranks) first = load_acquire(flags + pe_of(ctx, lane));
   if (lane == 0 && expected != ctx.rank) check_rank(ctx, op);
-  if (first < want) wait_flag(ctx, flags + lane, want, op, what, lane);
-  for (int s = lane + 32; s < ctx.num_ranks; s += 32) wait_flag(ctx, flags + s, want, op, what, s);
+  if (first < want) wait_flag(ctx, flags + pe_of(ctx, lane), want, op, what, lane);
+  for (int s = lane + 32; s < ctx.num_ranks; s += 32)
+    wait_flag(ctx, flags + pe_of(ctx, s), want, op, what, s);
   __syncwarp();
 }
 
@@ -107,7 +100,8 @@ __device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const
   const int expected = *ctx.expected_rank;
   const bool both = 2 * R <= 32;  // lane p * R + d holds parity p's flag of d
   uint64_t guess = 0;
-  if (both && lane < 2 * R) guess = load_acquire(&mine->consumed[op][lane / R][lane % R]);
+  if (both && lane < 2 * R)
+    guess = load_acquire(&mine->consumed[op][lane / R][pe_of(ctx, lane % R)]);
   if (lane == 0 && expected != ctx.rank) check_rank(ctx, name);
   if (n <= 2) return n;
   const uint64_t want = n - 2;
@@ -115,19 +109,24 @@ __device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const
   const uint64_t mine_now = __shfl_sync(0xffffffffu, guess, both ? (parity * R + lane) & 31 : 0);
   for (int d = lane; d < R; d += 32)
     if (!both || d != lane || mine_now < want)
-      wait_flag(ctx, &mine->consumed[op][parity][d], want, name, "receive of call n-2 finished",
-                d);
+      wait_flag(ctx, &mine->consumed[op][parity][pe_of(ctx, d)], want, name,
+                "receive of call n-2 finished", d);
   __syncwarp();
   return n;
 }
 
 // The whole warp: lane r of it raises `flag` (a flag of this PE's LLControl, named by its
-// address there) to n at PE r, with release semantics; all peers side by side.
-__device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t* flag, uint64_t n) {
+// address there) to n at rank r of the group, with release semantics; all peers side by side.
+// every_pe: at every PE of the job instead (consumed: a sender's next call of this parity
+// may have another group, which must see its new destinations' last receive).
+__device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t* flag, uint64_t n,
+                                         bool every_pe = false) {
   const size_t offset = control_offset(ll_control(ctx, ctx.rank), flag);
-  for (int r = threadIdx.x & 31; r < ctx.num_ranks; r += 32)
-    store_release(reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(ll_control(ctx, r)) + offset),
-                  n);
+  const int count = every_pe ? ctx.num_pes : ctx.num_ranks;
+  for (int i = threadIdx.x & 31; i < count; i += 32) {
+    char* control = static_cast<char*>(ctx.peers[every_pe ? i : pe_of(ctx, i)]);
+    store_release(reinterpret_cast<uint64_t*>(control + offset), n);
+  }
 }
 
 // Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
@@ -509,7 +508,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   // (the peers first: the dropped count's exchange is a round trip that only this PE's
   // outputs wait for)
   if (ll_last_block(ctx, kCounterDispatchSend) && warp == 0) {
-    warp_signal_peers(ctx, &mine->arrived[kOpDispatch][n & 1][me], n);
+    warp_signal_peers(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) {
       *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
       a.call_out[0] = int32_t(uint32_t(n));
@@ -711,7 +710,8 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
 
   // every CTA has read what it needed: tell every source its region may be reused
   if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0)
-    warp_signal_peers(ctx, &mine->consumed[kOpDispatch][n & 1][me], n);
+    warp_signal_peers(ctx, &mine->consumed[kOpDispatch][n & 1][pe_of(ctx, me)], n,
+                      /*every_pe=*/true);
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
@@ -946,7 +946,7 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   }
 
   if (ll_last_block(ctx, kCounterCombineSend) && warp == 0) {
-    warp_signal_peers(ctx, &mine->arrived[kOpCombine][n & 1][me], n);
+    warp_signal_peers(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   profile_end(ctx, kProfLLCombineSend);
@@ -1096,7 +1096,8 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
     default: combine_sum<float>(a, words, data, n); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
-    warp_signal_peers(ctx, &mine->consumed[kOpCombine][n & 1][ctx.rank], n);
+    warp_signal_peers(ctx, &mine->consumed[kOpCombine][n & 1][pe_of(ctx, ctx.rank)], n,
+                      /*every_pe=*/true);
   profile_end(ctx, kProfLLCombineReceive);
 }
 

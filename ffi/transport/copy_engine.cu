@@ -158,6 +158,7 @@ class GraphCache {
   // The executable graph for `seq`, built, updated or found; nullptr and an error otherwise.
   cudaError_t get(const Transport& t, const CopySequence& seq, cudaGraphExec_t* out) {
     GraphShape shape = shape_of(seq);
+    for (int r = 0; r < t.num_ranks; ++r) put(shape, t.host_peers[r]);  // the group's buffers
     std::lock_guard<std::mutex> lock(mutex_);
     ++clock_;
     CachedGraph* same_shape_lru = nullptr;
@@ -358,7 +359,14 @@ cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence
   const Transport* t = transport();
   if (t == nullptr) return cudaErrorNotReady;
   if (sequence.kernels().empty() && sequence.transfers().empty()) return cudaSuccess;
-  return run_graph(*t, sequence, stream);
+  // The call's EP group as a transport of its own: its ranks' buffers, this PE's rank in it.
+  Transport group = *t;
+  std::vector<void*> peers(ctx.num_ranks);
+  for (int r = 0; r < ctx.num_ranks; ++r) peers[r] = t->host_peers[pe_of(ctx, r)];
+  group.host_peers = peers.data();
+  group.rank = ctx.rank;
+  group.num_ranks = ctx.num_ranks;
+  return run_graph(group, sequence, stream);
 }
 
 cudaError_t copy_engine_join(const PeerContext& ctx, cudaStream_t stream) {

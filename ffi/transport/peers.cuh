@@ -15,26 +15,37 @@
 
 namespace jax_ep {
 
-// What every communication kernel needs to find its peers and to bound its waits.
+// What every communication kernel needs to find its peers and to bound its waits. A call's
+// ranks are an EP group: the PEs pe_base + r * pe_stride, r < num_ranks (one axis of a
+// multi-axis mesh that lists the processes in order; the whole job for a one-axis mesh).
+// Kernels index ranks within the group; pe_of maps one to its PE.
 struct PeerContext {
-  void* const* peers;    // device array: symmetric buffer base of every PE
-  int rank;              // this PE
-  int num_ranks;
+  void* const* peers;    // device array: symmetric buffer base of every PE of the job
+  int rank;              // this PE's rank in the group (its index along the EP axis)
+  int num_ranks;         // ranks in the group
   uint64_t timeout_ns;   // a wait longer than this ends in a trap naming the peer
   const int32_t* expected_rank;  // the EP axis index the program computed (must equal rank)
   FaultRecord* fault;    // mapped host memory for the timeout report (may be null)
   // This PE's Control::profile in the normal-mode buffer (the low-latency kernels stamp
   // their phases there too).
   unsigned long long (*profile)[kProfilePhases];
+  int pe_base, pe_stride;  // the group's PEs: pe_base + r * pe_stride
+  int num_pes;             // PEs of the job
 };
 
-__device__ __forceinline__ Control* control_of(const PeerContext& ctx, int pe) {
-  return reinterpret_cast<Control*>(ctx.peers[pe]);
+// The PE of rank r of the call's group.
+__host__ __device__ __forceinline__ int pe_of(const PeerContext& ctx, int r) {
+  return ctx.pe_base + r * ctx.pe_stride;
+}
+
+// Control block and regions of rank r of the group.
+__device__ __forceinline__ Control* control_of(const PeerContext& ctx, int r) {
+  return reinterpret_cast<Control*>(ctx.peers[pe_of(ctx, r)]);
 }
 
 template <typename T>
-__device__ __forceinline__ T* region(const PeerContext& ctx, int pe, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(ctx.peers[pe]) + offset);
+__device__ __forceinline__ T* region(const PeerContext& ctx, int r, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(ctx.peers[pe_of(ctx, r)]) + offset);
 }
 
 __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
@@ -86,8 +97,8 @@ __device__ inline void report_timeout(const PeerContext& ctx, const char* op, co
   const bool first = f == nullptr || atomicCAS(&f->claimed, 0, 1) == 0;
   if (!first) return;  // another thread of this process reports (once is enough)
   if (f != nullptr) {
-    f->rank = ctx.rank;
-    f->peer = peer;
+    f->rank = pe_of(ctx, ctx.rank);
+    f->peer = pe_of(ctx, peer);
     f->want = want;
     f->saw = saw;
     f->timeout_s = ctx.timeout_ns * 1e-9;
@@ -98,8 +109,8 @@ __device__ inline void report_timeout(const PeerContext& ctx, const char* op, co
     __threadfence_system();
   }
   printf("jax_ep %s: PE %d timed out after %.1f s waiting for PE %d (%s, call %llu, saw %llu)\n",
-         op, ctx.rank, ctx.timeout_ns * 1e-9, peer, what, (unsigned long long)want,
-         (unsigned long long)saw);
+         op, pe_of(ctx, ctx.rank), ctx.timeout_ns * 1e-9, pe_of(ctx, peer), what,
+         (unsigned long long)want, (unsigned long long)saw);
 }
 
 // Traps after giving the host watchdog (20 ms polls) time to print the fault record: once the
@@ -140,19 +151,27 @@ __device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p
   return uint32_t(v);
 }
 
-// Thread 0 of every block: the program's EP rank must be this PE, and every peer must have
-// finished the previous call before we touch any symmetric memory of this one.
+// One thread: the program's EP axis index must be this PE's rank in the group (else a message
+// and a trap).
+__device__ inline void check_rank(const PeerContext& ctx, const char* op) {
+  if (*ctx.expected_rank != ctx.rank) {
+    printf("jax_ep %s: the expert-parallel axis index %d differs from PE %d's position %d on "
+           "it; the mesh must list the processes in order (process i at flat position i)\n",
+           op, *ctx.expected_rank, pe_of(ctx, ctx.rank), ctx.rank);
+    __trap();
+  }
+}
+
+// Thread 0 of every block: the program's EP rank must be this PE's, and every peer must have
+// finished the previous call before we touch any symmetric memory of this one. Flags are
+// indexed by PE, not by rank in the group: done is raised at every PE of the job, so a PE
+// whose next call has another group (another mesh axis) still sees its new peers' last call.
 __device__ inline void enter_call(const PeerContext& ctx, uint64_t epoch, const char* op) {
   if (threadIdx.x == 0) {
-    if (*ctx.expected_rank != ctx.rank) {
-      printf("jax_ep %s: the expert-parallel axis index %d differs from the NVSHMEM PE %d; the "
-             "EP mesh axis must list the processes in rank order\n",
-             op, *ctx.expected_rank, ctx.rank);
-      __trap();
-    }
+    check_rank(ctx, op);
     Control* mine = control_of(ctx, ctx.rank);
     for (int s = 0; s < ctx.num_ranks; ++s)
-      wait_flag(ctx, &mine->done[s], epoch - 1, op, "previous call finished", s);
+      wait_flag(ctx, &mine->done[pe_of(ctx, s)], epoch - 1, op, "previous call finished", s);
   }
   __syncthreads();
 }
@@ -162,18 +181,21 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
   if (threadIdx.x == 0) {
     Control* mine = control_of(ctx, ctx.rank);
     for (int s = 0; s < ctx.num_ranks; ++s)
-      wait_flag(ctx, &mine->ready[s], epoch, op, "data staged", s);
+      wait_flag(ctx, &mine->ready[pe_of(ctx, s)], epoch, op, "data staged", s);
   }
   __syncthreads();
 }
 
-// Called by one thread: set this PE's flag of the given kind on every peer.
+// Called by one thread: set this PE's flag of the given kind on every peer of the group
+// (ready) or on every PE of the job (done: see enter_call).
 __device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t epoch) {
-  for (int p = 0; p < ctx.num_ranks; ++p) {
-    Control* peer = control_of(ctx, p);
-    uint64_t* target = flag == Flag::kReady ? &peer->ready[ctx.rank] : &peer->done[ctx.rank];
-    store_release(target, epoch);
+  const int me = pe_of(ctx, ctx.rank);
+  if (flag == Flag::kReady) {
+    for (int p = 0; p < ctx.num_ranks; ++p) store_release(&control_of(ctx, p)->ready[me], epoch);
+    return;
   }
+  for (int pe = 0; pe < ctx.num_pes; ++pe)
+    store_release(&reinterpret_cast<Control*>(ctx.peers[pe])->done[me], epoch);
 }
 
 // The call number this kernel belongs to: one more than the calls completed.
