@@ -150,12 +150,17 @@ def _call(name, result_types, *args, axis_name, **attrs):
     does not fuse it.
     """
     _native.register()
+    # the results vary over the EP axis and over every mesh axis an operand varies over (the
+    # other axes of a multi-axis mesh: each EP group has its own data), as the reference's do
+    axes = set(axis_name) if isinstance(axis_name, tuple) else {axis_name} - {None}
+    for arg in args:
+        axes.update(_varying_axes(arg))
     args = jax.lax.optimization_barrier(args)
     out = jax.ffi.ffi_call(name, result_types, has_side_effect=True)(*args, **attrs)
     out = jax.lax.optimization_barrier(out)
-    if axis_name is None:
+    if not axes:
         return out
-    return jax.tree.map(lambda v: _as_varying(v, axis_name), out)
+    return jax.tree.map(lambda v: _as_varying(v, tuple(sorted(axes))), out)
 
 
 def layout(topk_idx, *, num_experts, num_ranks):

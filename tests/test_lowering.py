@@ -323,3 +323,33 @@ def test_calls_carry_their_ep_group(names, shape, stride):
     groups = re.findall(r"group = \{num_ranks = (\d+) : i64, stride = (\d+) : i64\}", text)
     assert len(groups) == text.count("custom_call @jax_ep_") - text.count("@jax_ep_layout")
     assert set(groups) == {(str(shape[names.index("expert")]), str(stride))}
+
+
+@pytest.mark.parametrize("names", [("data", "expert"), ("expert", "data")])
+def test_cuda_results_vary_over_every_axis_of_their_operands(names, monkeypatch):
+    """On a two-axis mesh the CUDA calls' results vary over the data axis too (each EP group
+    has its own), so the custom VJPs' types match their primals' under shard_map's checks."""
+    from jax_ep import _native, api, moe
+
+    monkeypatch.setattr(api, "cuda_available", lambda: (True, ""))
+    monkeypatch.setattr(_native, "register", lambda *a, **k: None)
+    shape = (2, 4) if names[0] == "data" else (4, 2)
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[:8],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    T, H, F, E = 8, 16, 8, 8
+
+    def per_device(x, router, w_in, w_out):
+        def loss(x, router, w_in, w_out):
+            out, dropped = moe.moe_block(x, router, w_in, w_out, top_k=2, axis_name="expert",
+                                         backend="cuda")
+            return jnp.sum(jnp.sin(out)), jax.lax.psum(dropped, names)
+
+        grads, dropped = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            x[0], router[0], w_in[0], w_out[0])
+        return jax.tree.map(lambda a: a[None], grads), dropped
+
+    spec = P(names)
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 4,
+                              out_specs=(spec, P())))
+    f.trace(jnp.zeros((8, T, H)), jnp.zeros((8, H, E)), jnp.zeros((8, 2, H, F)),
+            jnp.zeros((8, 2, F, H)))
