@@ -55,8 +55,11 @@ static_assert(kProfNumSlots <= kProfileKernels, "Control::profile has a row per 
 struct Control {
   uint64_t epoch;               // calls this PE has completed
   uint32_t block_counter[16];   // arrival counters of the "last block" pattern, per kernel
-  uint64_t ready[kMaxRanks];    // ready[s] = e: PE s has staged its data of call e
-  uint64_t done[kMaxRanks];     // done[s] = e: PE s has finished every access of call e
+  // Indexed by PE (not by rank in the call's group). ready[s] = e: PE s, a peer of this PE's
+  // call e, has staged its data; done[s] = e: PE s has finished every access of its call e
+  // (raised at every PE of the job: a PE's next call may have another group).
+  uint64_t ready[kMaxRanks];
+  uint64_t done[kMaxRanks];
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
   // block finished, [3] last block finished, [4] retired: the last block past its closing
@@ -96,7 +99,8 @@ struct LLControl {
   uint32_t dropped_pairs;          // the running dispatch send's pairs past max_tokens
   // arrived[op][parity][s] = n: PE s has written all its data of call n into this buffer
   uint64_t arrived[kLLOps][2][kMaxRanks];
-  // consumed[op][parity][d] = n: PE d has finished reading what this PE sent it in call n
+  // consumed[op][parity][d] = n: PE d has finished the receive of its call n (raised at every
+  // PE of the job, as done[] above). Both indexed by PE.
   uint64_t consumed[kLLOps][2][kMaxRanks];
 };
 
