@@ -881,7 +881,8 @@ def both_2d(fn, names, shape, *args):
 @pytest.mark.parametrize("order", ["data_major", "expert_major_mesh"])
 @pytest.mark.parametrize("groups", ["two", "half"])
 @pytest.mark.parametrize("layout,path", [("rank_major", "fused"), ("rank_major", "pull"),
-                                         ("expert_major", "fused")])
+                                         ("expert_major", "fused"), ("rank_major", "copy"),
+                                         ("source_slots", "copy")])
 def test_sub_axis_dispatch_combine_match_reference(order, groups, layout, path):
     names, shape, R = _sub_axis_mesh(order, groups)
     W = num_ranks()
@@ -892,7 +893,7 @@ def test_sub_axis_dispatch_combine_match_reference(order, groups, layout, path):
                     for _ in range(W)]).astype(np.int32)
     idx = np.where(rng.random(idx.shape) < 0.1, -1, idx).astype(np.int32)
     w = rng.random((W, T, K)).astype(np.float32)
-    tuning = jax_ep.Config(dispatch_path=path)
+    tuning = jax_ep.Config(dispatch_path=path, combine_path="copy" if path == "copy" else None)
 
     def fn(backend, x, idx, w):
         out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=EXPERT, layout=layout,
