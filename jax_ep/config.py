@@ -266,22 +266,24 @@ def num_blocks(config: Config | None, *, layout=None, operation="dispatch", path
     return Config(num_blocks=int(value)).num_blocks  # validated
 
 
+def _positive_field(config: Config | None, name: str, variable: str, default: float) -> float:
+    """The call's value of a positive number field, else the process's, else the variable's
+    (validated as the field), else ``default``."""
+    given = _field(config, name)
+    if given is None:
+        value = _number(variable, None, float)
+        given = getattr(Config(**{name: value}), name) if value else default
+    return float(given)
+
+
 def copy_chunk_mb(config: Config | None) -> float:
     """The call's value, else the process's, else ``JAX_EP_COPY_CHUNK_MB``, else 16."""
-    given = _field(config, "copy_chunk_mb")
-    if given is not None:
-        return float(given)
-    value = _number("JAX_EP_COPY_CHUNK_MB", None, float)
-    return float(Config(copy_chunk_mb=value).copy_chunk_mb) if value else DEFAULT_COPY_CHUNK_MB
+    return _positive_field(config, "copy_chunk_mb", "JAX_EP_COPY_CHUNK_MB", DEFAULT_COPY_CHUNK_MB)
 
 
 def timeout_s(config: Config | None) -> float:
     """The call's value, else the process's, else ``JAX_EP_TIMEOUT_S``, else 100."""
-    given = _field(config, "timeout_s")
-    if given is not None:
-        return float(given)
-    value = _number("JAX_EP_TIMEOUT_S", None, float)
-    return float(Config(timeout_s=value).timeout_s) if value else DEFAULT_TIMEOUT_S
+    return _positive_field(config, "timeout_s", "JAX_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
 
 
 def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout,
