@@ -106,8 +106,10 @@ def _group(axis_name, num_ranks) -> dict:
     With the processes listed in mesh order (process i at flat position i), a device's group
     is then the PEs base + r * stride: the extension finds them from its own PE, and every
     kernel checks that the axis index equals the rank it found."""
-    mesh = jax.sharding.get_abstract_mesh()
-    names, sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
+    mesh = get_mesh() if get_mesh is not None else None
+    shape = dict(getattr(mesh, "shape", None) or {})
+    names, sizes = tuple(shape), tuple(shape.values())
     if axis_name not in names:  # outside a mesh context (lowering tests): a one-axis mesh
         return dict(num_ranks=int(num_ranks), stride=1)
     k = names.index(axis_name)
