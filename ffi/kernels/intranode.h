@@ -4,11 +4,11 @@
 //   1. stage   : wait until every peer finished the previous call, write what peers will read
 //                into this PE's symmetric buffer (dispatch: per-destination counts and token
 //                lists; combine: its rows, or for expert_major one partial sum per (source,
-//                token)), then raise ready[me] on every peer;
+//                token)), then raise ready[me] on every peer of the call's group;
 //   2. gather  : wait for every peer's ready flag, read what this PE needs straight from the
-//                peers' buffers into the XLA output, then raise done[me] on every peer. The
-//                dispatch's default instead pushes (dispatch_fused): each PE stores its rows
-//                into the receivers' regions and moves out the rows that have arrived in its own.
+//                peers' buffers into the XLA output (the pull paths), or store this PE's rows
+//                into the receivers' regions and move out the rows that have arrived in its
+//                own (dispatch_fused, the default dispatch); then raise done[me] (peers.cuh).
 // A token's row crosses NVLink at most once per (token, rank) in every layout: expert_major
 // rows are expanded to their (token, k) pairs on the receiving side, and its combine sums a
 // token's pairs on the expert's rank before the sum crosses back (docs/design.md).

@@ -64,9 +64,9 @@ __device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fenc
 }
 
 // Flags of every peer in one round of loads: each lane of the calling warp loads its own
-// peer's flag (one acquire load per lane, side by side) where thread 0 used to load them one
-// after another; an acquire load holds back the loads after it, so R flags cost R memory
-// latencies there.
+// peer's flag (one acquire load per lane, side by side), not one thread all of them: an
+// acquire load holds back the loads after it, so R flags from one thread cost R memory
+// latencies.
 
 // Byte offset of a flag inside LLControl: the same flag of PE r is at ll_control(r) + offset.
 __device__ __forceinline__ size_t control_offset(const LLControl* control, const uint64_t* flag) {
