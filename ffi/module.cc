@@ -1,5 +1,6 @@
 // The nanobind module jax_ep._C: FFI handler capsules and the communication runtime.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 #include <nanobind/stl/string.h>
 
 #include <atomic>
@@ -149,8 +150,9 @@ NB_MODULE(_C, m) {
   m.def(
       "initialize",
       [](int rank, int num_ranks, int local_device, size_t buffer_bytes, nb::bytes unique_id,
-         bool single_host, size_t low_latency_bytes) {
+         bool single_host, size_t low_latency_bytes, std::vector<int> node_of) {
         jax_ep::InitOptions options;
+        options.node_of = std::move(node_of);
         options.rank = rank;
         options.num_ranks = num_ranks;
         options.local_device = local_device;
@@ -162,7 +164,8 @@ NB_MODULE(_C, m) {
         jax_ep::initialize(options);
       },
       nb::arg("rank"), nb::arg("num_ranks"), nb::arg("local_device"), nb::arg("buffer_bytes"),
-      nb::arg("unique_id"), nb::arg("single_host") = true, nb::arg("low_latency_bytes") = 0);
+      nb::arg("unique_id"), nb::arg("single_host") = true, nb::arg("low_latency_bytes") = 0,
+      nb::arg("node_of") = std::vector<int>());
   m.def(
       "set_diagnostics",
       [](double fault_exit_s, bool log) {

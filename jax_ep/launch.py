@@ -24,8 +24,9 @@ with one task per node and 8 GPUs per node::
         --num-processes $((8 * SLURM_NNODES)) --process-id-offset $((8 * SLURM_NODEID)) \\
         train.py'
 
-(jax_ep's kernels reach peers over NVLink/PCIe only so far, so its runtime still needs every
-process on one host; the launcher itself does not.)
+(jax_ep's kernels reach the GPUs of their own host only so far: put the expert-parallel axis
+inside a host and the other mesh axes across hosts. On one machine, two invocations form such
+a job too, the second with ``CUDA_VISIBLE_DEVICES`` naming its own GPUs.)
 
 ``--gpus G`` with G below ``-n`` puts several processes on one GPU (process k on GPU k mod G),
 to test multi-rank logic on a smaller machine: NVSHMEM then runs several PEs per GPU, and their

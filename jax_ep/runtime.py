@@ -112,12 +112,14 @@ def _size_from_shapes(num_ranks, num_tokens, hidden, num_topk, num_experts, capa
 SHARED_VARIABLES = _config.SHARED_VARIABLES
 
 
-def _shared_settings(buffer_bytes: int, low_latency_bytes: int, config=None) -> dict:
+def _shared_settings(buffer_bytes: int, low_latency_bytes: int, config=None,
+                     node_size=None) -> dict:
     """What every process must agree on: the symmetric allocations (NVSHMEM allocates them
-    collectively, the same size on every PE), the process's ``jax_ep.Config`` and
+    collectively, the same size on every PE), the process's ``jax_ep.Config``, the nodes and
     SHARED_VARIABLES."""
     settings = {"buffer_bytes": buffer_bytes, "low_latency_bytes": low_latency_bytes,
-                "config": None if config is None else dataclasses.asdict(config)}
+                "config": None if config is None else dataclasses.asdict(config),
+                "node_size": node_size}
     settings.update({name: _config.shared_variable(name) for name in SHARED_VARIABLES})
     return settings
 
@@ -153,17 +155,38 @@ def _exchange(client, rank, world, generation, settings, timeout_ms=300_000) -> 
             for r in range(world)]
 
 
-def _agree(client, rank, world, generation, settings, timeout_s=300.0) -> bool:
-    """Exchanges and checks the settings; True when every process is on one host. Ends in a
-    barrier: a process that arrives after the others gave up waiting for it fails there too,
+def _agree(client, rank, world, generation, settings, timeout_s=300.0) -> list[str]:
+    """Exchanges and checks the settings; returns every process's host name, by rank. Ends in
+    a barrier: a process that arrives after the others gave up waiting for it fails there too,
     instead of joining an NVSHMEM job nobody else joins."""
     timeout_ms = int(timeout_s * 1000)
     everyone = _exchange(client, rank, world, generation, settings, timeout_ms)
-    single_host = len({entry.pop("host") for entry in everyone}) == 1
+    hosts = [entry.pop("host") for entry in everyone]
     _check_same_settings(everyone)
     if world > 1:
         client.wait_at_barrier(f"{_KEY_PREFIX}/{generation}/agreed", timeout_ms)
-    return single_host
+    return hosts
+
+
+def nodes_of(hosts: list[str], node_size: int | None = None) -> list[int]:
+    """The node of every rank: one per host (numbered by first appearance), or, with
+    ``node_size``, virtual nodes of that many consecutive ranks (to run the node-bound
+    checks on one host); a virtual node may not span hosts."""
+    world = len(hosts)
+    if node_size is None:
+        index = {}
+        return [index.setdefault(host, len(index)) for host in hosts]
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 \
+            or world % node_size:
+        raise ValueError(f"node_size must be an int >= 1 dividing the {world} processes, got "
+                         f"{node_size!r}")
+    nodes = [r // node_size for r in range(world)]
+    for node in range(world // node_size):
+        spanned = sorted({hosts[r] for r in range(world) if nodes[r] == node})
+        if len(spanned) > 1:
+            raise ValueError(f"node_size={node_size}: node {node} would span the hosts "
+                             f"{spanned}")
+    return nodes
 
 
 def _requested_sizes(world, buffer_bytes, low_latency_bytes, num_tokens, hidden, num_topk,
@@ -191,7 +214,7 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
                layout: str = "rank_major", fp8: bool = False, alignment: int = 1,
                low_latency_bytes: int | None = None, config=None,
                init_timeout_s: float = 300.0, fault_exit_s: float = 10.0,
-               log_calls: bool = False) -> None:
+               log_calls: bool = False, node_size: int | None = None) -> None:
     """Join the NVSHMEM job of all JAX processes and allocate the symmetric buffer.
 
     Collective: every process calls it with the same arguments. The processes compare their
@@ -219,6 +242,11 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         never.
       log_calls: a diagnostic: one stderr line per custom-call execution, with XLA's run id
         and stream.
+      node_size: None: a node is a host (from the host names the processes publish); an int:
+        virtual nodes of that many consecutive ranks, to test node-bound jobs on one host.
+        The kernels reach the PEs of their node only: every call's EP group must lie inside
+        one node (e.g. a mesh (data=nodes, expert=GPUs per node)); a call whose group leaves
+        it fails, naming the peer.
     """
     global _generation, _atexit_registered
     import jax
@@ -262,10 +290,12 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
 
     generation = _generation
     _generation += 1
-    settings = _shared_settings(buffer_bytes, low_latency_bytes, config)
+    settings = _shared_settings(buffer_bytes, low_latency_bytes, config, node_size)
     if error is not None:
         settings["error"] = error
-    single_host = _agree(client, rank, world, generation, settings, init_timeout_s)
+    hosts = _agree(client, rank, world, generation, settings, init_timeout_s)
+    nodes = nodes_of(hosts, node_size)  # the same on every process: they raise alike
+    single_host = len(set(hosts)) == 1
     _config.set_process_config(config)
     # NVSHMEM reads these when the unique id is made (its bootstrap socket) and at init.
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
@@ -283,7 +313,9 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
 
     device = local[0].local_hardware_id
     module.initialize(rank, world, int(device if device is not None else 0), buffer_bytes,
-                      unique_id, single_host, low_latency_bytes)
+                      unique_id, single_host, low_latency_bytes, nodes)
+    global _topology
+    _topology = Topology(nodes=tuple(nodes), virtual=node_size is not None)
     module.set_diagnostics(float(fault_exit_s), bool(log_calls))
     _native.register(force=True)
     if not _atexit_registered:
@@ -291,14 +323,37 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         _atexit_registered = True
 
 
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The job's nodes as ``initialize`` found them: ``nodes[r]`` is rank r's node (a host, or
+    a virtual node of ``node_size`` ranks). The kernels reach the PEs of their own node."""
+
+    nodes: tuple[int, ...]
+    virtual: bool = False
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.nodes))
+
+
+_topology: Topology | None = None
+
+
+def topology() -> Topology | None:
+    """The nodes of the running job (None before ``initialize``)."""
+    return _topology
+
+
 def finalize() -> None:
     """Free the symmetric buffer and end NVSHMEM if ``initialize`` started it.
 
     Collective (every process calls it); idempotent. Runs at exit by itself.
     """
+    global _topology
     module, _ = _native.load()
     if module is not None and module.is_initialized():
         module.finalize()
+    _topology = None
 
 
 def _finalize_at_exit() -> None:

@@ -94,8 +94,31 @@ def test_a_different_size_or_variable_is_named_with_every_ranks_value(monkeypatc
 
 
 def test_equal_settings_agree_on_every_rank():
+    import socket
+
     settings = [runtime._shared_settings(1 << 30, 0)] * 3
-    assert _exchange_all(settings, step=runtime._agree) == [True] * 3  # one host
+    # every rank learns every rank's host (one host here)
+    assert _exchange_all(settings, step=runtime._agree) == [[socket.gethostname()] * 3] * 3
+
+
+def test_nodes_are_hosts_or_virtual_nodes_of_consecutive_ranks():
+    assert runtime.nodes_of(["a", "a", "b", "b"]) == [0, 0, 1, 1]
+    assert runtime.nodes_of(["b", "b", "a", "a"]) == [0, 0, 1, 1]  # by first appearance
+    assert runtime.nodes_of(["a"] * 8, node_size=2) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert runtime.nodes_of(["a", "a", "b", "b"], node_size=2) == [0, 0, 1, 1]
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="node_size must be an int >= 1 dividing the 4"):
+            runtime.nodes_of(["a"] * 4, node_size=bad)
+    with pytest.raises(ValueError, match=r"node 0 would span the hosts \['a', 'b'\]"):
+        runtime.nodes_of(["a", "b", "b", "b"], node_size=2)
+
+
+def test_a_different_node_size_is_named():
+    base = runtime._shared_settings(1 << 30, 0)
+    settings = [base, runtime._shared_settings(1 << 30, 0, node_size=1)]
+    for outcome in _exchange_all(settings, step=runtime._agree):
+        assert isinstance(outcome, ValueError), outcome
+        assert "node_size (rank 0: unset, rank 1: 1)" in str(outcome)
 
 
 def test_one_ranks_bad_arguments_fail_every_rank():
@@ -171,7 +194,7 @@ def test_agreement_through_jax_distributed_on_cpu(tmp_path):
                          capture_output=True, text=True, env=env, timeout=120, cwd=repo)
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in (0, 1):
-        assert f"[rank {rank}] agreed True" in out.stdout
+        assert f"[rank {rank}] agreed ['" in out.stdout
         assert (f"[rank {rank}] refused: jax_ep.runtime.initialize: every process must pass "
                 "the same sizes and set the same jax_ep variables; they differ in "
                 "JAX_EP_COMBINE (rank 0: unset, rank 1: copy)") in out.stdout, out.stdout

@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
@@ -49,9 +50,9 @@ struct GroupPlace {
   int rank, num_ranks, base, stride;
 };
 
-inline ffi::Error place_in_group(const char* op, const EpGroup& g, int pe, int num_pes,
+inline ffi::Error place_in_group(const char* op, const EpGroup& g, const Transport& t,
                                  GroupPlace* out) {
-  const int64_t R = g.num_ranks, S = g.stride;
+  const int64_t R = g.num_ranks, S = g.stride, pe = t.rank, num_pes = t.num_ranks;
   if (R < 1 || S < 1 || R * S > num_pes)
     return invalid(std::string(op) + ": the expert-parallel axis of " + std::to_string(R) +
                    " devices (stride " + std::to_string(S) + " in the mesh) does not fit the " +
@@ -62,6 +63,16 @@ inline ffi::Error place_in_group(const char* op, const EpGroup& g, int pe, int n
     return invalid(std::string(op) + ": PE " + std::to_string(pe) + "'s group on the "
                    "expert-parallel axis (" + std::to_string(R) + " devices, stride " +
                    std::to_string(S) + ") runs past the " + std::to_string(num_pes) + " PEs");
+  // the kernels reach the PEs of their own node only
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t peer = base + r * S;
+    if (t.host_peers[peer] == nullptr)
+      return invalid(std::string(op) + ": PE " + std::to_string(peer) + " of this call's "
+                     "expert-parallel group is on node " + std::to_string(t.node_of[peer]) +
+                     ", PE " + std::to_string(pe) + " on node " + std::to_string(t.node_of[pe]) +
+                     "; jax_ep reaches the peers of a node only (NVLink/PCIe): put the expert "
+                     "axis inside a node, e.g. a mesh (data=nodes, expert=GPUs per node)");
+  }
   *out = GroupPlace{int(rank), int(R), int(base), int(S)};
   return ffi::Error::Success();
 }

@@ -23,7 +23,7 @@ ffi::Error group_place(const char* op, const EpGroup& group, GroupPlace* place) 
   *place = GroupPlace{0, int(std::max<int64_t>(group.num_ranks, 1)), 0, 1};
   const Transport* t = transport();
   return t == nullptr ? ffi::Error::Success()
-                      : place_in_group(op, group, t->rank, t->num_ranks, place);
+                      : place_in_group(op, group, *t, place);
 }
 
 ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t needed,

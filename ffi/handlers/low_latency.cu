@@ -71,7 +71,7 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
                    "jax_ep.runtime.initialize() after jax.distributed.initialize()");
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
   GroupPlace place;
-  if (auto err = place_in_group(op, group, t->rank, t->num_ranks, &place); err.failure())
+  if (auto err = place_in_group(op, group, *t, &place); err.failure())
     return err;
   const int R = place.num_ranks;
   if (num_experts < R || num_experts % R != 0)

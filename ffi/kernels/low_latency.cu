@@ -117,7 +117,7 @@ __device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const
 
 // The whole warp: lane r of it raises `flag` (a flag of this PE's LLControl, named by its
 // address there) to n at rank r of the group, with release semantics; all peers side by side.
-// every_pe: at every PE of the job instead (consumed: a sender's next call of this parity
+// every_pe: at every PE of this node instead (consumed: a sender's next call of this parity
 // may have another group, which must see its new destinations' last receive).
 __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t* flag, uint64_t n,
                                          bool every_pe = false) {
@@ -125,7 +125,8 @@ __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t*
   const int count = every_pe ? ctx.num_pes : ctx.num_ranks;
   for (int i = threadIdx.x & 31; i < count; i += 32) {
     char* control = static_cast<char*>(ctx.peers[every_pe ? i : pe_of(ctx, i)]);
-    store_release(reinterpret_cast<uint64_t*>(control + offset), n);
+    if (control != nullptr)  // every_pe: the PEs of this node
+      store_release(reinterpret_cast<uint64_t*>(control + offset), n);
   }
 }
 

@@ -27,6 +27,7 @@ bool g_owns_nvshmem = false;
 void** g_peers_device = nullptr;
 void** g_ll_peers_device = nullptr;
 std::vector<void*> g_host_peers;
+std::vector<int> g_node_of;  // node of every PE (InitOptions::node_of)
 cudaStream_t g_copy_stream = nullptr;
 cudaEvent_t g_copy_fork = nullptr, g_copy_join = nullptr;
 
@@ -129,15 +130,21 @@ void* allocate_symmetric(size_t bytes, const char* what, int me, int n) {
 }
 
 // Device array [n] of every PE's copy of `local` as mapped into this process (and, when
-// host_copy is given, the same table on the host).
-void** map_peers(void* local, int me, int n, std::vector<void*>* host_copy = nullptr) {
-  std::vector<void*> peers(n);
+// host_copy is given, the same table on the host). PEs on another node (node_of) stay
+// nullptr: the kernels reach peers of their own node only, and a call whose EP group leaves
+// the node is refused by its handler, naming the peer. A PE of this node that cannot be
+// mapped is an error here.
+void** map_peers(void* local, int me, int n, const std::vector<int>& node_of,
+                 std::vector<void*>* host_copy = nullptr) {
+  std::vector<void*> peers(n, nullptr);
   for (int pe = 0; pe < n; ++pe) {
+    if (node_of[pe] != node_of[me]) continue;
     peers[pe] = nvshmem_ptr(local, pe);
     if (peers[pe] == nullptr) {
       fail("PE " + std::to_string(pe) + "'s buffer cannot be mapped into PE " +
-           std::to_string(me) +
-           " (no peer-to-peer access); jax_ep supports GPUs of one host over NVLink/PCIe so far");
+           std::to_string(me) + " (no peer-to-peer access) although both are on node " +
+           std::to_string(node_of[me]) + "; jax_ep reaches the peers of a node over "
+           "NVLink/PCIe");
     }
   }
   void** peers_device = nullptr;
@@ -229,10 +236,14 @@ void initialize(const InitOptions& options) {
          " but this process is " + rank_text(options.rank, options.num_ranks));
   }
 
+  g_node_of = options.node_of.empty() ? std::vector<int>(n, 0) : options.node_of;
+  if (static_cast<int>(g_node_of.size()) != n)
+    fail("node_of names " + std::to_string(g_node_of.size()) + " PEs, NVSHMEM runs " +
+         std::to_string(n));
   void* local = allocate_symmetric(options.buffer_bytes, "symmetric buffer", me, n);
   void** peers_device = nullptr;
   try {
-    peers_device = map_peers(local, me, n, &g_host_peers);
+    peers_device = map_peers(local, me, n, g_node_of, &g_host_peers);
     create_copy_engine_stream();
   } catch (...) {
     destroy_copy_engine_stream();
@@ -244,7 +255,7 @@ void initialize(const InitOptions& options) {
   if (options.low_latency_bytes > 0) {
     try {
       ll_local = allocate_symmetric(options.low_latency_bytes, "low-latency buffer", me, n);
-      ll_peers_device = map_peers(ll_local, me, n);
+      ll_peers_device = map_peers(ll_local, me, n, g_node_of);
     } catch (...) {
       if (ll_local != nullptr) nvshmem_free(ll_local);
       destroy_copy_engine_stream();
@@ -267,6 +278,7 @@ void initialize(const InitOptions& options) {
   g_transport.bytes = options.buffer_bytes;
   g_transport.peers = peers_device;
   g_transport.host_peers = g_host_peers.data();
+  g_transport.node_of = g_node_of.data();
   g_transport.copy_stream = g_copy_stream;
   g_transport.copy_fork = g_copy_fork;
   g_transport.copy_join = g_copy_join;
@@ -288,6 +300,7 @@ void finalize() {
   cudaFree(g_ll_peers_device);
   destroy_copy_engine_stream();
   g_host_peers.clear();
+  g_node_of.clear();
   g_peers_device = nullptr;
   g_ll_peers_device = nullptr;
   g_transport = Transport{};

@@ -29,7 +29,9 @@ struct Transport {
   size_t ll_bytes = 0;
   void* const* ll_peers = nullptr;  // device array [num_ranks], like peers
   // The same bases as `peers`, on the host: copy-engine transfers are enqueued there.
+  // peers[pe] and host_peers[pe] are nullptr for a PE on another node (node_of).
   void* const* host_peers = nullptr;
+  const int* node_of = nullptr;  // host array [num_ranks]: the node of every PE
   // Copy-engine paths: the stream their cached graphs launch on, the event that lets it start
   // after the caller's stream, and the event the caller's stream waits on at the end.
   CUstream_st* copy_stream = nullptr;
@@ -48,6 +50,9 @@ struct InitOptions {
   size_t low_latency_bytes = 0;  // low-latency buffer size per PE (0: none)
   std::string unique_id;         // bytes of nvshmemx_uniqueid_t (from process 0)
   bool single_host = true;       // default NVSHMEM to loopback bootstrap, no remote transport
+  // The node of every PE (empty: one node). The kernels reach the PEs of this PE's node only;
+  // runtime.initialize derives it from the hosts' names, or from its node_size for tests.
+  std::vector<int> node_of;
 };
 std::string create_unique_id();                 // process 0 only
 void initialize(const InitOptions& options);    // throws std::runtime_error with a clear message

@@ -30,7 +30,7 @@ struct PeerContext {
   // their phases there too).
   unsigned long long (*profile)[kProfilePhases];
   int pe_base, pe_stride;  // the group's PEs: pe_base + r * pe_stride
-  int num_pes;             // PEs of the job
+  int num_pes;             // PEs of the job (peers[pe] is nullptr for another node's)
 };
 
 // The PE of rank r of the call's group.
@@ -164,7 +164,7 @@ __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
 
 // Thread 0 of every block: the program's EP rank must be this PE's, and every peer must have
 // finished the previous call before we touch any symmetric memory of this one. Flags are
-// indexed by PE, not by rank in the group: done is raised at every PE of the job, so a PE
+// indexed by PE, not by rank in the group: done is raised at every PE of the node, so a PE
 // whose next call has another group (another mesh axis) still sees its new peers' last call.
 __device__ inline void enter_call(const PeerContext& ctx, uint64_t epoch, const char* op) {
   if (threadIdx.x == 0) {
@@ -187,15 +187,17 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
 }
 
 // Called by one thread: set this PE's flag of the given kind on every peer of the group
-// (ready) or on every PE of the job (done: see enter_call).
+// (ready) or on every PE of its node (done: see enter_call; a group never leaves a node).
 __device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t epoch) {
   const int me = pe_of(ctx, ctx.rank);
   if (flag == Flag::kReady) {
     for (int p = 0; p < ctx.num_ranks; ++p) store_release(&control_of(ctx, p)->ready[me], epoch);
     return;
   }
-  for (int pe = 0; pe < ctx.num_pes; ++pe)
-    store_release(&reinterpret_cast<Control*>(ctx.peers[pe])->done[me], epoch);
+  for (int pe = 0; pe < ctx.num_pes; ++pe) {
+    Control* control = reinterpret_cast<Control*>(ctx.peers[pe]);
+    if (control != nullptr) store_release(&control->done[me], epoch);  // this node's PEs
+  }
 }
 
 // The call number this kernel belongs to: one more than the calls completed.
