@@ -26,7 +26,7 @@ with one task per node and 8 GPUs per node::
 
 (jax_ep's kernels reach the GPUs of their own host only so far: put the expert-parallel axis
 inside a host and the other mesh axes across hosts. On one machine, two invocations form such
-a job too, the second with ``CUDA_VISIBLE_DEVICES`` naming its own GPUs.)
+a job too, each on its own GPUs: ``--first-gpu``.)
 
 ``--gpus G`` with G below ``-n`` puts several processes on one GPU (process k on GPU k mod G),
 to test multi-rank logic on a smaller machine: NVSHMEM then runs several PEs per GPU, and their
@@ -130,6 +130,9 @@ def _parse(argv):
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs to spread this host's processes over (default: one per "
                              "process); fewer than -n shares GPUs, for tests only")
+    parser.add_argument("--first-gpu", type=int, default=0,
+                        help="this invocation's first GPU (default 0): two invocations on one "
+                             "machine, each on its own GPUs, form a job as two hosts would")
     parser.add_argument("--coordinator", default=None,
                         help="host:port of jax.distributed's coordinator (default: 127.0.0.1 "
                              "and a free port)")
@@ -152,6 +155,8 @@ def _parse(argv):
                      f"not fit in --num-processes {world}")
     if args.gpus is not None and not 1 <= args.gpus <= nproc:
         parser.error(f"--gpus {args.gpus}: give 1..{nproc} (the processes on this host)")
+    if args.first_gpu < 0:
+        parser.error(f"--first-gpu {args.first_gpu}: give 0 or more")
     if world > nproc and args.coordinator is None:
         parser.error("several hosts need --coordinator host:port")
     return args, command, nproc, world
@@ -198,7 +203,7 @@ def main(argv=None) -> int:
             rank = args.process_id_offset + local_rank
             env = dict(os.environ, JAX_EP_RANK=str(rank), JAX_EP_WORLD_SIZE=str(world),
                        JAX_EP_LOCAL_RANK=str(local_rank),
-                       JAX_EP_LOCAL_DEVICE=str(local_rank % gpus),
+                       JAX_EP_LOCAL_DEVICE=str(args.first_gpu + local_rank % gpus),
                        JAX_EP_COORDINATOR=coordinator, JAX_EP_LAUNCHER_PID=str(os.getpid()),
                        PYTHONUNBUFFERED="1",
                        NVSHMEM_DISABLE_NVLS="1")  # multicast stays off, whatever the caller set

@@ -1,6 +1,6 @@
 """The multi-host launch on one machine with 4 GPUs: two launcher invocations of 2 processes
 each, sharing a loopback coordinator (``--num-processes 4``, each its ``--process-id-offset``
-and its own GPUs through ``CUDA_VISIBLE_DEVICES``), as two hosts would run. They run the node
+and its own GPUs, ``--first-gpu``), as two hosts would run. They run the node
 tests (virtual nodes of 2: EP inside a node, a data axis across nodes) and the example with a
 data axis on the CUDA kernels.
 
@@ -44,9 +44,10 @@ def _two_invocations(*command, timeout=400):
     env.pop("JAX_PLATFORMS", None)  # conftest pins this process to the CPU; the job needs GPUs
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--num-processes", "4",
-         "--process-id-offset", str(offset), "--coordinator", f"127.0.0.1:{port}", *command],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        env=dict(env, CUDA_VISIBLE_DEVICES=gpus)) for offset, gpus in ((0, "0,1"), (2, "2,3"))]
+         "--process-id-offset", str(offset), "--first-gpu", str(offset),
+         "--coordinator", f"127.0.0.1:{port}", *command],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        for offset in (0, 2)]
     outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     return [(p.returncode, out) for p, out in zip(procs, outputs)]
 

@@ -192,6 +192,7 @@ def test_two_launchers_form_one_job_like_two_hosts(tmp_path):
         assert me == int(os.environ["JAX_EP_RANK"]) and n == 4
         client = distributed.global_state.client
         client.key_value_set(f"hosts/{me}", os.environ["JAX_EP_LOCAL_RANK"])
+        print("process", me, "device", os.environ["JAX_EP_LOCAL_DEVICE"])
         heard = [client.blocking_key_value_get(f"hosts/{p}", 60_000) for p in range(n)]
         print("process", me, "of", n, "devices", jax.device_count(), "local ranks", heard)
     """))
@@ -201,7 +202,8 @@ def test_two_launchers_form_one_job_like_two_hosts(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS="")
     launchers = [subprocess.Popen(
         [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--num-processes", "4",
-         "--process-id-offset", str(offset), "--coordinator", f"127.0.0.1:{port}", str(script)],
+         "--process-id-offset", str(offset), "--first-gpu", str(offset),
+         "--coordinator", f"127.0.0.1:{port}", str(script)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
         for offset in (0, 2)]
     outs = [p.communicate(timeout=180) for p in launchers]
@@ -210,3 +212,5 @@ def test_two_launchers_form_one_job_like_two_hosts(tmp_path):
     for rank, host in ((0, 0), (1, 0), (2, 1), (3, 1)):
         assert (f"[rank {rank}] process {rank} of 4 devices 4 local ranks "
                 f"['0', '1', '0', '1']") in outs[host][0]
+        # each invocation on its own GPUs (--first-gpu): as on one machine of 4
+        assert f"[rank {rank}] process {rank} device {rank}" in outs[host][0]
