@@ -15,6 +15,19 @@ namespace {
 
 size_t element_size(ElementType type) { return type == ElementType::kF32 ? 4 : 2; }
 
+// The common start of the pull combine's stage kernels: after the previous kernel, the reduce's
+// work cursor reset, every peer past the previous call. Returns the call number.
+__device__ __forceinline__ uint64_t enter_combine_stage(const CombineArgs& a) {
+  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfCombineStage, kEnter);
+  reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
+  enter_call(ctx, call, "combine");
+  profile_mark(ctx, kProfCombineStage, kWaited);
+  return call;
+}
+
 template <typename T> struct Element;
 template <> struct Element<float> {
   __device__ static float load(float v) { return v; }

@@ -12,13 +12,8 @@ namespace {
 // reduce, straight from y.
 template <typename T, int kVector, int kSources>
 __global__ void __launch_bounds__(kThreads) combine_stage_pairs(CombineArgs a, size_t row_bytes) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const uint64_t call = enter_combine_stage(a);
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfCombineStage, kEnter);
-  reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
-  enter_call(ctx, call, "combine");
-  profile_mark(ctx, kProfCombineStage, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
   const int K = a.num_topk, items = ctx.num_ranks * a.num_tokens;
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;

@@ -9,13 +9,8 @@ namespace {
 // Stages the rows that peers will read: rows whose token lives on another PE. Rows of this
 // PE's own tokens stay where they are; the reduce reads them straight from y.
 __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t row_bytes) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
+  const uint64_t call = enter_combine_stage(a);
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfCombineStage, kEnter);
-  reset_cursor(ctx, kCursorCombine);  // for the reduce that follows
-  enter_call(ctx, call, "combine");
-  profile_mark(ctx, kProfCombineStage, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
   const int used = min(*a.num_received, a.capacity);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
