@@ -190,6 +190,21 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
 
 // One chunk range per source: its rows are contiguous, so a peer's chunks do not queue behind
 // our own.
+// Token t's row (and its scales) from x to every non-null destination by the whole warp, made
+// visible system-wide by lane 0's fence (every lane's stores precede it), before the arrival
+// counters the caller's lane 0 bumps next.
+template <int kSources>
+__device__ __forceinline__ void store_token(const DispatchArgs& a, int t, char* (&rows)[kSources],
+                                            char* (&scales)[kSources], int lane) {
+  broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
+                a.x_row_bytes, lane);
+  if (a.scales != nullptr)
+    broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+                  a.scale_row_bytes, lane);
+  __syncwarp();
+  if (lane == 0) __threadfence_system();
+}
+
 template <int kSources>
 struct RankMajorPush {
   const DispatchArgs& a;
@@ -221,15 +236,8 @@ struct RankMajorPush {
     char* scales[kSources];
     int landed[kSources];  // chunk of the destination's output each row landed in, or -1
     token_destinations<kSources>(a, tb, t, lane, rows, scales, landed);
-    broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
-                  a.x_row_bytes, lane);
-    if (a.scales != nullptr)
-      broadcast_row(scales,
-                    reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
-                    a.scale_row_bytes, lane);
-    __syncwarp();  // every lane's stores of this token precede lane 0's fence
+    store_token(a, t, rows, scales, lane);
     if (lane == 0) {
-      __threadfence_system();
 #pragma unroll
       for (int r = 0; r < kSources; ++r)
         if (landed[r] >= 0) atomicAdd_system(&control_of(a.ctx, r)->arrivals[landed[r]], 1u);
@@ -400,15 +408,8 @@ struct ExpertMajorPush {
         scales[j] = region<char>(ctx, rj, a.push.scales) + slot * row_stride(a.scale_row_bytes);
       }
     }
-    broadcast_row(rows, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
-                  a.x_row_bytes, lane);
-    if (a.scales != nullptr)
-      broadcast_row(scales,
-                    reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
-                    a.scale_row_bytes, lane);
-    __syncwarp();  // every lane's stores of this token precede lane 0's fence
+    store_token(a, t, rows, scales, lane);
     if (lane == 0) {
-      __threadfence_system();
       const int chunk = me * per_source() + t / a.chunk_rows;
       for (int r = 0; r < R; ++r)  // every peer counts the token, sent to it or not
         if (r != me) atomicAdd_system(&control_of(ctx, r)->arrivals[chunk], 1u);
