@@ -47,8 +47,7 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   }
   profile_end(ctx, kProfCachedGather);
   if (last_block(ctx, 3) && threadIdx.x == 0) {
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, ctx.rank)->epoch = call;
+    finish_call(ctx, call);
     profile_mark(ctx, kProfCachedGather, kRetired);
   }
 }
@@ -84,8 +83,7 @@ __global__ void __launch_bounds__(kThreads) gather_pairs(CachedDispatchArgs a) {
   }
   profile_end(ctx, kProfCachedGather);
   if (last_block(ctx, 3) && threadIdx.x == 0) {
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, ctx.rank)->epoch = call;
+    finish_call(ctx, call);
     profile_mark(ctx, kProfCachedGather, kRetired);
   }
 }

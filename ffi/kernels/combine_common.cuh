@@ -192,8 +192,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
     if (kCopy) close_copy_engine_call(ctx, a.copy_chunks, "combine");
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, ctx.rank)->epoch = call;
+    finish_call(ctx, call);
     profile_mark(ctx, kProfCombineReduce, kRetired);
   }
 }

@@ -137,8 +137,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_pairs(CombineArgs a,
   }
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, ctx.rank)->epoch = call;
+    finish_call(ctx, call);
     profile_mark(ctx, kProfCombineReduce, kRetired);
   }
 }
@@ -245,8 +244,7 @@ __global__ void __launch_bounds__(kThreads) combine_backward_pairs(CachedDispatc
   }
   profile_end(ctx, kProfCachedGather);
   if (last_block(ctx, 3) && threadIdx.x == 0) {
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, ctx.rank)->epoch = call;
+    finish_call(ctx, call);
     profile_mark(ctx, kProfCachedGather, kRetired);
   }
 }

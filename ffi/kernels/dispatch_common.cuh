@@ -462,8 +462,7 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
       *a.num_dropped = max(total - C, 0);
     }
     if (kPull && a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, me)->epoch = call;
+    finish_call(ctx, call);
     profile_mark(ctx, profile_slot, kRetired);
   }
 }

@@ -144,8 +144,7 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
     a.group_sizes[l] = __ldcg(a.tokens_per_expert + l);
   if (threadIdx.x == 0) {
     close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
-    signal_all(ctx, Flag::kDone, call);
-    control_of(ctx, me)->epoch = call;
+    finish_call(ctx, call);
     profile_mark(ctx, kProfDispatchGather, kRetired);
   }
 }

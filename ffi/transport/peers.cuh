@@ -200,6 +200,13 @@ __device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t ep
   }
 }
 
+// One thread of the call's last kernel, once every access of call `call` is over: the peers
+// may go on (done), and this PE counts the call as completed (its epoch).
+__device__ inline void finish_call(const PeerContext& ctx, uint64_t call) {
+  signal_all(ctx, Flag::kDone, call);
+  control_of(ctx, ctx.rank)->epoch = call;
+}
+
 // The call number this kernel belongs to: one more than the calls completed.
 __device__ __forceinline__ uint64_t current_call(const PeerContext& ctx) {
   return *reinterpret_cast<volatile uint64_t*>(&control_of(ctx, ctx.rank)->epoch) + 1;
