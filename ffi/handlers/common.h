@@ -80,12 +80,14 @@ inline ffi::Error place_in_group(const char* op, const EpGroup& g, const Transpo
 // The row layouts of the normal mode (jax_ep._types: RANK_MAJOR, EXPERT_MAJOR, SOURCE_SLOTS).
 enum class Layout { kRankMajor, kExpertMajor, kSourceSlots };
 
-inline bool parse_layout(std::string_view name, Layout* out) {
+inline ffi::Error parse_layout(const char* op, std::string_view name, Layout* out) {
   if (name == "rank_major") *out = Layout::kRankMajor;
   else if (name == "expert_major") *out = Layout::kExpertMajor;
   else if (name == "source_slots") *out = Layout::kSourceSlots;
-  else return false;
-  return true;
+  else
+    return invalid(std::string(op) + ": layout must be rank_major, expert_major or "
+                   "source_slots, got " + std::string(name));
+  return ffi::Error::Success();
 }
 
 }  // namespace jax_ep

@@ -93,9 +93,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   GroupPlace place;
   if (auto err = group_place("dispatch", group, &place); err.failure()) return err;
   Layout layout;
-  if (!parse_layout(layout_name, &layout))
-    return invalid("dispatch: layout must be rank_major, expert_major or source_slots, got " +
-                   std::string(layout_name));
+  if (auto err = parse_layout("dispatch", layout_name, &layout); err.failure()) return err;
   const bool expert_major = layout == Layout::kExpertMajor;
   const bool source_slots = layout == Layout::kSourceSlots;
   auto x_dims = x.dimensions();
@@ -284,9 +282,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   GroupPlace place;
   if (auto err = group_place("combine", group, &place); err.failure()) return err;
   Layout layout;
-  if (!parse_layout(layout_name, &layout))
-    return invalid("combine: layout must be rank_major, expert_major or source_slots, got " +
-                   std::string(layout_name));
+  if (auto err = parse_layout("combine", layout_name, &layout); err.failure()) return err;
   if (path != "pull" && path != "copy")
     return invalid("combine: path must be pull or copy, got " + std::string(path));
   const bool expert_major = layout == Layout::kExpertMajor;
