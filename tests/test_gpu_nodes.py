@@ -137,3 +137,6 @@ def test_a_group_across_nodes_fails_naming_the_peer(call):
     with pytest.raises(Exception, match=rf"PE {peer} of this call's expert-parallel group is "
                                         rf"on node {node}, PE {me} on node {me // 2}"):
         g.run_2d(fn, names, shape, x, idx, w)
+    # JAX keeps each device's last side-effect token and blocks on it at exit, where an error
+    # aborts the job: a call that succeeds replaces the failed one's
+    g.run_2d(fn, *INSIDE, x, idx, w)
