@@ -240,7 +240,7 @@ NB_MODULE(_C, m) {
         "Symmetric-buffer bytes that a dispatch + combine of these shapes needs");
   m.def("required_low_latency_bytes", &jax_ep::required_low_latency_bytes,
         nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("num_experts"), nb::arg("num_topk"),
-        nb::arg("num_ranks"), nb::arg("elem_bytes"),
+        nb::arg("num_ranks"), nb::arg("elem_bytes"), nb::arg("across_nodes") = false,
         "Low-latency buffer bytes that a low-latency dispatch + combine of these shapes needs");
   m.def(
       "low_latency_sections",

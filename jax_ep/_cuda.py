@@ -418,16 +418,16 @@ def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
 
 
 def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,
-                                 dtype=jnp.bfloat16) -> int:
+                                 dtype=jnp.bfloat16, across_nodes=False) -> int:
     """Low-latency buffer bytes that every call of a low-latency dispatch / combine of these
     per-GPU shapes needs (FP8 or not, forward and backward); the kernels' own formula.
-    ``dtype``: the widest of x's and y's dtypes."""
+    ``dtype``: the widest of x's and y's dtypes; ``across_nodes``: the EP group spans nodes."""
     module, why = _native.load()
     if module is None:
         raise RuntimeError(why)
     return int(module.required_low_latency_bytes(
         int(max_tokens_per_rank), int(hidden), int(num_experts), int(num_topk), int(num_ranks),
-        jnp.dtype(dtype).itemsize))
+        jnp.dtype(dtype).itemsize, bool(across_nodes)))
 
 
 def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,

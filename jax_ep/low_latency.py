@@ -65,15 +65,16 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
 
 
 def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,
-                                 dtype=jnp.bfloat16) -> int:
+                                 dtype=jnp.bfloat16, across_nodes=False) -> int:
     """Bytes of the low-latency buffer (``jax_ep.runtime.initialize(low_latency_bytes=...)``)
     that every low-latency dispatch / combine of these per-GPU shapes needs, FP8 or not,
-    backward passes included; ``dtype`` is the widest of x's and y's dtypes. The CUDA
-    handlers check the same formula. Needs the native extension (not a GPU)."""
+    backward passes included; ``dtype`` is the widest of x's and y's dtypes; ``across_nodes``:
+    the EP group spans several nodes (the combine then stages the rows it sends there). The
+    CUDA handlers check the same formula. Needs the native extension (not a GPU)."""
     from jax_ep import _cuda
 
     return _cuda.low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts,
-                                              num_topk, num_ranks, dtype)
+                                              num_topk, num_ranks, dtype, across_nodes)
 
 
 def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,

@@ -1,14 +1,19 @@
-"""Jobs over several nodes, on one host: virtual nodes of 2 ranks (``runtime.initialize(
-node_size=2)``) stand for hosts. The kernels reach the PEs of their own node only, so expert
-parallelism inside a node with a data axis across nodes runs (against the reference backend on
-the same mesh), and a call whose EP group leaves its node fails, naming the peer.
+"""Jobs over several nodes, on one host: virtual nodes (``runtime.initialize(node_size=G)``)
+stand for hosts, so the kernels map the PEs of their own node only and reach every other PE
+through NVSHMEM puts, as they would over the network. On two GPUs each GPU is a node (2 x 1);
+with 4 or 8 ranks, nodes of 2 (2 x 2, 4 x 2; ranks may share GPUs with ``--gpus``).
 
-Run on its own, with 4 ranks (a process may start NVSHMEM once):
+- The low-latency calls across nodes: the whole job as one EP group (the low-latency tests of
+  test_gpu.py, run here), and a group with one rank per node on a two-axis mesh.
+- The normal mode inside a node, a data axis across nodes; a normal-mode call whose group
+  leaves its node fails, naming the peer.
 
-    python -m jax_ep.launch -n 4 [--gpus 1] -m pytest -q tests/test_gpu_nodes.py
+Run on its own (a process may start NVSHMEM once):
 
-or as two launcher invocations of 2 processes each, sharing a coordinator (the multi-host form;
-see ``python -m jax_ep.launch --help``).
+    python -m jax_ep.launch -n 4 [--gpus 2] -m pytest -q tests/test_gpu_nodes.py
+
+or as two launcher invocations sharing a coordinator (the multi-host form; see
+``python -m jax_ep.launch --help`` and tests/test_gpu_multihost.py).
 """
 
 from __future__ import annotations
@@ -19,26 +24,40 @@ import numpy as np
 import pytest
 import test_gpu as g  # starts jax.distributed under the launcher; its helpers
 
-NODE_SIZE = 2
+W = jax.device_count() if g._skip is None else 0
+NODE_SIZE = 1 if W == 2 else 2  # nodes of one GPU on two GPUs, of two ranks otherwise
+NODES = W // NODE_SIZE
 
 
 def _reason():
     if g._skip is not None:
         return g._skip
-    if jax.device_count() != 2 * NODE_SIZE:
-        return f"needs {2 * NODE_SIZE} ranks (2 nodes of {NODE_SIZE}), have {jax.device_count()}"
+    if W not in (2, 4, 8):
+        return f"needs 2, 4 or 8 ranks, have {W}"
     return None
 
 
 pytestmark = pytest.mark.skipif(_reason() is not None, reason=f"node tests: {_reason()}")
 
+# The low-latency tests of the GPU suite, on one EP axis over the whole job: across the nodes.
+from test_gpu import (  # noqa: E402, F401
+    test_low_latency_combine_dtypes_and_cached_dispatch,
+    test_low_latency_consecutive_calls,
+    test_low_latency_drops_duplicate_experts,
+    test_low_latency_gradients_match_reference,
+    test_low_latency_interleaved_split_calls,
+    test_low_latency_matches_reference,
+    test_low_latency_repeated_programs_are_bit_identical,
+    test_low_latency_wide_rows_match_reference,
+)
+
 import jax_ep  # noqa: E402
 from jax_ep import moe  # noqa: E402
 
 DATA, EXPERT = g.DATA, g.EXPERT
-# (data, expert): each EP group is a node's 2 ranks; (expert, data): each group spans both
-INSIDE = ((DATA, EXPERT), (2, NODE_SIZE))
-ACROSS = ((EXPERT, DATA), (NODE_SIZE, 2))
+# (data, expert): each EP group is one node; (expert, data): each group has a rank on every node
+INSIDE = ((DATA, EXPERT), (NODES, NODE_SIZE))
+ACROSS = ((EXPERT, DATA), (NODES, NODE_SIZE))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +69,13 @@ def runtime():
 
     if rt._generation > 0:
         pytest.skip("another module started the runtime in this process: run this one alone")
-    rt.initialize(1 << 28, low_latency_bytes=1 << 26, node_size=NODE_SIZE)
+    E = g.LL_E_PER_RANK * W
+    ll_bytes = max(
+        2 * jax_ep.low_latency_buffer_size_hint(g.LL_M, g.LL_H, E, g.LL_K, W, jnp.float32,
+                                                across_nodes=True),
+        jax_ep.low_latency_buffer_size_hint(g.LL_WIDE_M, g.LL_WIDE_H, E, g.LL_K, W,
+                                            across_nodes=True))
+    rt.initialize(1 << 28, low_latency_bytes=ll_bytes, node_size=NODE_SIZE)
     yield
     rt.finalize()
 
@@ -59,7 +84,8 @@ def test_topology_names_the_virtual_nodes():
     from jax_ep import runtime as rt
 
     topology = rt.topology()
-    assert topology.nodes == (0, 0, 1, 1) and topology.virtual and topology.num_nodes == 2
+    assert topology.nodes == tuple(r // NODE_SIZE for r in range(W))
+    assert topology.virtual and topology.num_nodes == NODES
 
 
 def _inputs(seed, T, H, K, E):
@@ -71,8 +97,14 @@ def _inputs(seed, T, H, K, E):
     return x, idx, rng.random((W, T, K)).astype(np.float32)
 
 
+def _needs_node_groups():
+    if NODE_SIZE == 1:
+        pytest.skip("nodes of one GPU: an EP group inside a node has one rank")
+
+
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
 def test_ep_inside_a_node_matches_reference(layout):
+    _needs_node_groups()
     names, shape = INSIDE
     T, H, K, E = 40, 256, 4, 8
     x, idx, w = _inputs(3, T, H, K, E)
@@ -94,6 +126,7 @@ def test_ep_inside_a_node_matches_reference(layout):
 
 
 def test_ep_inside_a_node_gradients_match_reference():
+    _needs_node_groups()
     names, shape = INSIDE
     W, R = jax.device_count(), NODE_SIZE
     T, H, F, E = 16, 64, 48, 4 * R
@@ -119,24 +152,54 @@ def test_ep_inside_a_node_gradients_match_reference():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("call", ["dispatch", "low_latency"])
-def test_a_group_across_nodes_fails_naming_the_peer(call):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_with_a_rank_on_every_node_matches_reference(fp8):
+    """A two-axis mesh whose EP groups take one rank of every node (every peer off-node)."""
     names, shape = ACROSS
-    T, H, K, E = 8, 128, 2, 4
+    T, M, H, K = 24, 32, 256, 4
+    R = NODES
+    E = 4 * R
+    x, idx, w = _inputs(11, T, H, K, E)
+    rng = np.random.default_rng(12)
+    y = np.asarray(jnp.asarray(rng.standard_normal((W, E // R, R * M, H)), jnp.bfloat16))
+
+    def fn(backend, x, idx, w, y):
+        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=EXPERT, use_fp8=fp8,
+                  backend=backend)
+        out = jax_ep.low_latency_dispatch(x, idx, **kw)
+        split = jax_ep.low_latency_dispatch_receive(jax_ep.low_latency_dispatch_send(x, idx, **kw))
+        back = jax_ep.low_latency_combine(y, w, out.handle)
+        back_split = jax_ep.low_latency_combine_receive(
+            jax_ep.low_latency_combine_send(y, w, split.handle), split.handle)
+        return out, split, back, back_split
+
+    (out, split, back, back_split), (out_r, _, back_r, _) = g.both_2d(fn, names, shape, x, idx,
+                                                                      w, y)
+    used = np.asarray(out_r.handle.src_rank) >= 0
+    g.assert_trees_equal(g._ll_used(out, used), g._ll_used(out_r, used))
+    g.assert_trees_equal(g._ll_used(split, used), g._ll_used(out_r, used))
+    g.assert_sums_close(back, back_r, jnp.bfloat16)
+    g.assert_trees_equal(back_split, back)
+
+
+def test_a_normal_mode_group_across_nodes_fails_naming_the_peer():
+    names, shape = ACROSS
+    T, H, K = 8, 128, 2
+    E = 2 * NODES
     x, idx, w = _inputs(5, T, H, K, E)
 
     def fn(x, idx, w):
-        if call == "dispatch":
-            return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=EXPERT, backend="cuda").x
-        return jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T,
-                                           axis_name=EXPERT, use_fp8=False, backend="cuda").x
+        return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=EXPERT, backend="cuda").x
 
-    # rank r's group is {r % 2, r % 2 + 2}: its peer is on the other node
+    # rank me's group is {me % NODE_SIZE + j * NODE_SIZE}: the first of it on another node
     me = jax.process_index()
-    peer, node = (me + 2) % 4, 1 - me // 2
+    base, node = me % NODE_SIZE, me // NODE_SIZE
+    peer = base + (NODE_SIZE if node == 0 else 0)
     with pytest.raises(Exception, match=rf"PE {peer} of this call's expert-parallel group is "
-                                        rf"on node {node}, PE {me} on node {me // 2}"):
+                                        rf"on node {peer // NODE_SIZE}, PE {me} on node {node}"):
         g.run_2d(fn, names, shape, x, idx, w)
     # JAX keeps each device's last side-effect token and blocks on it at exit, where an error
     # aborts the job: a call that succeeds replaces the failed one's
-    g.run_2d(fn, *INSIDE, x, idx, w)
+    g.run_2d(lambda x, idx, w: jax_ep.low_latency_dispatch(
+        x, idx, num_experts=E, max_tokens_per_rank=T, axis_name=EXPERT, use_fp8=False,
+        backend="cuda").x, names, shape, x, idx, w)

@@ -232,6 +232,9 @@ def test_low_latency_buffer_hint_covers_both_parities():
         assert got >= dispatch * 2 and got >= combine * 2
         assert got <= 1.02 * max(dispatch * 2, combine * 2) + (1 << 20)
         assert jax_ep.low_latency_buffer_size_hint(M, H, E, K, R, jnp.float32) > got
+        # a group across nodes: the combine also stages one partial row per (owner, token)
+        across = jax_ep.low_latency_buffer_size_hint(M, H, E, K, R, across_nodes=True)
+        assert across >= 2 * (combine + 2 * R * M * row) and across >= got
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -48,10 +48,13 @@ struct EpGroup {
 // base + r * stride, r < num_ranks, that share this PE's position on the other axes.
 struct GroupPlace {
   int rank, num_ranks, base, stride;
+  bool off_node;  // some PE of the group is on another node
 };
 
+// across_nodes: the call reaches PEs of other nodes by NVSHMEM puts (the low-latency kernels);
+// otherwise a group that leaves this PE's node is an error naming the peer.
 inline ffi::Error place_in_group(const char* op, const EpGroup& g, const Transport& t,
-                                 GroupPlace* out) {
+                                 bool across_nodes, GroupPlace* out) {
   const int64_t R = g.num_ranks, S = g.stride, pe = t.rank, num_pes = t.num_ranks;
   if (R < 1 || S < 1 || R * S > num_pes)
     return invalid(std::string(op) + ": the expert-parallel axis of " + std::to_string(R) +
@@ -63,17 +66,20 @@ inline ffi::Error place_in_group(const char* op, const EpGroup& g, const Transpo
     return invalid(std::string(op) + ": PE " + std::to_string(pe) + "'s group on the "
                    "expert-parallel axis (" + std::to_string(R) + " devices, stride " +
                    std::to_string(S) + ") runs past the " + std::to_string(num_pes) + " PEs");
-  // the kernels reach the PEs of their own node only
+  bool off_node = false;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t peer = base + r * S;
-    if (t.host_peers[peer] == nullptr)
+    if (t.host_peers[peer] != nullptr) continue;
+    off_node = true;
+    if (!across_nodes)
       return invalid(std::string(op) + ": PE " + std::to_string(peer) + " of this call's "
                      "expert-parallel group is on node " + std::to_string(t.node_of[peer]) +
                      ", PE " + std::to_string(pe) + " on node " + std::to_string(t.node_of[pe]) +
-                     "; jax_ep reaches the peers of a node only (NVLink/PCIe): put the expert "
-                     "axis inside a node, e.g. a mesh (data=nodes, expert=GPUs per node)");
+                     "; the normal-mode kernels reach the peers of a node only (NVLink/PCIe): "
+                     "put the expert axis inside a node, e.g. a mesh (data=nodes, expert=GPUs "
+                     "per node), or use the low-latency calls, which cross nodes");
   }
-  *out = GroupPlace{int(rank), int(R), int(base), int(S)};
+  *out = GroupPlace{int(rank), int(R), int(base), int(S), off_node};
   return ffi::Error::Success();
 }
 

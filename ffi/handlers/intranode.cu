@@ -20,10 +20,10 @@ constexpr int kDefaultBlocks = 64;
 // This PE's place in the call's EP group (a group of the job's size where the runtime is not
 // initialised: peer_context reports that).
 ffi::Error group_place(const char* op, const EpGroup& group, GroupPlace* place) {
-  *place = GroupPlace{0, int(std::max<int64_t>(group.num_ranks, 1)), 0, 1};
+  *place = GroupPlace{0, int(std::max<int64_t>(group.num_ranks, 1)), 0, 1, false};
   const Transport* t = transport();
   return t == nullptr ? ffi::Error::Success()
-                      : place_in_group(op, group, *t, place);
+                      : place_in_group(op, group, *t, /*across_nodes=*/false, place);
 }
 
 ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t needed,
@@ -41,7 +41,7 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
   *ctx = PeerContext{t->peers,           place.rank,        place.num_ranks,
                     tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
                     next_profile_row(),  place.base,        place.stride,
-                    t->num_ranks};
+                    t->num_ranks,        false};
   return ffi::Error::Success();
 }
 

@@ -71,7 +71,7 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
                    "jax_ep.runtime.initialize() after jax.distributed.initialize()");
   if (rank.element_count() != 1) return invalid(std::string(op) + ": rank must be a scalar");
   GroupPlace place;
-  if (auto err = place_in_group(op, group, *t, &place); err.failure())
+  if (auto err = place_in_group(op, group, *t, /*across_nodes=*/true, &place); err.failure())
     return err;
   const int R = place.num_ranks;
   if (num_experts < R || num_experts % R != 0)
@@ -80,9 +80,9 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
   if (num_topk < 1 || num_topk > kLLMaxTopk)
     return invalid(std::string(op) + ": num_topk must be in [1, " + std::to_string(kLLMaxTopk) +
                    "]");
-  if (num_experts / R * max_tokens > INT32_MAX)  // a pair header holds l * M + slot in 32 bits
-    return invalid(std::string(op) + ": num_experts / num_ranks * max_tokens_per_rank must be "
-                   "below 2^31");
+  // a pair header holds expert * M + slot in 32 bits, 0xffffffff naming no row
+  if (num_experts * max_tokens >= int64_t(UINT32_MAX))
+    return invalid(std::string(op) + ": num_experts * max_tokens_per_rank must be below 2^32 - 1");
   const size_t needed = combine ? ll_bytes_for_combine(region) : ll_bytes_for_dispatch(region);
   const LLAreas areas = ll_areas(t->ll_bytes);
   const size_t have = combine ? areas.combine_end - areas.combine_begin
@@ -94,7 +94,7 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
   *ctx = PeerContext{t->ll_peers,          place.rank,        place.num_ranks,
                     tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
                     next_profile_row(),  place.base,        place.stride,
-                    t->num_ranks};
+                    t->num_ranks,        place.off_node};
   *begin = combine ? areas.combine_begin : areas.dispatch_begin;
   *end = combine ? areas.combine_end : areas.dispatch_end;
   return ffi::Error::Success();
@@ -103,6 +103,15 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
 // Ranks of the call's EP group (validated against the job in ll_context).
 int group_ranks(const EpGroup& group) {
   return static_cast<int>(std::max<int64_t>(group.num_ranks, 1));
+}
+
+// The combine stages partial rows for owners on other nodes (plan_ll_combine's `staged`):
+// whether the call's group leaves this PE's node (a bad group is reported by ll_context).
+bool group_off_node(const char* op, const EpGroup& group) {
+  const Transport* t = transport();
+  GroupPlace place;
+  return t != nullptr && place_in_group(op, group, *t, true, &place).success() &&
+         place.off_node;
 }
 
 ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
@@ -350,7 +359,8 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
                    "[R, T, K]");
   a = LLCombineSendArgs{};
   a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
-  a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes);
+  a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes,
+                           group_off_node(op, group));
   if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, group,
                             tuning,
                             &a.ctx, &a.area_begin, &a.area_end);
@@ -410,7 +420,8 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   if (!float_type(out->element_type(), &a.dtype))
     return invalid(std::string(op) + ": the result must be bf16, f16 or f32");
   const size_t row_bytes = size_t(dims[1]) * element_bytes(out->element_type());
-  a.plan = plan_ll_combine(group_ranks(group), static_cast<int>(max_tokens), K, row_bytes);
+  a.plan = plan_ll_combine(group_ranks(group), static_cast<int>(max_tokens), K, row_bytes,
+                           group_off_node(op, group));
   if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, group,
                             tuning,
                             &a.ctx, &a.area_begin, &a.area_end);

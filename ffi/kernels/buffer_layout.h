@@ -284,11 +284,15 @@ struct LLCombinePlan {
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [M][R] partial rows (token, expert rank)
   size_t record_stride = 0;
+  size_t staging = 0;        // data section, staged only: [R][M] partial rows (owner, token)
   size_t bytes = 0;
 };
 
+// staged: the group reaches some owner on another node by puts, so each partial row for such
+// an owner is written here first (staging) and put from there into the owner's record.
 JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_tokens,
-                                                        int num_topk, size_t row_bytes) {
+                                                        int num_topk, size_t row_bytes,
+                                                        bool staged = false) {
   LLCombinePlan p;
   p.gate_words = 0;
   p.tags = align_up(sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk, kRegionAlign);
@@ -296,8 +300,9 @@ JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_t
       p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
   p.records = 0;
   p.record_stride = row_stride(row_bytes);
-  p.bytes =
-      align_up(p.words_bytes + p.record_stride * size_t(max_tokens) * num_ranks, kRegionAlign);
+  const size_t rows = p.record_stride * size_t(max_tokens) * num_ranks;
+  p.staging = p.records + rows;
+  p.bytes = align_up(p.words_bytes + rows * (staged ? 2 : 1), kRegionAlign);
   return p;
 }
 
@@ -348,8 +353,10 @@ inline size_t ll_bytes_for_combine(size_t region) {
 // Bytes of the low-latency buffer that every call of a low-latency dispatch + combine of these
 // shapes needs, FP8 or not, backward passes (cached dispatches of [T, H] rows and [T, K]
 // float32 weights) included; elem_bytes is the largest element size of x and y.
+// across_nodes: the group spans several nodes (the combine stages the rows it puts).
 inline size_t required_low_latency_bytes(int max_tokens, int hidden, int num_experts,
-                                         int num_topk, int num_ranks, int elem_bytes) {
+                                         int num_topk, int num_ranks, int elem_bytes,
+                                         bool across_nodes = false) {
   const size_t rows[] = {
       plan_ll_dispatch(num_ranks, num_experts, max_tokens, num_topk, size_t(hidden),
                        sizeof(float) * size_t(hidden / 128)).bytes,
@@ -361,7 +368,8 @@ inline size_t required_low_latency_bytes(int max_tokens, int hidden, int num_exp
   size_t dispatch = 0;
   for (size_t r : rows) dispatch = r > dispatch ? r : dispatch;
   const size_t combine =
-      plan_ll_combine(num_ranks, max_tokens, num_topk, size_t(hidden) * elem_bytes).bytes;
+      plan_ll_combine(num_ranks, max_tokens, num_topk, size_t(hidden) * elem_bytes,
+                      across_nodes).bytes;
   const size_t a = ll_bytes_for_dispatch(dispatch);
   const size_t b = ll_bytes_for_combine(combine);
   return a > b ? a : b;

@@ -2,6 +2,7 @@
 #include "kernels/low_latency.h"
 
 #include "kernels/launch.h"
+#include "transport/puts.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -58,8 +59,14 @@ __device__ __forceinline__ uint64_t read_call(const int32_t* call) {
 }
 
 // last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
-// signal (consumed) only says that the region has been read.
-__device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true) {
+// signal (consumed) only says that the region has been read. puts: the block's puts are
+// completed first (so the last block's signals follow every put of the call).
+__device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true,
+                                     bool puts = false) {
+  if (puts) {
+    __syncthreads();
+    if (threadIdx.x == 0) quiet_puts();
+  }
   return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], fence_writes);
 }
 
@@ -117,16 +124,20 @@ __device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const
 
 // The whole warp: lane r of it raises `flag` (a flag of this PE's LLControl, named by its
 // address there) to n at rank r of the group, with release semantics; all peers side by side.
-// every_pe: at every PE of this node instead (consumed: a sender's next call of this parity
-// may have another group, which must see its new destinations' last receive).
+// every_pe: at every PE of the job instead (consumed: a sender's next call of this parity
+// may have another group, which must see its new destinations' last receive). A PE on another
+// node gets an NVSHMEM signal (after the puts this PE has completed).
 __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t* flag, uint64_t n,
                                          bool every_pe = false) {
   const size_t offset = control_offset(ll_control(ctx, ctx.rank), flag);
   const int count = every_pe ? ctx.num_pes : ctx.num_ranks;
   for (int i = threadIdx.x & 31; i < count; i += 32) {
-    char* control = static_cast<char*>(ctx.peers[every_pe ? i : pe_of(ctx, i)]);
-    if (control != nullptr)  // every_pe: the PEs of this node
+    const int pe = every_pe ? i : pe_of(ctx, i);
+    char* control = static_cast<char*>(ctx.peers[pe]);
+    if (control != nullptr)
       store_release(reinterpret_cast<uint64_t*>(control + offset), n);
+    else
+      signal_pe(pe, const_cast<uint64_t*>(flag), n);
   }
 }
 
@@ -404,7 +415,10 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
       int seen = 0;  // e's pairs before this segment (the dropped ones included)
       for (int w = j * per; w < warp; ++w) seen += segment_count[w];
       const int r = e / L, l = e % L;
-      char* dest = ll_base(ctx, r) + words;
+      // a rank on another node: the headers go into this PE's own block [me], which the last
+      // block puts there whole (the receiver keeps the entries naming its own experts)
+      const bool far = off_node(ctx, r);
+      char* dest = ll_base(ctx, far ? me : r) + words;
       uint64_t* headers = reinterpret_cast<uint64_t*>(dest + a.plan.headers) + size_t(me) * M * K;
       const uint64_t tag = uint64_t(uint32_t(n)) << 32;
       for (int base = begin; base < end; base += 32) {
@@ -417,12 +431,14 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
           a.send_slot[p] = kept ? s : -1;
           // p = token * K + k; a dropped pair's header says so (the fused dispatch's local
           // copy waits for the header of every pair it sent to this rank)
-          store_relaxed(headers + p, tag | (kept ? uint32_t(l * M + s) : kNoPosition));
+          store_relaxed(headers + p, tag | (kept ? uint32_t(e * M + s) : kNoPosition));
         }
         seen += __popc(match);
       }
       if (segment == per - 1 && lane == 0) {  // seen: all of e's pairs
-        reinterpret_cast<int32_t*>(dest + a.plan.counts)[me * L + l] = min(seen, M);
+        const size_t count_at = a.plan.counts + sizeof(int32_t) * size_t(me * L + l);
+        if (far) put_i32(ctx, pe_of(ctx, r), words + count_at, min(seen, M));
+        else *reinterpret_cast<int32_t*>(dest + count_at) = min(seen, M);
         if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
       }
     }
@@ -440,8 +456,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
   __shared__ uint64_t call_s;
-  __shared__ int num_dst;
+  __shared__ int num_dst, num_far;
   __shared__ char* dst[kLLMaxTopk];
+  __shared__ int far[kLLMaxTopk];  // destination ranks on another node: reached by puts
+  constexpr int kFarPerWarp = (kLLMaxTopk + kTokenWarps - 1) / kTokenWarps;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool token_warp = warp < kTokenWarps;
   LLControl* mine = ll_control(ctx, me);
@@ -473,14 +491,30 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         }
         const unsigned same = __match_any_sync(0xffffffffu, r);
         const bool leader = r >= 0 && lane == __ffs(same) - 1;
-        const unsigned leaders = __ballot_sync(0xffffffffu, leader);
-        if (leader)
-          dst[__popc(leaders & ((1u << lane) - 1u))] =
-              ll_base(ctx, r) + at.data + a.plan.records +
-              (size_t(me) * M + t) * a.plan.record_stride;
-        if (lane == 0) num_dst = __popc(leaders);
+        // a rank on another node gets the record from this PE's own record (me, t), by a put
+        const bool put = leader && off_node(ctx, r);
+        const unsigned stores = __ballot_sync(0xffffffffu, leader && !put);
+        const unsigned puts = __ballot_sync(0xffffffffu, put);
+        const bool own_stored = __ballot_sync(0xffffffffu, leader && r == me) != 0;
+        const size_t record = at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
+        const unsigned below = (1u << lane) - 1u;
+        if (leader && !put) dst[__popc(stores & below)] = ll_base(ctx, r) + record;
+        if (put) far[__popc(puts & below)] = r;
+        if (lane == 0) {
+          int n_dst = __popc(stores);
+          if (puts != 0 && !own_stored) dst[n_dst++] = ll_base(ctx, me) + record;
+          num_dst = n_dst;
+          num_far = __popc(puts);
+        }
       }
       group_sync(kTokenBarrier, kTokenThreads);
+      // this warp's puts of token t, read before the next token's ranks overwrite far[]
+      int my_far[kFarPerWarp];
+#pragma unroll
+      for (int j = 0; j < kFarPerWarp; ++j) {
+        const int i = warp + j * kTokenWarps;
+        my_far[j] = i < num_far ? far[i] : -1;
+      }
       if (a.use_fp8) {
         switch (a.x_type) {
           case LLElement::kBF16:
@@ -495,6 +529,14 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads);
       }
       group_sync(kTokenBarrier, kTokenThreads);  // dst[] is rewritten for the next token
+      if (my_far[0] >= 0) {  // the record is complete in this PE's own copy: put it
+        const size_t record =
+            at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
+        const size_t bytes = a.scale_bytes > 0 ? a.plan.scale_offset + a.scale_bytes : a.row_bytes;
+#pragma unroll
+        for (int j = 0; j < kFarPerWarp; ++j)
+          if (my_far[j] >= 0) put_own_warp(ctx, my_far[j], record, bytes);
+      }
     }
   } else {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
@@ -508,7 +550,17 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   // ---- the last block raises arrived[me] at every destination and reports the dropped pairs
   // (the peers first: the dropped count's exchange is a round trip that only this PE's
   // outputs wait for)
-  if (ll_last_block(ctx, kCounterDispatchSend) && warp == 0) {
+  const bool last = ll_last_block(ctx, kCounterDispatchSend, true, ctx.off_node);
+  if (last && ctx.off_node) {
+    // this PE's pair headers, staged in its own block [me], to every rank on another node
+    const size_t headers = at.words + a.plan.headers + sizeof(uint64_t) * size_t(me) * M * K;
+    for (int d = warp; d < R; d += kWarps)
+      if (off_node(ctx, d)) put_own_warp(ctx, d, headers, sizeof(uint64_t) * size_t(T) * K);
+    __syncthreads();
+    if (tid == 0) quiet_puts();
+    __syncthreads();
+  }
+  if (last && warp == 0) {
     warp_signal_peers(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) {
       *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
@@ -636,12 +688,14 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   }
 
   // lane k: the output row of pair k of record (s, .) if it was kept here in this call (a
-  // header from an earlier call, or one naming rows outside the source's count, is skipped)
+  // header from an earlier call, one naming another rank's expert (a source on another node
+  // puts all its headers), or one naming rows outside the source's count, is skipped)
   const uint32_t tag = uint32_t(n);
   auto pair_row = [&](uint64_t header, int s) {
     if (lane >= K || uint32_t(header >> 32) != tag) return -1;
     const uint32_t pos = uint32_t(header);
-    const uint32_t l = pos / uint32_t(M);
+    if (pos == kNoPosition) return -1;
+    const uint32_t l = pos / uint32_t(M) - uint32_t(me * L);  // expert - first one here
     const int slot = int(pos % uint32_t(M));
     if (l >= uint32_t(L)) return -1;
     const int j = int(l) * R + position_of(s, me, R);
@@ -761,10 +815,14 @@ __device__ __forceinline__ int pair_row_of(const LLCombineSendArgs& a, const int
 }
 
 // Lane k's weight of pair (s, t, k): this rank's own argument, or owner s's gate word in this
-// PE's buffer (waited for until it carries call n's number).
+// PE's buffer (waited for until it carries call n's number; from an owner on another node,
+// put as a whole with a signal, once that signal has come).
 __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t words,
                                              uint64_t n, int s, int t, int k) {
   if (s == a.ctx.rank) return __ldg(a.weights + size_t(t) * a.num_topk + k);
+  if (off_node(a.ctx, s))
+    wait_flag(a.ctx, &ll_control(a.ctx, a.ctx.rank)->gates[pe_of(a.ctx, s)], n,
+              "low_latency_combine (send)", "gate words of the owner", s);
   const uint64_t* gate_words =
       reinterpret_cast<const uint64_t*>(ll_base(a.ctx, a.ctx.rank) + words + a.plan.gate_words);
   const size_t word = (size_t(s) * a.max_tokens + t) * a.num_topk + k;
@@ -889,8 +947,21 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     const uint64_t tag = uint64_t(uint32_t(n)) << 32;
     const size_t mine_at =
         at.words + a.plan.gate_words + sizeof(uint64_t) * size_t(me) * a.max_tokens * K;
+    if (ctx.off_node && blockIdx.x == 0) {
+      // ranks on another node: every word into this PE's own block [me], put whole, with a
+      // signal after it (a put's words may land in any order)
+      uint64_t* own = reinterpret_cast<uint64_t*>(ll_base(ctx, me) + mine_at);
+      for (int p = tid; p < pairs; p += blockDim.x)
+        store_relaxed(own + p, tag | __float_as_uint(__ldg(a.weights + p)));
+      __syncthreads();
+      for (int d = warp; d < R; d += kWarps)
+        if (off_node(ctx, d))
+          put_own_signal_warp(ctx, d, mine_at, sizeof(uint64_t) * size_t(pairs),
+                              &mine->gates[pe_of(ctx, me)], n);
+    }
     for (int i = int(blockIdx.x) * blockDim.x + tid; i < total; i += gridDim.x * blockDim.x) {
       const int r = (me + 1 + i / pairs) % R, p = i % pairs;
+      if (off_node(ctx, r)) continue;
       store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + mine_at) + p,
                     tag | __float_as_uint(__ldg(a.weights + p)));
     }
@@ -931,12 +1002,18 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     }
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
     const size_t q = u % pieces, off = q * piece, bytes = min(piece, a.row_bytes - off);
-    char* owner = ll_base(ctx, s);
-    char* dst =
-        owner + at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
-    if (q == 0 && lane == 0)  // the owner sums the records tagged with this call
-      reinterpret_cast<uint32_t*>(owner + at.words + a.plan.tags)[size_t(t) * R + me] =
-          uint32_t(n);
+    // an owner on another node: the piece is summed into this PE's staging row (s, t), then put
+    const bool far = off_node(ctx, s);
+    const size_t record =
+        at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
+    char* dst = far ? ll_base(ctx, me) + at.data + a.plan.staging +
+                          (size_t(s) * a.max_tokens + t) * a.plan.record_stride + off
+                    : ll_base(ctx, s) + record;
+    if (q == 0 && lane == 0) {  // the owner sums the records tagged with this call
+      const size_t tag_at = at.words + a.plan.tags + sizeof(uint32_t) * (size_t(t) * R + me);
+      if (far) put_u32(ctx, pe_of(ctx, s), tag_at, uint32_t(n));
+      else *reinterpret_cast<uint32_t*>(ll_base(ctx, s) + tag_at) = uint32_t(n);
+    }
     switch (a.dtype) {
       case LLElement::kBF16:
         partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
@@ -944,9 +1021,13 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       case LLElement::kF16: partial_piece<__half>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
       default: partial_piece<float>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
     }
+    if (far) {
+      __syncwarp();
+      put_warp(ctx, s, record, dst, bytes);
+    }
   }
 
-  if (ll_last_block(ctx, kCounterCombineSend) && warp == 0) {
+  if (ll_last_block(ctx, kCounterCombineSend, true, ctx.off_node) && warp == 0) {
     warp_signal_peers(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }

@@ -102,6 +102,9 @@ struct LLControl {
   // consumed[op][parity][d] = n: PE d has finished the receive of its call n (raised at every
   // PE of the job, as done[] above). Both indexed by PE.
   uint64_t consumed[kLLOps][2][kMaxRanks];
+  // gates[s] = n: PE s, on another node, has put its gate words of combine call n here
+  // (peers of this node store them as tagged words, which need no flag)
+  uint64_t gates[kMaxRanks];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {

@@ -31,6 +31,8 @@ struct PeerContext {
   unsigned long long (*profile)[kProfilePhases];
   int pe_base, pe_stride;  // the group's PEs: pe_base + r * pe_stride
   int num_pes;             // PEs of the job (peers[pe] is nullptr for another node's)
+  bool off_node;           // some rank of the group is on another node: reached by puts
+                           // (transport/puts.cuh; low-latency calls only)
 };
 
 // The PE of rank r of the call's group.
