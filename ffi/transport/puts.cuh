@@ -21,9 +21,10 @@
 
 namespace jax_ep {
 
-// Rank r of the group is on another node: reached by puts only.
+// Rank r of the group is on another node: reached by puts only. A group inside one node never
+// loads the table (ctx.off_node is a kernel argument): its path stays the NVLink one.
 __device__ __forceinline__ bool off_node(const PeerContext& ctx, int r) {
-  return ctx.peers[pe_of(ctx, r)] == nullptr;
+  return ctx.off_node && ctx.peers[pe_of(ctx, r)] == nullptr;
 }
 
 // This PE's own copy of the symmetric object at `offset`: a put's source where the data is
