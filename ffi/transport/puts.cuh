@@ -6,9 +6,6 @@
 // calls are NVSHMEM's, so the remote transport is whatever NVSHMEM chose (IBGDA, IBRC, UCX);
 // between PEs of one host (virtual nodes, for tests) they are NVSHMEM's own NVLink copies.
 //
-// The calls are kept out of line: inlined, NVSHMEM's put code (every transport's branch) grew the
-// register use of the NVLink path's loops that merely contain them, and slowed those down.
-//
 // Ordering: a put is complete at the peer once the issuing PE has called nvshmem_quiet; the
 // kernels quiet every block's puts before its "last block" count, so the last block's signal
 // follows every put of the call. Waits are the NVLink transport's (acquire loads of flags in
@@ -38,49 +35,49 @@ __device__ __forceinline__ char* own_at(const PeerContext& ctx, size_t offset) {
 
 // The whole warp: bytes [offset, offset + bytes) of this PE's buffer into the same bytes of rank
 // r's (non-blocking: complete after quiet_puts).
-inline __device__ __noinline__ void put_own_warp(const PeerContext& ctx, int r, size_t offset,
+__device__ __forceinline__ void put_own_warp(const PeerContext& ctx, int r, size_t offset,
                                              size_t bytes) {
   void* p = own_at(ctx, offset);
   nvshmemx_putmem_nbi_warp(p, p, bytes, pe_of(ctx, r));
 }
 
 // The whole warp: `bytes` from `source` (this PE's memory) to `offset` of rank r's buffer.
-inline __device__ __noinline__ void put_warp(const PeerContext& ctx, int r, size_t offset,
+__device__ __forceinline__ void put_warp(const PeerContext& ctx, int r, size_t offset,
                                          const void* source, size_t bytes) {
   nvshmemx_putmem_nbi_warp(own_at(ctx, offset), source, bytes, pe_of(ctx, r));
 }
 
 // The whole warp: bytes [offset, offset + bytes) of this PE's buffer into rank r's, then
 // `*flag = value` there (flag: a uint64 of this PE's buffer, naming the peer's), after the data.
-inline __device__ __noinline__ void put_own_signal_warp(const PeerContext& ctx, int r, size_t offset,
+__device__ __forceinline__ void put_own_signal_warp(const PeerContext& ctx, int r, size_t offset,
                                                     size_t bytes, uint64_t* flag, uint64_t value) {
   void* p = own_at(ctx, offset);
   nvshmemx_putmem_signal_nbi_warp(p, p, bytes, flag, value, NVSHMEM_SIGNAL_SET, pe_of(ctx, r));
 }
 
 // One thread: single words at `offset` of PE pe's buffer.
-inline __device__ __noinline__ void put_u64(const PeerContext& ctx, int pe, size_t offset,
+__device__ __forceinline__ void put_u64(const PeerContext& ctx, int pe, size_t offset,
                                         uint64_t value) {
   nvshmem_uint64_p(reinterpret_cast<uint64_t*>(own_at(ctx, offset)), value, pe);
 }
 
-inline __device__ __noinline__ void put_u32(const PeerContext& ctx, int pe, size_t offset,
+__device__ __forceinline__ void put_u32(const PeerContext& ctx, int pe, size_t offset,
                                         uint32_t value) {
   nvshmem_uint32_p(reinterpret_cast<uint32_t*>(own_at(ctx, offset)), value, pe);
 }
 
-inline __device__ __noinline__ void put_i32(const PeerContext& ctx, int pe, size_t offset,
+__device__ __forceinline__ void put_i32(const PeerContext& ctx, int pe, size_t offset,
                                         int32_t value) {
   nvshmem_int_p(reinterpret_cast<int*>(own_at(ctx, offset)), value, pe);
 }
 
 // One thread: PE pe's copy of `flag` (a uint64 of this PE's buffer) = value.
-inline __device__ __noinline__ void signal_pe(int pe, uint64_t* flag, uint64_t value) {
+__device__ __forceinline__ void signal_pe(int pe, uint64_t* flag, uint64_t value) {
   nvshmemx_signal_op(flag, value, NVSHMEM_SIGNAL_SET, pe);
 }
 
 // One thread, after a barrier of the threads that issued puts: every put this PE issued is
 // complete at its destination.
-inline __device__ __noinline__ void quiet_puts() { nvshmem_quiet(); }
+__device__ __forceinline__ void quiet_puts() { nvshmem_quiet(); }
 
 }  // namespace jax_ep
