@@ -127,6 +127,7 @@ __device__ inline uint64_t warp_enter_send(const PeerContext& ctx, int op, const
 // every_pe: at every PE of the job instead (consumed: a sender's next call of this parity
 // may have another group, which must see its new destinations' last receive). A PE on another
 // node gets an NVSHMEM signal (after the puts this PE has completed).
+template <bool kPuts>
 __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t* flag, uint64_t n,
                                          bool every_pe = false) {
   const size_t offset = control_offset(ll_control(ctx, ctx.rank), flag);
@@ -136,7 +137,7 @@ __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t*
     char* control = static_cast<char*>(ctx.peers[pe]);
     if (control != nullptr)
       store_release(reinterpret_cast<uint64_t*>(control + offset), n);
-    else
+    else if (kPuts)
       signal_pe(pe, const_cast<uint64_t*>(flag), n);
   }
 }
@@ -380,6 +381,7 @@ __device__ void stage_pair_ids(const LLDispatchSendArgs& a, int* smem, int threa
 // of every pair of these experts, the pair headers (me, token, k) -> (call n, local expert,
 // slot) and each expert's count at its rank, and adds the pairs past max_tokens to
 // `dropped`. Pairs with an out-of-range id are left to the token pass (send_slot -1).
+template <bool kPuts>
 __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size_t words,
                                    const int* smem, unsigned* dropped, int warp) {
   const PeerContext& ctx = a.ctx;
@@ -417,7 +419,7 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
       const int r = e / L, l = e % L;
       // a rank on another node: the headers go into this PE's own block [me], which the last
       // block puts there whole (the receiver keeps the entries naming its own experts)
-      const bool far = off_node(ctx, r);
+      const bool far = off_node<kPuts>(ctx, r);
       char* dest = ll_base(ctx, far ? me : r) + words;
       uint64_t* headers = reinterpret_cast<uint64_t*>(dest + a.plan.headers) + size_t(me) * M * K;
       const uint64_t tag = uint64_t(uint32_t(n)) << 32;
@@ -451,6 +453,7 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
 // slot warps meanwhile number the pairs of the experts dealt to this block
 // (block_expert_slots): the two do not wait for each other, nor does any block for another.
 // Returns the call number (every thread). smem: ll_dispatch_send_smem() bytes.
+template <bool kPuts>
 __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
@@ -492,11 +495,12 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         const unsigned same = __match_any_sync(0xffffffffu, r);
         const bool leader = r >= 0 && lane == __ffs(same) - 1;
         // a rank on another node gets the record from this PE's own record (me, t), by a put
-        const bool put = leader && off_node(ctx, r);
+        const bool put = leader && off_node<kPuts>(ctx, r);
         const unsigned stores = __ballot_sync(0xffffffffu, leader && !put);
         const unsigned puts = __ballot_sync(0xffffffffu, put);
         const bool own_stored = __ballot_sync(0xffffffffu, leader && r == me) != 0;
-        const size_t record = at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
+        const size_t record =
+            at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
         const unsigned below = (1u << lane) - 1u;
         if (leader && !put) dst[__popc(stores & below)] = ll_base(ctx, r) + record;
         if (put) far[__popc(puts & below)] = r;
@@ -540,7 +544,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     }
   } else {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
-    block_expert_slots(a, n, at.words, smem, &mine->dropped_pairs, warp - kTokenWarps);
+    block_expert_slots<kPuts>(a, n, at.words, smem, &mine->dropped_pairs, warp - kTokenWarps);
     if (warp == kTokenWarps) {
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
@@ -550,18 +554,19 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   // ---- the last block raises arrived[me] at every destination and reports the dropped pairs
   // (the peers first: the dropped count's exchange is a round trip that only this PE's
   // outputs wait for)
-  const bool last = ll_last_block(ctx, kCounterDispatchSend, true, ctx.off_node);
-  if (last && ctx.off_node) {
+  const bool last = ll_last_block(ctx, kCounterDispatchSend, true, kPuts);
+  if (kPuts && last) {
     // this PE's pair headers, staged in its own block [me], to every rank on another node
     const size_t headers = at.words + a.plan.headers + sizeof(uint64_t) * size_t(me) * M * K;
     for (int d = warp; d < R; d += kWarps)
-      if (off_node(ctx, d)) put_own_warp(ctx, d, headers, sizeof(uint64_t) * size_t(T) * K);
+      if (off_node<kPuts>(ctx, d))
+        put_own_warp(ctx, d, headers, sizeof(uint64_t) * size_t(T) * K);
     __syncthreads();
     if (tid == 0) quiet_puts();
     __syncthreads();
   }
   if (last && warp == 0) {
-    warp_signal_peers(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
+    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) {
       *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
       a.call_out[0] = int32_t(uint32_t(n));
@@ -603,6 +608,7 @@ __device__ __forceinline__ int position_of(int s, int me, int R) {
 // here. So the only loads after the scan are those of later units, and a record is read once
 // however many of its pairs this rank holds (rather than counts, scan, index entry, record:
 // three dependent rounds, and a record read once per pair).
+template <bool kPuts>
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
@@ -765,34 +771,37 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
 
   // every CTA has read what it needed: tell every source its region may be reused
   if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0)
-    warp_signal_peers(ctx, &mine->consumed[kOpDispatch][n & 1][pe_of(ctx, me)], n,
+    warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpDispatch][n & 1][pe_of(ctx, me)], n,
                       /*every_pe=*/true);
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
 // Every LL kernel is launched to start while the kernel before it drains (programmatic
 // launch) and waits for it before reading anything: its inputs, the LL control state.
+template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_send(a, smem);
+  dispatch_send<kPuts>(a, smem);
 }
 
+template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_receive(a, smem, read_call(a.call));
+  dispatch_receive<kPuts>(a, smem, read_call(a.call));
 }
 
 // Send and receive in one cooperative launch (every block resident: the receive half waits
 // for this PE's own arrival, raised by the last block of the send half). One launch gap less.
+template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendArgs send,
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  const uint64_t n = dispatch_send(send, smem);
+  const uint64_t n = dispatch_send<kPuts>(send, smem);
   __syncthreads();  // shared memory is reused; this block's records are written
-  dispatch_receive(receive, smem, n);
+  dispatch_receive<kPuts>(receive, smem, n);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -817,10 +826,11 @@ __device__ __forceinline__ int pair_row_of(const LLCombineSendArgs& a, const int
 // Lane k's weight of pair (s, t, k): this rank's own argument, or owner s's gate word in this
 // PE's buffer (waited for until it carries call n's number; from an owner on another node,
 // put as a whole with a signal, once that signal has come).
+template <bool kPuts>
 __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t words,
                                              uint64_t n, int s, int t, int k) {
   if (s == a.ctx.rank) return __ldg(a.weights + size_t(t) * a.num_topk + k);
-  if (off_node(a.ctx, s))
+  if (off_node<kPuts>(a.ctx, s))
     wait_flag(a.ctx, &ll_control(a.ctx, a.ctx.rank)->gates[pe_of(a.ctx, s)], n,
               "low_latency_combine (send)", "gate words of the owner", s);
   const uint64_t* gate_words =
@@ -919,6 +929,7 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
 // Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
 // block resident (a cooperative launch): a peer's blocks wait for the gate words that this
 // rank's first blocks write.
+template <bool kPuts>
 __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_local_experts, RM = a.rows_per_expert, K = a.num_topk, T = a.num_tokens;
@@ -947,7 +958,7 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     const uint64_t tag = uint64_t(uint32_t(n)) << 32;
     const size_t mine_at =
         at.words + a.plan.gate_words + sizeof(uint64_t) * size_t(me) * a.max_tokens * K;
-    if (ctx.off_node && blockIdx.x == 0) {
+    if (kPuts && blockIdx.x == 0) {
       // ranks on another node: every word into this PE's own block [me], put whole, with a
       // signal after it (a put's words may land in any order)
       uint64_t* own = reinterpret_cast<uint64_t*>(ll_base(ctx, me) + mine_at);
@@ -955,13 +966,13 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
         store_relaxed(own + p, tag | __float_as_uint(__ldg(a.weights + p)));
       __syncthreads();
       for (int d = warp; d < R; d += kWarps)
-        if (off_node(ctx, d))
+        if (off_node<kPuts>(ctx, d))
           put_own_signal_warp(ctx, d, mine_at, sizeof(uint64_t) * size_t(pairs),
                               &mine->gates[pe_of(ctx, me)], n);
     }
     for (int i = int(blockIdx.x) * blockDim.x + tid; i < total; i += gridDim.x * blockDim.x) {
       const int r = (me + 1 + i / pairs) % R, p = i % pairs;
-      if (off_node(ctx, r)) continue;
+      if (off_node<kPuts>(ctx, r)) continue;
       store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + mine_at) + p,
                     tag | __float_as_uint(__ldg(a.weights + p)));
     }
@@ -997,13 +1008,13 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       s = (me + 1 + int(token / T)) % R;
       t = int(token % T);
       g = GateEntry{pair_row_of(a, count, s, t, lane), 0.f};
-      if (g.row >= 0) g.weight = pair_weight(a, at.words, n, s, t, lane);
+      if (g.row >= 0) g.weight = pair_weight<kPuts>(a, at.words, n, s, t, lane);
       mask = __ballot_sync(0xffffffffu, g.row >= 0);
     }
     if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
     const size_t q = u % pieces, off = q * piece, bytes = min(piece, a.row_bytes - off);
     // an owner on another node: the piece is summed into this PE's staging row (s, t), then put
-    const bool far = off_node(ctx, s);
+    const bool far = off_node<kPuts>(ctx, s);
     const size_t record =
         at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
     char* dst = far ? ll_base(ctx, me) + at.data + a.plan.staging +
@@ -1027,8 +1038,8 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     }
   }
 
-  if (ll_last_block(ctx, kCounterCombineSend, true, ctx.off_node) && warp == 0) {
-    warp_signal_peers(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
+  if (ll_last_block(ctx, kCounterCombineSend, true, kPuts) && warp == 0) {
+    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   profile_end(ctx, kProfLLCombineSend);
@@ -1160,6 +1171,7 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, co
   }
 }
 
+template <bool kPuts>
 __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
@@ -1178,28 +1190,31 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
     default: combine_sum<float>(a, words, data, n); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
-    warp_signal_peers(ctx, &mine->consumed[kOpCombine][n & 1][pe_of(ctx, ctx.rank)], n,
+    warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpCombine][n & 1][pe_of(ctx, ctx.rank)], n,
                       /*every_pe=*/true);
   profile_end(ctx, kProfLLCombineReceive);
 }
 
+template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSendArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  combine_send(a, smem);
+  combine_send<kPuts>(a, smem);
 }
 
+template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
   wait_previous_kernel();
-  combine_receive(a, read_call(a.call));
+  combine_receive<kPuts>(a, read_call(a.call));
 }
 
 // Both halves of a combine in one cooperative launch (see ll_dispatch_kernel).
+template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArgs send,
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  combine_receive(receive, combine_send(send, smem));
+  combine_receive<kPuts>(receive, combine_send<kPuts>(send, smem));
 }
 
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
@@ -1253,17 +1268,18 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
                          : (a.num_experts + kSlotWarps - 1) / kSlotWarps;
   const int grid = wanted < a.num_blocks ? wanted : a.num_blocks;
   const size_t smem = ll_dispatch_send_smem(a.num_tokens, a.num_topk, a.cached);
-  const cudaError_t status =
-      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_send_kernel), smem);
+  auto kernel =
+      a.ctx.spans_nodes ? ll_dispatch_send_kernel<true> : ll_dispatch_send_kernel<false>;
+  const cudaError_t status = allow_shared_memory(reinterpret_cast<const void*>(kernel), smem);
   if (status != cudaSuccess) return status;
-  return launch_after_previous(ll_dispatch_send_kernel, grid > 0 ? grid : 1, kLLThreads, smem,
-                               stream, a);
+  return launch_after_previous(kernel, grid > 0 ? grid : 1, kLLThreads, smem, stream, a);
 }
 
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
   const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
-  return launch_after_previous(ll_dispatch_receive_kernel, a.num_blocks, kLLThreads, smem, stream,
-                               a);
+  auto kernel =
+      a.ctx.spans_nodes ? ll_dispatch_receive_kernel<true> : ll_dispatch_receive_kernel<false>;
+  return launch_after_previous(kernel, a.num_blocks, kLLThreads, smem, stream, a);
 }
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
@@ -1271,11 +1287,11 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
   const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.cached);
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
   const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
-  cudaError_t status =
-      allow_shared_memory(reinterpret_cast<const void*>(ll_dispatch_kernel), smem);
+  const void* kernel = reinterpret_cast<const void*>(
+      send.ctx.spans_nodes ? ll_dispatch_kernel<true> : ll_dispatch_kernel<false>);
+  cudaError_t status = allow_shared_memory(kernel, smem);
   if (status != cudaSuccess) return status;
-  const int grid = cooperative_grid(reinterpret_cast<const void*>(ll_dispatch_kernel), smem,
-                                    receive.num_blocks);
+  const int grid = cooperative_grid(kernel, smem, receive.num_blocks);
   if (grid < 1) {  // cannot hold the grid at once: two launches
     status = launch_ll_dispatch_send(send, stream);
     return status != cudaSuccess ? status : launch_ll_dispatch_receive(receive, stream);
@@ -1283,8 +1299,8 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
   LLDispatchSendArgs s = send;
   LLDispatchReceiveArgs r = receive;
   void* args[] = {&s, &r};
-  return launch_cooperative_after_previous(reinterpret_cast<const void*>(ll_dispatch_kernel),
-                                           dim3(grid), dim3(kLLThreads), smem, stream, args);
+  return launch_cooperative_after_previous(kernel, dim3(grid), dim3(kLLThreads), smem, stream,
+                                           args);
 }
 
 // The combine kernels need every block resident (a peer's blocks wait for the gate words that
@@ -1310,12 +1326,16 @@ size_t combine_send_smem(const LLCombineSendArgs& a) {
 cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stream) {
   LLCombineSendArgs s = a;
   void* args[] = {&s};
-  return launch_cooperative(reinterpret_cast<const void*>(ll_combine_send_kernel), a.num_blocks,
+  const void* kernel = reinterpret_cast<const void*>(
+      a.ctx.spans_nodes ? ll_combine_send_kernel<true> : ll_combine_send_kernel<false>);
+  return launch_cooperative(kernel, a.num_blocks,
                             combine_send_smem(a), args, stream);
 }
 
 cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
-  return launch_after_previous(ll_combine_receive_kernel, a.num_blocks, kLLThreads, 0, stream, a);
+  auto kernel =
+      a.ctx.spans_nodes ? ll_combine_receive_kernel<true> : ll_combine_receive_kernel<false>;
+  return launch_after_previous(kernel, a.num_blocks, kLLThreads, 0, stream, a);
 }
 
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
@@ -1323,7 +1343,9 @@ cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineRece
   LLCombineSendArgs s = send;
   LLCombineReceiveArgs r = receive;
   void* args[] = {&s, &r};
-  return launch_cooperative(reinterpret_cast<const void*>(ll_combine_kernel), receive.num_blocks,
+  const void* kernel = reinterpret_cast<const void*>(
+      send.ctx.spans_nodes ? ll_combine_kernel<true> : ll_combine_kernel<false>);
+  return launch_cooperative(kernel, receive.num_blocks,
                             combine_send_smem(send), args, stream);
 }
 

@@ -279,6 +279,8 @@ void initialize(const InitOptions& options) {
   g_transport.peers = peers_device;
   g_transport.host_peers = g_host_peers.data();
   g_transport.node_of = g_node_of.data();
+  g_transport.spans_nodes = false;
+  for (int pe = 0; pe < n; ++pe) g_transport.spans_nodes |= g_node_of[pe] != g_node_of[me];
   g_transport.copy_stream = g_copy_stream;
   g_transport.copy_fork = g_copy_fork;
   g_transport.copy_join = g_copy_join;

@@ -32,6 +32,7 @@ struct Transport {
   // peers[pe] and host_peers[pe] are nullptr for a PE on another node (node_of).
   void* const* host_peers = nullptr;
   const int* node_of = nullptr;  // host array [num_ranks]: the node of every PE
+  bool spans_nodes = false;      // some PE is on another node than this one
   // Copy-engine paths: the stream their cached graphs launch on, the event that lets it start
   // after the caller's stream, and the event the caller's stream waits on at the end.
   CUstream_st* copy_stream = nullptr;

@@ -31,8 +31,8 @@ struct PeerContext {
   unsigned long long (*profile)[kProfilePhases];
   int pe_base, pe_stride;  // the group's PEs: pe_base + r * pe_stride
   int num_pes;             // PEs of the job (peers[pe] is nullptr for another node's)
-  bool off_node;           // some rank of the group is on another node: reached by puts
-                           // (transport/puts.cuh; low-latency calls only)
+  bool spans_nodes;        // the job has PEs on other nodes, reached by puts (low-latency
+                           // calls: transport/puts.cuh); false in the normal mode
 };
 
 // The PE of rank r of the call's group.

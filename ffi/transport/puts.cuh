@@ -21,10 +21,12 @@
 
 namespace jax_ep {
 
-// Rank r of the group is on another node: reached by puts only. A group inside one node never
-// loads the table (ctx.off_node is a kernel argument): its path stays the NVLink one.
+// Rank r of the group is on another node: reached by puts only. kPuts: the kernel's
+// instantiation for jobs that span nodes (ctx.spans_nodes); the other one has no put at all,
+// so the single-node path's loops keep their registers and speed.
+template <bool kPuts>
 __device__ __forceinline__ bool off_node(const PeerContext& ctx, int r) {
-  return ctx.off_node && ctx.peers[pe_of(ctx, r)] == nullptr;
+  return kPuts && ctx.peers[pe_of(ctx, r)] == nullptr;
 }
 
 // This PE's own copy of the symmetric object at `offset`: a put's source where the data is
