@@ -41,6 +41,10 @@ def parse_args():
                         "without the launcher, over all local GPUs)")
     p.add_argument("--profile", action="store_true",
                    help="also print the kernels' phase timestamps of one call (CUDA backend)")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="virtual nodes of this many ranks (runtime.initialize(node_size=)): "
+                        "the kernels reach other nodes' ranks by NVSHMEM puts, as over a "
+                        "network; also prints the bytes that cross between nodes")
     return p.parse_args()
 
 
@@ -153,7 +157,11 @@ def main():
     if args.backend != "reference" and jax.default_backend() == "gpu" and not args.baselines_only:
         from jax_ep import runtime
 
-        runtime.initialize(low_latency_bytes=jax_ep.low_latency_buffer_size_hint(T, H, E, K, R))
+        across = args.node_size is not None and args.node_size < R
+        runtime.initialize(
+            low_latency_bytes=jax_ep.low_latency_buffer_size_hint(T, H, E, K, R,
+                                                                  across_nodes=across),
+            node_size=args.node_size)
     backend = jax_ep.api._resolve_backend(args.backend)
     mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     shard = NamedSharding(mesh, P(AXIS))
@@ -203,6 +211,17 @@ def main():
     if jax.process_index() == 0:
         print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "
               f"top-{K} of {E}; per call, jitted loop of {args.calls}")
+        if args.node_size is not None:
+            # records put to ranks of other nodes, per rank: one per (token, distinct rank);
+            # the combine sends one partial row per (token, expert rank) back
+            node = np.arange(R) // args.node_size
+            remote = (in_rank & (node[None, None, :] != node[:, None, None])).sum() / R
+            fp8, bf16 = H + 4 * (H // 128), 2 * H
+            print(f"virtual nodes of {args.node_size}: {remote / T:.2f} records per token cross "
+                  f"nodes; per rank and call {remote * fp8 / 1e6:.2f} MB FP8 / "
+                  f"{remote * bf16 / 1e6:.2f} MB BF16 dispatched, {remote * bf16 / 1e6:.2f} MB "
+                  "BF16 combined back, plus 8 bytes per (token, k) per remote rank of headers "
+                  "or gate words")
         steady_head = f"{args.rounds}×{args.calls} calls"
         print(f"| {'operation':40s} | {'µs per call':>11s} | {steady_head:>15s} | "
               f"{'GPU µs/call':>11s} | {'host µs/call':>12s} |")

@@ -229,17 +229,21 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 //
 // Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
 // local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for each pair
-// sent here: the call number's low 32 bits << 32 | local expert * M + slot, or 0xffffffff for
-// a pair dropped at its source; an entry from an earlier call, or never written, does not
-// carry this call's number); data: records [R][M]: record (s, token) = the row (data) padded
-// to 16 bytes, the FP8 scales padded to 16 bytes. A token is stored once per destination rank.
+// sent here: the call number's low 32 bits << 32 | expert * M + slot (the global expert: a
+// source on another node puts its whole block, and the receiver keeps only the entries naming
+// its own experts), or 0xffffffff for a pair dropped at its source; an entry from an earlier
+// call, or never written, does not carry this call's number); data: records [R][M]: record
+// (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16 bytes. A token
+// is stored once per destination rank.
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
 // owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of
 // the pair's float32 weight; a word carries its own call number, so the expert rank reads it
 // with neither a flag nor a fence), tags [M][R] uint32 (tag (token, r) = the low 32 bits of
 // the number of the call whose partial row r wrote into record (token, r): the owner sums the
 // records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
-// partial row expert rank r summed over its pairs of that token, padded to 16 bytes.
+// partial row expert rank r summed over its pairs of that token, padded to 16 bytes; for a
+// group across nodes also staging [R][M]: row (owner, token), this rank's partial for an owner
+// on another node, written here and put from here into the owner's record.
 
 namespace jax_ep {
 

@@ -27,6 +27,17 @@
 //                     partials tagged with this call (each expert rank tags the records it
 //                     writes), so it needs no list of ranks built from the gates.
 //
+// Across nodes (a job that spans nodes: the kernels' kPuts instantiation): a rank of another
+// node is reached by NVSHMEM puts (transport/puts.cuh), the ranks of this node by stores as
+// above. The dispatch send writes a record once into this PE's own record (me, token) and puts
+// it to each such destination; the pair headers of those pairs go into this PE's own header
+// block [me], which the last block puts whole (receivers keep the entries naming their own
+// experts); counts go as single puts. The combine send puts its gate words whole with a signal
+// (gates[me] at the owner) instead of tagged stores, and sums a partial for such an owner into
+// a staging row of its own region before putting it; tags go as single puts. Every block
+// completes its puts (quiet) before the last-block count, so arrivals and consumed flags,
+// NVSHMEM signals for those PEs, follow every put of the call.
+//
 // Call numbers come from device-side counters in LLControl advanced by the send kernels; the
 // send returns its number and the receive takes it, so the two calls of one operation may be
 // separated by the other half of another call (at most two calls of an op in flight). A send
