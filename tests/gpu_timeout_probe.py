@@ -1,10 +1,12 @@
 """A peer that never arrives: the waiting kernels must stop with a message, not hang.
 
-    JAX_EP_TIMEOUT_S=3 python -m jax_ep.launch -n 2 tests/gpu_timeout_probe.py
+    JAX_EP_TIMEOUT_S=3 python -m jax_ep.launch -n 2 tests/gpu_timeout_probe.py [--across-nodes]
 
 Rank 0 dispatches; rank 1 does not. Rank 0's kernel waits for rank 1, gives up after
 JAX_EP_TIMEOUT_S with a message naming PE 1, and traps; the launcher then stops everyone.
-Run by tests/test_gpu_failures.py (not a pytest module itself).
+--across-nodes: each rank a virtual node of its own and a low-latency dispatch, so the
+arrival awaited is an NVSHMEM signal from the other node. Run by tests/test_gpu_failures.py
+(not a pytest module itself).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from jax_ep import runtime  # noqa: E402
 
 sys.stdout.reconfigure(line_buffering=True)
 
-runtime.initialize(64 << 20, fault_exit_s=5)
+ACROSS = "--across-nodes" in sys.argv[1:]
+runtime.initialize(64 << 20, low_latency_bytes=(64 << 20) if ACROSS else None, fault_exit_s=5,
+                   node_size=1 if ACROSS else None)
 print(f"runtime initialised at {time.monotonic() - START:.1f} s", flush=True)
 R = jax.device_count()
 mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -38,6 +42,9 @@ mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
 @jax.jit
 @partial(jax.shard_map, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
 def step(x, idx):
+    if ACROSS:
+        return jax_ep.low_latency_dispatch(x, idx, num_experts=2 * R, max_tokens_per_rank=8,
+                                           axis_name="ep", use_fp8=False, backend="cuda").x
     return jax_ep.dispatch(x, idx, num_experts=2 * R, axis_name="ep", backend="cuda").x
 
 

@@ -33,12 +33,15 @@ def _reason():
 
 
 @pytest.mark.skipif(_reason() is not None, reason=f"GPU failure tests: {_reason()}")
-def test_missing_peer_times_out_with_its_name():
+@pytest.mark.parametrize("across_nodes", [False, True], ids=["one_node", "across_nodes"])
+def test_missing_peer_times_out_with_its_name(across_nodes):
+    """across_nodes: two virtual nodes, a low-latency dispatch awaiting the peer's signal."""
     env = dict(os.environ, JAX_EP_TIMEOUT_S="3", PYTHONPATH=REPO,
                XLA_FLAGS="")
     env.pop("JAX_PLATFORMS", None)  # conftest pins this process to the CPU; the job needs GPUs
     probe = os.path.join(REPO, "tests", "gpu_timeout_probe.py")
-    proc = subprocess.Popen([sys.executable, "-m", "jax_ep.launch", "-n", "2", probe],
+    command = [sys.executable, "-m", "jax_ep.launch", "-n", "2", probe]
+    proc = subprocess.Popen(command + (["--across-nodes"] if across_nodes else []),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     hung = False
