@@ -24,9 +24,10 @@ with one task per node and 8 GPUs per node::
         --num-processes $((8 * SLURM_NNODES)) --process-id-offset $((8 * SLURM_NODEID)) \\
         train.py'
 
-(jax_ep's kernels reach the GPUs of their own host only so far: put the expert-parallel axis
-inside a host and the other mesh axes across hosts. On one machine, two invocations form such
-a job too, each on its own GPUs: ``--first-gpu``.)
+(jax_ep's normal-mode kernels reach the GPUs of their own host only so far: put their
+expert-parallel axis inside a host and the other mesh axes across hosts; the low-latency calls
+cross hosts. On one machine, two invocations form such a job too, each on its own GPUs:
+``--first-gpu``.)
 
 ``--gpus G`` with G below ``-n`` puts several processes on one GPU (process k on GPU k mod G),
 to test multi-rank logic on a smaller machine: NVSHMEM then runs several PEs per GPU, and their
