@@ -444,6 +444,26 @@ def _ll_inputs(seed, T, H, kind, mask, junk=False, dtype=jnp.bfloat16):
     return np.asarray(jnp.asarray(x, dtype)), idx, w, E
 
 
+def ll_round_trip(x, idx, w, y, **kw):
+    """The fused and the split low-latency dispatch of x, and both combines of y."""
+    out = jax_ep.low_latency_dispatch(x, idx, **kw)
+    split = jax_ep.low_latency_dispatch_receive(jax_ep.low_latency_dispatch_send(x, idx, **kw))
+    back = jax_ep.low_latency_combine(y, w, out.handle)
+    back_split = jax_ep.low_latency_combine_receive(
+        jax_ep.low_latency_combine_send(y, w, out.handle), out.handle)
+    return out, split, back, back_split
+
+
+def assert_ll_round_trip(got, want):
+    """ll_round_trip on CUDA against the reference: the used rows bit-equal, the sums close."""
+    (out, split, back, back_split), (out_r, _, back_r, _) = got, want
+    used = np.asarray(out_r.handle.src_rank) >= 0
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used))
+    assert_sums_close(back, back_r, jnp.bfloat16)
+    assert_trees_equal(back_split, back)
+
+
 @pytest.mark.parametrize("fp8", ["bf16", "fp8", "ue8m0"])
 @pytest.mark.parametrize("kind,mask,T,M,junk", [
     ("random", 0.1, 64, 64, False),   # T == M
@@ -460,21 +480,10 @@ def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
     y = np.asarray(jnp.asarray(rng.standard_normal((R, L, R * M, H)), jnp.bfloat16))
 
     def fn(backend, x, idx, w, y):
-        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=fp8 != "bf16",
-                  ue8m0=fp8 == "ue8m0", backend=backend)
-        out = jax_ep.low_latency_dispatch(x, idx, **kw)
-        split = jax_ep.low_latency_dispatch_receive(jax_ep.low_latency_dispatch_send(x, idx, **kw))
-        back = jax_ep.low_latency_combine(y, w, out.handle)
-        back_split = jax_ep.low_latency_combine_receive(
-            jax_ep.low_latency_combine_send(y, w, out.handle), out.handle)
-        return out, split, back, back_split
+        return ll_round_trip(x, idx, w, y, num_experts=E, max_tokens_per_rank=M, axis_name=AXIS,
+                             use_fp8=fp8 != "bf16", ue8m0=fp8 == "ue8m0", backend=backend)
 
-    (out, split, back, back_split), (out_r, split_r, back_r, _) = both(fn, x, idx, w, y)
-    used = np.asarray(out_r.handle.src_rank) >= 0
-    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
-    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used))
-    assert_sums_close(back, back_r, jnp.bfloat16)
-    assert_trees_equal(back_split, back)
+    assert_ll_round_trip(*both(fn, x, idx, w, y))
 
 
 @pytest.mark.parametrize("fp8", [False, True])

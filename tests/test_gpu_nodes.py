@@ -164,22 +164,10 @@ def test_low_latency_with_a_rank_on_every_node_matches_reference(fp8):
     y = np.asarray(jnp.asarray(rng.standard_normal((W, E // R, R * M, H)), jnp.bfloat16))
 
     def fn(backend, x, idx, w, y):
-        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=EXPERT, use_fp8=fp8,
-                  backend=backend)
-        out = jax_ep.low_latency_dispatch(x, idx, **kw)
-        split = jax_ep.low_latency_dispatch_receive(jax_ep.low_latency_dispatch_send(x, idx, **kw))
-        back = jax_ep.low_latency_combine(y, w, out.handle)
-        back_split = jax_ep.low_latency_combine_receive(
-            jax_ep.low_latency_combine_send(y, w, split.handle), split.handle)
-        return out, split, back, back_split
+        return g.ll_round_trip(x, idx, w, y, num_experts=E, max_tokens_per_rank=M,
+                               axis_name=EXPERT, use_fp8=fp8, backend=backend)
 
-    (out, split, back, back_split), (out_r, _, back_r, _) = g.both_2d(fn, names, shape, x, idx,
-                                                                      w, y)
-    used = np.asarray(out_r.handle.src_rank) >= 0
-    g.assert_trees_equal(g._ll_used(out, used), g._ll_used(out_r, used))
-    g.assert_trees_equal(g._ll_used(split, used), g._ll_used(out_r, used))
-    g.assert_sums_close(back, back_r, jnp.bfloat16)
-    g.assert_trees_equal(back_split, back)
+    g.assert_ll_round_trip(*g.both_2d(fn, names, shape, x, idx, w, y))
 
 
 def test_a_normal_mode_group_across_nodes_fails_naming_the_peer():
