@@ -102,8 +102,9 @@ def _needs_node_groups():
         pytest.skip("nodes of one GPU: an EP group inside a node has one rank")
 
 
+@pytest.mark.parametrize("capacity", [None, 24], ids=["no_drops", "capacity_drops"])
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
-def test_ep_inside_a_node_matches_reference(layout):
+def test_ep_inside_a_node_matches_reference(layout, capacity):
     _needs_node_groups()
     names, shape = INSIDE
     T, H, K, E = 40, 256, 4, 8
@@ -111,7 +112,7 @@ def test_ep_inside_a_node_matches_reference(layout):
 
     def fn(backend, x, idx, w):
         out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=EXPERT, layout=layout,
-                              backend=backend)
+                              capacity=capacity, backend=backend)
         weights = out.topk_weights if layout == "expert_major" else None
         back = jax_ep.combine(out.x.astype(jnp.float32) * 2, out.handle, weights=weights)
         ll = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=T,
@@ -119,6 +120,8 @@ def test_ep_inside_a_node_matches_reference(layout):
         return out, back, ll
 
     (out, back, ll), (out_r, back_r, ll_r) = g.both_2d(fn, names, shape, x, idx, w)
+    if capacity is not None:  # rows past the capacity are dropped and counted, not lost
+        assert int(np.asarray(out_r.num_dropped).sum()) > 0
     g.assert_trees_equal(out, out_r)
     g.assert_sums_close(back, back_r, jnp.float32)
     used = np.asarray(ll_r.handle.src_rank) >= 0
