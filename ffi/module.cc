@@ -245,11 +245,12 @@ NB_MODULE(_C, m) {
   m.def(
       "low_latency_sections",
       [](size_t buffer_bytes, bool combine, uint64_t call, int num_ranks, int num_experts,
-         int max_tokens, int num_topk, size_t row_bytes, size_t scale_bytes) {
+         int max_tokens, int num_topk, size_t row_bytes, size_t scale_bytes, bool staged) {
         const jax_ep::LLAreas areas = jax_ep::ll_areas(buffer_bytes);
         size_t words_bytes, bytes, begin, end;
         if (combine) {
-          const auto plan = jax_ep::plan_ll_combine(num_ranks, max_tokens, num_topk, row_bytes);
+          const auto plan =
+              jax_ep::plan_ll_combine(num_ranks, max_tokens, num_topk, row_bytes, staged);
           words_bytes = plan.words_bytes, bytes = plan.bytes;
           begin = areas.combine_begin, end = areas.combine_end;
         } else {
@@ -263,7 +264,8 @@ NB_MODULE(_C, m) {
       },
       nb::arg("buffer_bytes"), nb::arg("combine"), nb::arg("call"), nb::arg("num_ranks"),
       nb::arg("num_experts"), nb::arg("max_tokens"), nb::arg("num_topk"), nb::arg("row_bytes"),
-      nb::arg("scale_bytes") = 0,
+      nb::arg("scale_bytes") = 0, nb::arg("staged") = false,
       "(words offset, words bytes, data offset, data bytes, area begin, area end) of call "
-      "`call`'s low-latency region in a buffer of buffer_bytes (the layout's own arithmetic)");
+      "`call`'s low-latency region in a buffer of buffer_bytes (the layout's own arithmetic; "
+      "staged: a combine whose group spans nodes)");
 }

@@ -81,13 +81,15 @@ def test_low_latency_tagged_words_never_sit_on_another_calls_records(combine):
     # Tagged words (pair headers, gate words, tags) are valid once they show the call's number:
     # a stale word must be an older call's word, never record bytes of a call with another row
     # size that could happen to show that number. So for either parity the words section is at
-    # the same place whatever the row size, and it overlaps no record of either parity.
+    # the same place whatever the row size, and it overlaps no record of either parity. A
+    # combine across nodes (staged: its partial rows for other nodes staged in the region) too.
     H = 7168
-    shapes = ([(2 * H, 0)] if combine else [(H, 4 * (H // 128)), (2 * H, 0), (4 * 8, 0)])
-    shapes += [(4 * 2048, 0)]  # another hidden size, float32 rows
+    shapes = ([(2 * H, 0, False), (2 * H, 0, True)] if combine
+              else [(H, 4 * (H // 128), False), (2 * H, 0, False), (4 * 8, 0, False)])
+    shapes += [(4 * 2048, 0, False)]  # another hidden size, float32 rows
     R, E, M, K = 2, 256, 128, 8
-    need = max(module.required_low_latency_bytes(M, H, E, K, R, 4),
-               module.required_low_latency_bytes(M, 2048, E, K, R, 4))
+    need = max(module.required_low_latency_bytes(M, H, E, K, R, 4, True),
+               module.required_low_latency_bytes(M, 2048, E, K, R, 4, True))
     for buffer_bytes in (need, need + 12345 * 16, 2 * need):
         sections = {(call, shape): module.low_latency_sections(buffer_bytes, combine, call, R, E,
                                                                 M, K, *shape)
