@@ -387,6 +387,20 @@ def test_repeated_calls_are_bit_identical(dispatch_mode):
     _assert_repeats_identical(fn, R, (x, idx, w), 100)
 
 
+def moe_grads(**block):
+    """fn(backend, x, router, w_in, w_out): the gradients of a loss of one moe_block (with
+    `block`'s arguments) with respect to all four."""
+
+    def fn(backend, x, router, w_in, w_out):
+        def loss(x, router, w_in, w_out):
+            out, _ = moe.moe_block(x, router, w_in, w_out, backend=backend, **block)
+            return jnp.sum(jnp.sin(out))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
+
+    return fn
+
+
 @pytest.mark.parametrize("layout,copy", [("expert_major", False), ("rank_major", False),
                                          ("rank_major", True), ("source_slots", True),
                                          ("source_slots", False)])
@@ -408,13 +422,7 @@ def test_moe_gradients_match_reference(layout, copy, monkeypatch):
     w_in_r, w_out_r = w_in.reshape(R, L, H, F), w_out.reshape(R, L, F, H)
     router_r = np.broadcast_to(router, (R, H, E)).copy()
 
-    def fn(backend, x, router, w_in, w_out):
-        def loss(x, router, w_in, w_out):
-            out, _ = moe.moe_block(x, router, w_in, w_out, top_k=top_k, axis_name=AXIS,
-                                   layout=layout, backend=backend)
-            return jnp.sum(jnp.sin(out))
-
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
+    fn = moe_grads(top_k=top_k, axis_name=AXIS, layout=layout)
 
     # Full float32 matmuls: the reference may run on the host (shared GPUs), where XLA never
     # uses TF32 as it may on the GPU.
@@ -958,13 +966,7 @@ def test_sub_axis_moe_gradients_match_reference(order, layout):
     x = np.asarray(jax.random.normal(k4, (W, T, H)))
     e = _ep_index(names, shape)  # each device holds its EP index's experts
 
-    def fn(backend, x, router, w_in, w_out):
-        def loss(x, router, w_in, w_out):
-            out, _ = moe.moe_block(x, router, w_in, w_out, top_k=top_k, axis_name=EXPERT,
-                                   layout=layout, backend=backend)
-            return jnp.sum(jnp.sin(out))
-
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
+    fn = moe_grads(top_k=top_k, axis_name=EXPERT, layout=layout)
 
     with jax.default_matmul_precision("float32"):
         got, want = both_2d(fn, names, shape, x, np.broadcast_to(router, (W, H, E)).copy(),

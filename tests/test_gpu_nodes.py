@@ -52,7 +52,6 @@ from test_gpu import (  # noqa: E402, F401
 )
 
 import jax_ep  # noqa: E402
-from jax_ep import moe  # noqa: E402
 
 DATA, EXPERT = g.DATA, g.EXPERT
 # (data, expert): each EP group is one node; (expert, data): each group has a rank on every node
@@ -141,16 +140,9 @@ def test_ep_inside_a_node_gradients_match_reference():
     x = np.asarray(jax.random.normal(k4, (W, T, H)))
     e = g._ep_index(names, shape)
 
-    def fn(backend, x, router, w_in, w_out):
-        def loss(x, router, w_in, w_out):
-            out, _ = moe.moe_block(x, router, w_in, w_out, top_k=2, axis_name=EXPERT,
-                                   backend=backend)
-            return jnp.sum(jnp.sin(out))
-
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
-
     with jax.default_matmul_precision("float32"):
-        got, want = g.both_2d(fn, names, shape, x, router, w_in[e], w_out[e])
+        got, want = g.both_2d(g.moe_grads(top_k=2, axis_name=EXPERT), names, shape, x, router,
+                              w_in[e], w_out[e])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
