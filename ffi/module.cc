@@ -42,6 +42,8 @@ constexpr Target kTargets[] = {
     {"jax_ep_ll_combine_receive", JaxEpLLCombineReceive},
     {"jax_ep_ll_dispatch", JaxEpLLDispatch},
     {"jax_ep_ll_combine", JaxEpLLCombine},
+    {"jax_ep_node_send", JaxEpNodeSend},
+    {"jax_ep_node_return", JaxEpNodeReturn},
 };
 constexpr int kNumTargets = sizeof(kTargets) / sizeof(kTargets[0]);
 std::atomic<unsigned long long> g_calls[kNumTargets];
@@ -238,6 +240,17 @@ NB_MODULE(_C, m) {
         nb::arg("num_experts"), nb::arg("capacity"), nb::arg("expert_major"), nb::arg("fp8"),
         nb::arg("copy_engine") = false,
         "Symmetric-buffer bytes that a dispatch + combine of these shapes needs");
+  m.def(
+      "node_exchange_bytes",
+      [](int num_nodes, int num_tokens, int num_topk, size_t row_bytes, size_t scale_row_bytes,
+         bool returning) {
+        return jax_ep::plan_node_exchange(num_nodes, num_tokens, num_topk, row_bytes,
+                                          scale_row_bytes, returning)
+            .end;
+      },
+      nb::arg("num_nodes"), nb::arg("num_tokens"), nb::arg("num_topk"), nb::arg("row_bytes"),
+      nb::arg("scale_row_bytes") = 0, nb::arg("returning") = false,
+      "Symmetric-buffer bytes of a node exchange (the network stage across nodes)");
   m.def("required_low_latency_bytes", &jax_ep::required_low_latency_bytes,
         nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("num_experts"), nb::arg("num_topk"),
         nb::arg("num_ranks"), nb::arg("elem_bytes"), nb::arg("across_nodes") = false,

@@ -7,6 +7,8 @@ operand so that the kernels can check it equals the process's NVSHMEM PE.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,6 +121,18 @@ def _group(axis_name, num_ranks) -> dict:
     return dict(num_ranks=int(num_ranks), stride=int(np.prod(sizes[k + 1:], dtype=np.int64)))
 
 
+def _place(axis_name, num_ranks, within_node=False):
+    """(rank operand, group attribute) of a call over the EP axis, or, within_node, over the
+    num_ranks ranks of this device's node on it (the node-local stage across nodes)."""
+    if not within_node:
+        return _rank(axis_name), _group(axis_name, num_ranks)
+    from jax_ep.api import axis_stride
+
+    size = int(jax.lax.axis_size(axis_name))
+    return (_rank(axis_name) % num_ranks,
+            dict(num_ranks=int(num_ranks), stride=axis_stride(axis_name, size)))
+
+
 def _as_varying(value, axis_name):
     """Mark a per-device result as varying over the EP axis, as shard_map's replication
     checks expect of data that differs between devices (ffi_call cannot infer it). pcast
@@ -181,7 +195,7 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
-                   layout, alignment, axis_name, tuning=None):
+                   layout, alignment, axis_name, tuning=None, within_node=False):
     """The jax_ep_dispatch custom call; returns its 13 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
@@ -208,20 +222,24 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         jax.ShapeDtypeStruct((C,), i32),
         jax.ShapeDtypeStruct((num_ranks, T, K) if expert_major else (0,), i32),
     )
+    rank, group = _place(axis_name, num_ranks, within_node)
     return _call(
         "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
-        topk_weights, _rank(axis_name), axis_name=axis_name,
+        topk_weights, rank, axis_name=axis_name,
         num_experts=np.int64(num_experts), capacity=np.int64(C), alignment=np.int64(alignment),
-        layout=layout, path=path, has_scales=has_scales, group=_group(axis_name, num_ranks),
+        layout=layout, path=path, has_scales=has_scales, group=group,
         tuning=_config.tuning_attributes(resolved))
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
+    if config.node_size is not None:
+        return _nodes_dispatch(x, x_scales, topk_idx, topk_weights, config)
     (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
      num_dropped, send_slot, src_rank, src_token, src_k, pair_row) = _dispatch_call(
         x, x_scales, topk_idx, topk_weights, num_experts=config.num_experts,
         num_ranks=config.num_ranks, capacity=config.capacity, layout=config.layout,
-        alignment=config.alignment, axis_name=config.axis_name, tuning=config.tuning)
+        alignment=config.alignment, axis_name=config.axis_name, tuning=config.tuning,
+        within_node=config.within_node)
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
                             pair_row=pair_row if config.layout == EXPERT_MAJOR else no_pair_rows(),
@@ -248,11 +266,12 @@ def _cached_call(x, handle: DispatchHandle, y=None, weights=None):
     weighted = weights is not None
     types = (jax.ShapeDtypeStruct((C, H), x.dtype),
              jax.ShapeDtypeStruct((C,) if weighted else (0,), jnp.float32))
+    rank, group = _place(handle.config.axis_name, handle.config.num_ranks,
+                         handle.config.within_node)
     return _call("jax_ep_cached_dispatch", types, x, handle.src_rank, handle.src_token,
                  _pair_row(handle), y if weighted else jnp.zeros((0,), x.dtype),
                  weights if weighted else jnp.zeros((0,), jnp.float32),
-                 _rank(handle.config.axis_name), axis_name=handle.config.axis_name,
-                 group=_group(handle.config.axis_name, handle.config.num_ranks),
+                 rank, axis_name=handle.config.axis_name, group=group,
                  tuning=_config.tuning_attributes(_handle_tuning(handle.config, "combine")))
 
 
@@ -262,18 +281,23 @@ def _handle_tuning(config: DispatchConfig, operation) -> Config:
 
 
 def cached_dispatch(x, handle: DispatchHandle):
+    if handle.node_stage is not None:
+        return _nodes_cached_dispatch(x, handle)
     return _cached_call(x, handle)[0]
 
 
 def combine_backward(g, y, weights, handle: DispatchHandle):
     """(d y, d weights) of ``combine``; expert_major with weights in one kernel pass, which
     loads each token's gradient row once per rank and each row of y once."""
-    if weights is not None and handle.config.layout == EXPERT_MAJOR:
+    if (weights is not None and handle.config.layout == EXPERT_MAJOR
+            and handle.node_stage is None):
         return _cached_call(g, handle, y, weights.astype(jnp.float32))
     return reference.weighted_rows_backward(cached_dispatch(g, handle), y, weights)
 
 
 def combine(y, weights, handle: DispatchHandle):
+    if handle.node_stage is not None:
+        return _nodes_combine(y, weights, handle)
     config = handle.config
     expert_major = config.layout == EXPERT_MAJOR
     _check_sources("combine", "combine", config.num_ranks, False)
@@ -282,13 +306,179 @@ def combine(y, weights, handle: DispatchHandle):
     if weights is None:
         weights = jnp.ones((config.capacity,), jnp.float32)
     resolved = _handle_tuning(config, "combine")
+    rank, group = _place(config.axis_name, config.num_ranks, config.within_node)
     return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
                  y, weights.astype(jnp.float32), handle.topk_idx, handle.send_slot,
-                 handle.num_received, handle.src_rank, _pair_row(handle), _rank(config.axis_name),
+                 handle.num_received, handle.src_rank, _pair_row(handle), rank,
                  axis_name=config.axis_name, num_experts=np.int64(config.num_experts),
-                 layout=config.layout, path=resolved.combine_path,
-                 group=_group(config.axis_name, config.num_ranks),
+                 layout=config.layout, path=resolved.combine_path, group=group,
                  tuning=_config.tuning_attributes(resolved))
+
+
+# ----------------------------------------------------------------------------- across nodes
+#
+# Where the EP axis spans nodes (config.node_size = G ranks per node, N = R / G nodes) a
+# dispatch has two stages. The node exchange (jax_ep_node_send: NVSHMEM puts within the group
+# of the ranks with this device's local index, one per node) brings each token once to every
+# node holding one of its experts, as N blocks of T "virtual tokens" whose ids are relative to
+# the node's experts; the node's G ranks then dispatch those among themselves over NVLink (the
+# intranode kernels on the node's group: config.within_node). That stage's rows are ordered by
+# (node rank, source node, token), the contract's by source rank = (source node, node rank),
+# then token: one gather reorders them and applies the capacity (the stage keeps every row, so
+# the contract's drops are the ones made). The combine goes back the same way: the node-local
+# combine sums each virtual token's rows on the node (the node's partial, in y's dtype), and
+# jax_ep_node_return puts each partial to its owner, which adds them in node order.
+
+def _node_exchange_place(config: DispatchConfig):
+    """(rank operand, group attribute) of the node exchange: one rank per node."""
+    from jax_ep.api import axis_stride
+
+    R, G = config.num_ranks, config.node_size
+    stride = axis_stride(config.axis_name, R)
+    return _rank(config.axis_name) // G, dict(num_ranks=R // G, stride=G * stride)
+
+
+def _node_send(x, x_scales, topk_idx, topk_weights, config: DispatchConfig):
+    """[N*T] rows, scales, node-relative ids and weights: block s holds node s's tokens (those
+    with an expert on this node; other rows zero, ids -1)."""
+    rank, group = _node_exchange_place(config)
+    N = config.num_ranks // config.node_size
+    (T, H), K = x.shape, topk_idx.shape[1]
+    f32, i32 = jnp.float32, jnp.int32
+    has_scales = x_scales is not None
+    types = (jax.ShapeDtypeStruct((N * T, H), x.dtype),
+             jax.ShapeDtypeStruct((N * T, x_scales.shape[1]) if has_scales else (0,), f32),
+             jax.ShapeDtypeStruct((N * T, K), i32), jax.ShapeDtypeStruct((N * T, K), f32))
+    return _call("jax_ep_node_send", types, x, x_scales if has_scales else jnp.zeros((0,), f32),
+                 topk_idx, topk_weights.astype(f32), rank, axis_name=config.axis_name,
+                 num_experts=np.int64(config.num_experts), group=group,
+                 tuning=_config.tuning_attributes(_handle_tuning(config, "dispatch")))
+
+
+def _node_return(partial, node_ids, topk_idx, config: DispatchConfig):
+    """[T, H]: each token's node partials (partial: this node's, [N*T, H]) added in node order."""
+    rank, group = _node_exchange_place(config)
+    return _call("jax_ep_node_return",
+                 jax.ShapeDtypeStruct((config.num_tokens, partial.shape[1]), partial.dtype),
+                 partial, node_ids, topk_idx, rank, axis_name=config.axis_name,
+                 num_experts=np.int64(config.num_experts), group=group,
+                 tuning=_config.tuning_attributes(_handle_tuning(config, "combine")))
+
+
+def _node_stage_config(config: DispatchConfig) -> DispatchConfig:
+    """The node-local stage: the node's G ranks, its E / N experts, N*T virtual tokens, every
+    row kept (the contract's capacity applies after the reordering)."""
+    G, N = config.node_size, config.num_ranks // config.node_size
+    T = config.num_tokens * N
+    return dataclasses.replace(
+        config, num_experts=config.num_experts // N, num_ranks=G, num_tokens=T,
+        capacity=default_capacity(T, G, config.num_topk, config.num_local_experts,
+                                  config.layout, 1),
+        alignment=1, node_size=None, within_node=True)
+
+
+def _rows_at(a, index, fill=0):
+    """a[index] where index >= 0, `fill` elsewhere."""
+    rows = a[jnp.maximum(index, 0)]
+    mask = (index >= 0).reshape(index.shape + (1,) * (rows.ndim - index.ndim))
+    return jnp.where(mask, rows, jnp.asarray(fill, rows.dtype))
+
+
+def _nodes_dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig):
+    stage_config = _node_stage_config(config)
+    sent = _node_send(x, x_scales, topk_idx, topk_weights, config)
+    stage = dispatch(sent[0], sent[1] if x_scales is not None else None, sent[2], sent[3],
+                     stage_config)
+    G, R = config.node_size, config.num_ranks
+    N, T, C, L, K = R // G, config.num_tokens, config.capacity, config.num_local_experts, \
+        config.num_topk
+    h = stage.handle
+    used = h.src_rank >= 0
+    node_rank = jnp.maximum(h.src_rank, 0)
+    source_node, token = jnp.maximum(h.src_token, 0) // T, jnp.maximum(h.src_token, 0) % T
+    source = source_node * G + node_rank  # the contract's source rank
+    row = jnp.arange(stage_config.capacity, dtype=jnp.int32)
+    expert_major = config.layout == EXPERT_MAJOR
+    if expert_major:  # blocks (expert, node rank, source node) here, (expert, source) there
+        expert = jnp.maximum(stage.topk_idx, 0)
+        B = L * N * G
+        key_out = expert * R + source
+        key_in = (expert * G + node_rank) * N + source_node
+        count = jnp.zeros((B + 1,), jnp.int32).at[jnp.where(used, key_out, B)].add(1)[:B]
+        count_in = count.reshape(L, N, G).transpose(0, 2, 1).reshape(B)
+        per_expert = count.reshape(L, R).sum(1)
+        aligned = (per_expert + config.alignment - 1) // config.alignment * config.alignment
+        group_start = jnp.cumsum(aligned) - aligned
+        dense_start = jnp.cumsum(per_expert) - per_expert
+        start_out = (jnp.cumsum(count) - count
+                     + jnp.repeat(group_start - dense_start, R, total_repeat_length=B))
+    else:  # blocks (node rank, source node) here, source ranks there
+        B = R
+        key_out = source
+        key_in = node_rank * N + source_node
+        count = jnp.zeros((B + 1,), jnp.int32).at[jnp.where(used, key_out, B)].add(1)[:B]
+        count_in = count.reshape(N, G).T.reshape(B)
+        start_out = jnp.cumsum(count) - count
+    start_in = jnp.cumsum(count_in) - count_in
+    position = start_out[key_out] + row - start_in[key_in]
+    kept = used & (position < C)
+    row_map = jnp.full((C,), -1, jnp.int32).at[jnp.where(kept, position, C)].set(
+        row, mode="drop")
+    out_idx = _rows_at(stage.topk_idx, row_map, -1)
+    if expert_major:
+        tokens_per_expert = jnp.zeros((L + 1,), jnp.int32).at[
+            jnp.where(kept, expert, L)].add(1)[:L]
+        group_end = jnp.minimum(group_start + aligned, C)
+        group_sizes = jnp.maximum(group_end - jnp.minimum(group_start, C), 0).astype(jnp.int32)
+        num_received = jnp.sum(group_sizes, dtype=jnp.int32)
+    else:
+        ids = jnp.where(out_idx >= 0, out_idx, L).reshape(-1)
+        tokens_per_expert = jnp.zeros((L + 1,), jnp.int32).at[ids].add(1)[:L]
+        group_sizes = tokens_per_expert
+        num_received = jnp.sum(kept, dtype=jnp.int32)
+    src_rank = _rows_at(source, row_map, -1)
+    src_token = _rows_at(token, row_map, -1)
+    src_k = _rows_at(h.src_k, row_map, -1)
+    pair_row = no_pair_rows()
+    if expert_major:
+        pair_row = jnp.full((R, T, K), -1, jnp.int32).at[
+            jnp.where(row_map >= 0, src_rank, R), src_token, src_k].set(
+            jnp.arange(C, dtype=jnp.int32), mode="drop")
+    handle = DispatchHandle(
+        topk_idx=topk_idx,
+        # where a row lands is decided on its destination node: not known at the source
+        send_slot=jnp.full((T, K if expert_major else R), -1, jnp.int32),
+        src_rank=src_rank, src_token=src_token, src_k=src_k, num_received=num_received,
+        pair_row=pair_row,
+        config=config, node_stage=h, row_map=row_map)
+    return DispatchOutput(
+        x=_rows_at(stage.x, row_map),
+        x_scales=None if x_scales is None else _rows_at(stage.x_scales, row_map),
+        topk_idx=out_idx, topk_weights=_rows_at(stage.topk_weights, row_map),
+        tokens_per_expert=tokens_per_expert, group_sizes=group_sizes, num_received=num_received,
+        num_dropped=jnp.sum(used & ~kept, dtype=jnp.int32) + stage.num_dropped, handle=handle)
+
+
+def _stage_rows(a, handle: DispatchHandle):
+    """Rows in the contract's order -> the node-local stage's rows (zero where none)."""
+    C_in, C = handle.node_stage.config.capacity, handle.config.capacity
+    inverse = jnp.full((C_in,), -1, jnp.int32).at[
+        jnp.where(handle.row_map >= 0, handle.row_map, C_in)].set(
+        jnp.arange(C, dtype=jnp.int32), mode="drop")
+    return _rows_at(a, inverse)
+
+
+def _nodes_combine(y, weights, handle: DispatchHandle):
+    stage = handle.node_stage
+    partial = combine(_stage_rows(y, handle),
+                      None if weights is None else _stage_rows(weights, handle), stage)
+    return _node_return(partial, stage.topk_idx, handle.topk_idx, handle.config)
+
+
+def _nodes_cached_dispatch(x, handle: DispatchHandle):
+    ones = jnp.ones(handle.topk_idx.shape, jnp.float32)
+    sent = _node_send(x, None, handle.topk_idx, ones, handle.config)
+    return _rows_at(cached_dispatch(sent[0], handle.node_stage), handle.row_map)
 
 
 # ----------------------------------------------------------------------------- low latency

@@ -32,6 +32,11 @@ given; dropped rows add zero):
   out[t] = sum over ranks r ascending of p_r(t), cast to y's dtype. So one row per
   (token, rank) crosses back, as the dispatch sends one per (token, rank) (the expansion to
   (token, k) rows happens on the receiving rank).
+* Across nodes (the EP axis spans nodes of G ranks each, ``DispatchConfig.node_size``): the
+  terms above of the ranks of each node n are first added in rank order (float32) and cast to
+  y's dtype, q_n(t); out[t] = sum over nodes n ascending of q_n(t), cast to y's dtype. So one
+  row per (token, node) crosses the network back, as the dispatch sends one per (token, node).
+  With one node this is the order above.
 """
 
 from __future__ import annotations
@@ -63,6 +68,13 @@ class DispatchConfig:
     axis_name: Any = None
     backend: str = "reference"
     tuning: Any = None  # jax_ep.Config given to dispatch (None: overrides and defaults)
+    # Ranks of the EP axis per node where the axis spans nodes (the runtime's topology), else
+    # None: the combine then adds per-node partials (see the contract above), and the CUDA
+    # backend dispatches hierarchically (node exchange, then NVLink inside the node).
+    node_size: int | None = None
+    # The node-local stage of such a dispatch (CUDA backend): its ranks are the node_size
+    # ranks of this device's node on the axis, its tokens the node exchange's blocks.
+    within_node: bool = False
 
     @property
     def num_local_experts(self) -> int:
@@ -112,15 +124,20 @@ class DispatchHandle:
     num_received: jax.Array
     pair_row: jax.Array
     config: DispatchConfig
+    # Across nodes (CUDA backend): the node-local stage's handle, and row_map [C] int32, the
+    # row of that stage's output each row here came from (-1: unused).
+    node_stage: Any = None
+    row_map: Any = None
 
     def tree_flatten(self):
         children = (self.topk_idx, self.send_slot, self.src_rank, self.src_token,
-                    self.src_k, self.num_received, self.pair_row)
+                    self.src_k, self.num_received, self.pair_row, self.node_stage, self.row_map)
         return children, self.config
 
     @classmethod
     def tree_unflatten(cls, config, children):
-        return cls(*children, config=config)
+        *arrays, node_stage, row_map = children
+        return cls(*arrays, config=config, node_stage=node_stage, row_map=row_map)
 
 
 class DispatchOutput(NamedTuple):

@@ -160,6 +160,54 @@ def _split_x(x):
     return x, None
 
 
+# ----------------------------------------------------------------------------- nodes
+
+def axis_stride(axis_name, num_ranks) -> int:
+    """The EP axis's stride in the mesh's row-major device order (the product of the sizes of
+    the axes after it; 1 outside a mesh context)."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
+    mesh = get_mesh() if get_mesh is not None else None
+    shape = dict(getattr(mesh, "shape", None) or {})
+    names, sizes = tuple(shape), tuple(shape.values())
+    if axis_name not in names:
+        return 1
+    k = names.index(axis_name)
+    if sizes[k] != num_ranks:
+        raise ValueError(f"the expert-parallel axis {axis_name!r} has {sizes[k]} devices, the "
+                         f"call was set up for {num_ranks}")
+    return int(np.prod(sizes[k + 1:], dtype=np.int64))
+
+
+def axis_node_size(axis_name, num_ranks) -> int | None:
+    """Ranks of the EP axis per node where its groups span nodes (``runtime.topology()``, with
+    the processes listed in mesh order), else None. Every group must be whole nodes' worth of
+    consecutive ranks, G per node."""
+    from jax_ep import runtime
+
+    topology = runtime.topology()
+    if topology is None or topology.num_nodes == 1:
+        return None
+    nodes, stride = topology.nodes, axis_stride(axis_name, num_ranks)
+    sizes = set()
+    for base in range(len(nodes)):
+        if (base // stride) % num_ranks or base + (num_ranks - 1) * stride >= len(nodes):
+            continue
+        of = [nodes[base + r * stride] for r in range(num_ranks)]
+        G = next((r for r in range(1, num_ranks) if of[r] != of[0]), num_ranks)
+        blocks = [of[i:i + G] for i in range(0, num_ranks, G)]
+        if (num_ranks % G or any(len(set(b)) != 1 for b in blocks)
+                or len({b[0] for b in blocks}) != len(blocks)):
+            raise ValueError(
+                f"the expert-parallel axis {axis_name!r} runs over the nodes {of}: across nodes "
+                "every group must be blocks of the same number of consecutive ranks per node")
+        sizes.add(G)
+    if len(sizes) != 1:
+        raise ValueError(f"the groups of the expert-parallel axis {axis_name!r} have "
+                         f"{sorted(sizes)} ranks per node: they must all have the same")
+    G = sizes.pop()
+    return None if G == num_ranks else G
+
+
 # ----------------------------------------------------------------------------- layout
 
 def get_dispatch_layout(topk_idx, num_experts, *, axis_name=None, num_ranks=None,
@@ -233,10 +281,16 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
     if _static_int("capacity", capacity) < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     tuning = _check_config(config)
+    node_size = axis_node_size(axis_name, num_ranks)
+    if node_size is not None and layout == SOURCE_SLOTS:
+        raise ValueError("layout='source_slots' needs the expert-parallel axis inside a node "
+                         "(its rows move whole, by copy engines); across nodes use "
+                         "'rank_major' or 'expert_major'")
     config = DispatchConfig(
         num_experts=int(num_experts), num_ranks=num_ranks, num_tokens=T, hidden=H, num_topk=K,
         capacity=int(capacity), layout=layout, alignment=int(expert_alignment),
-        axis_name=axis_name, backend=_resolve_backend(backend), tuning=tuning)
+        axis_name=axis_name, backend=_resolve_backend(backend), tuning=tuning,
+        node_size=node_size)
     out = _dispatch(config, data, scales, topk_idx, topk_weights.astype(jnp.float32))
     return out._replace(num_invalid=_num_invalid(raw_idx, num_experts))
 

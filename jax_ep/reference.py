@@ -261,9 +261,17 @@ def combine(y, weights, handle: DispatchHandle):
         back = _exchange(send, config.axis_name)  # [R(expert rank), T, H]
         present = handle.send_slot >= 0  # [T, R]
         terms = [jnp.where(present[:, r, None], back[r], 0.0) for r in range(R)]
+    # fixed left-to-right order: bit-identical to the CUDA kernels; across nodes each node's
+    # ranks first, that partial rounded to y's dtype, then the nodes in order
+    G = config.node_size or R
     total = jnp.zeros((T,) + y.shape[1:], jnp.float32)
-    for term in terms:  # fixed left-to-right order: bit-identical to the CUDA kernels
-        total = total + term
+    for node in range(R // G):
+        node_sum = jnp.zeros_like(total)
+        for term in terms[node * G:(node + 1) * G]:
+            node_sum = node_sum + term
+        if G < R:
+            node_sum = jax.lax.optimization_barrier(node_sum.astype(y.dtype)).astype(jnp.float32)
+        total = total + node_sum
     return total.astype(y.dtype)
 
 

@@ -5,8 +5,9 @@ with 4 or 8 ranks, nodes of 2 (2 x 2, 4 x 2; ranks may share GPUs with ``--gpus`
 
 - The low-latency calls across nodes: the whole job as one EP group (the low-latency tests of
   test_gpu.py, run here), and a group with one rank per node on a two-axis mesh.
-- The normal mode inside a node, a data axis across nodes; a normal-mode call whose group
-  leaves its node fails, naming the peer.
+- The normal mode inside a node, a data axis across nodes; and across nodes (the whole job as
+  one EP group, and a group with one rank per node): the node exchange by puts, then NVLink
+  inside the node, against the reference (its combine adds the same per-node partials).
 
 Run on its own (a process may start NVSHMEM once):
 
@@ -165,24 +166,94 @@ def test_low_latency_with_a_rank_on_every_node_matches_reference(fp8):
     g.assert_ll_round_trip(*g.both_2d(fn, names, shape, x, idx, w, y))
 
 
-def test_a_normal_mode_group_across_nodes_fails_naming_the_peer():
-    names, shape = ACROSS
-    T, H, K = 8, 128, 2
-    E = 2 * NODES
+# ----------------------------------------------------------------------------- normal mode
+
+def _normal_mode_calls(layout, capacity, fp8, axis_name):
+    """fn(backend, x, idx, w, y, row_w, g): dispatch, weighted and plain combines, the cached
+    dispatch of the combine's backward and that backward."""
+    def fn(backend, x, idx, w, y, row_w, g):
+        E = NUM_EXPERTS
+        sent = jax_ep.quantize_fp8(x) if fp8 else x
+        out = jax_ep.dispatch(sent, idx, w, num_experts=E, axis_name=axis_name, layout=layout,
+                              capacity=capacity, expert_alignment=ALIGN.get(layout, 1),
+                              backend=backend)
+        back = jax_ep.combine(y, out.handle, weights=row_w)
+        plain = jax_ep.combine(out.x.astype(jnp.bfloat16) if fp8 else out.x, out.handle)
+        module = jax_ep.api._backend_module(backend)
+        rows = module.cached_dispatch(g, out.handle)
+        dy, d_weights = module.combine_backward(g, y, row_w, out.handle)
+        h = out.handle
+        return (out._replace(handle=None),
+                (h.src_rank, h.src_token, h.src_k, h.num_received, h.pair_row),
+                back, plain, rows, dy, d_weights)
+
+    return fn
+
+
+NUM_EXPERTS = 4 * W
+ALIGN = {"expert_major": 4}
+
+
+@pytest.mark.parametrize("fp8,capacity", [(False, None), (True, None), (False, 0.6)],
+                         ids=["bf16", "fp8", "capacity_drops"])
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("mesh", ["whole_job", "rank_per_node"])
+def test_normal_mode_across_nodes_matches_reference(mesh, layout, fp8, capacity):
+    """The hierarchical dispatch and combine (node exchange by puts, then NVLink inside the
+    node) against the reference, whose combine adds the same per-node partials."""
+    T, H, K = 40, 256, 4
+    E = NUM_EXPERTS
+    R = W if mesh == "whole_job" else NODES
+    pairs = K if layout == "expert_major" else 1
+    C = None if capacity is None else int(capacity * T * pairs * R / 2)
+    rng = np.random.default_rng(17 + len(layout))
+    x, idx, w = _inputs(19, T, H, K, E)
+    idx = np.where(rng.random(idx.shape) < 0.1, -1, idx).astype(np.int32)
+    C_full = C or jax_ep.default_capacity(T, R, K, E // R, layout, ALIGN.get(layout, 1))
+    y = np.asarray(jnp.asarray(rng.standard_normal((W, C_full, H)), jnp.bfloat16))
+    row_w = rng.random((W, C_full)).astype(np.float32)
+    g_out = np.asarray(jnp.asarray(rng.standard_normal((W, T, H)), jnp.bfloat16))
+    args = (x, idx, w, y, row_w, g_out)
+    if mesh == "whole_job":
+        got, want = g.both(_normal_mode_calls(layout, C, fp8, g.AXIS), *args)
+    else:
+        got, want = g.both_2d(_normal_mode_calls(layout, C, fp8, EXPERT), *ACROSS, *args)
+    (out, handle, back, plain, rows, dy, dw), (out_r, handle_r, back_r, plain_r, rows_r, dy_r,
+                                               dw_r) = got, want
+    if C is not None:
+        assert int(np.asarray(out_r.num_dropped).sum()) > 0
+    g.assert_trees_equal(out, out_r)
+    g.assert_trees_equal(handle, handle_r)
+    g.assert_trees_equal(rows, rows_r)
+    g.assert_trees_equal(dy, dy_r)
+    np.testing.assert_allclose(dw, dw_r, rtol=1e-4, atol=1e-3 * np.sqrt(H))
+    g.assert_sums_close(back, back_r, jnp.bfloat16)
+    g.assert_sums_close(plain, plain_r, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_normal_mode_across_nodes_gradients_match_reference(layout):
+    T, H, F, E = 16, 64, 48, 4 * W
+    L = E // W
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(9), 4)
+    router = np.broadcast_to(np.asarray(jax.random.normal(k1, (H, E))), (W, H, E)).copy()
+    w_in = np.asarray(jax.random.normal(k2, (E, H, F)) / np.sqrt(H)).reshape(W, L, H, F)
+    w_out = np.asarray(jax.random.normal(k3, (E, F, H)) / np.sqrt(F)).reshape(W, L, F, H)
+    x = np.asarray(jax.random.normal(k4, (W, T, H)))
+    with jax.default_matmul_precision("float32"):
+        got, want = g.both(g.moe_grads(top_k=2, axis_name=g.AXIS, layout=layout), x, router,
+                           w_in, w_out)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_source_slots_across_nodes_is_refused():
+    T, H, K, E = 8, 128, 2, 2 * W
     x, idx, w = _inputs(5, T, H, K, E)
 
     def fn(x, idx, w):
-        return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=EXPERT, backend="cuda").x
+        return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=g.AXIS,
+                               layout="source_slots", backend="cuda").x
 
-    # rank me's group is {me % NODE_SIZE + j * NODE_SIZE}: the first of it on another node
-    me = jax.process_index()
-    base, node = me % NODE_SIZE, me // NODE_SIZE
-    peer = base + (NODE_SIZE if node == 0 else 0)
-    with pytest.raises(Exception, match=rf"PE {peer} of this call's expert-parallel group is "
-                                        rf"on node {peer // NODE_SIZE}, PE {me} on node {node}"):
-        g.run_2d(fn, names, shape, x, idx, w)
-    # JAX keeps each device's last side-effect token and blocks on it at exit, where an error
-    # aborts the job: a call that succeeds replaces the failed one's
-    g.run_2d(lambda x, idx, w: jax_ep.low_latency_dispatch(
-        x, idx, num_experts=E, max_tokens_per_rank=T, axis_name=EXPERT, use_fp8=False,
-        backend="cuda").x, names, shape, x, idx, w)
+    with pytest.raises(ValueError, match="source_slots.*inside a node"):
+        g.run(fn, W, x, idx, w)

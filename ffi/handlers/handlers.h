@@ -14,4 +14,6 @@ XLA_FFI_Error* JaxEpLLCombineSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombineReceive(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombine(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpNodeSend(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpNodeReturn(XLA_FFI_CallFrame* call_frame);
 }

@@ -178,6 +178,38 @@ JAX_EP_HOST_DEVICE inline size_t cached_dispatch_bytes(int num_tokens, size_t ro
   return plan_combine(num_tokens, row_bytes).end;
 }
 
+// The node exchange of a group with one rank per node (kernels/node_exchange.cu): N inbox
+// blocks of T rows (block s: what the rank on node s sent; this PE's own block stages its rows
+// for the puts), their FP8 scales, and per block the source's [T][K] ids then [T][K] weights;
+// the return direction stages its rows apart (`staged`, [N][T]: block s is what goes to s),
+// since its peers put into the blocks it would stage in.
+struct NodePlan {
+  size_t rows = 0, scales = 0, meta = 0, staged = 0;
+  size_t row_stride = 0, scale_stride = 0, meta_stride = 0;
+  size_t end = 0;
+};
+
+JAX_EP_HOST_DEVICE inline NodePlan plan_node_exchange(int num_nodes, int num_tokens,
+                                                     int num_topk, size_t row_bytes,
+                                                     size_t scale_row_bytes, bool returning) {
+  NodePlan p;
+  size_t offset = align_up(sizeof(Control), kRegionAlign);
+  const size_t slots = size_t(num_nodes) * num_tokens;
+  p.row_stride = row_stride(row_bytes);
+  p.scale_stride = row_stride(scale_row_bytes);
+  p.meta_stride = align_up(size_t(8) * num_tokens * num_topk, 16);
+  p.rows = offset;
+  offset = align_up(offset + p.row_stride * slots, kRegionAlign);
+  p.scales = offset;
+  offset = align_up(offset + p.scale_stride * slots, kRegionAlign);
+  p.meta = offset;
+  offset = align_up(offset + p.meta_stride * num_nodes, kRegionAlign);
+  p.staged = offset;
+  if (returning) offset = align_up(offset + p.row_stride * slots, kRegionAlign);
+  p.end = offset;
+  return p;
+}
+
 // Bytes that every call of a dispatch / combine pair of these shapes needs, backward passes
 // included (combine's backward is a cached dispatch of T rows, dispatch's a combine of C rows,
 // both in elem_bytes per element), in any dispatch mode; the copy-engine paths' larger areas

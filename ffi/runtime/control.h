@@ -60,6 +60,10 @@ struct Control {
   // (raised at every PE of the job: a PE's next call may have another group).
   uint64_t ready[kMaxRanks];
   uint64_t done[kMaxRanks];
+  // entered[s] = e: PE s, on another node, has entered its call e with every access of its
+  // node's PEs to its buffer over: the node exchange (kernels/node_exchange.cu) puts into a PE
+  // only after this, since done[] does not cross nodes.
+  uint64_t entered[kMaxRanks];
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
   // block finished, [3] last block finished, [4] retired: the last block past its closing

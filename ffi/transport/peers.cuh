@@ -93,14 +93,15 @@ __device__ inline void copy_text(char* dst, const char* src, int capacity) {
 // The first thread to time out in this process fills the host-visible fault record, which the
 // runtime's watchdog prints even if the device's printf buffer is never flushed, and prints
 // the same line from the device; later ones stay silent.
-__device__ inline void report_timeout(const PeerContext& ctx, const char* op, const char* what,
-                                      int peer, uint64_t want, uint64_t saw) {
+__device__ inline void report_timeout_pe(const PeerContext& ctx, const char* op,
+                                         const char* what, int peer_pe, uint64_t want,
+                                         uint64_t saw) {
   FaultRecord* f = ctx.fault;
   const bool first = f == nullptr || atomicCAS(&f->claimed, 0, 1) == 0;
   if (!first) return;  // another thread of this process reports (once is enough)
   if (f != nullptr) {
     f->rank = pe_of(ctx, ctx.rank);
-    f->peer = pe_of(ctx, peer);
+    f->peer = peer_pe;
     f->want = want;
     f->saw = saw;
     f->timeout_s = ctx.timeout_ns * 1e-9;
@@ -111,8 +112,14 @@ __device__ inline void report_timeout(const PeerContext& ctx, const char* op, co
     __threadfence_system();
   }
   printf("jax_ep %s: PE %d timed out after %.1f s waiting for PE %d (%s, call %llu, saw %llu)\n",
-         op, pe_of(ctx, ctx.rank), ctx.timeout_ns * 1e-9, pe_of(ctx, peer), what,
+         op, pe_of(ctx, ctx.rank), ctx.timeout_ns * 1e-9, peer_pe, what,
          (unsigned long long)want, (unsigned long long)saw);
+}
+
+// The same for rank `peer` of the call's group.
+__device__ inline void report_timeout(const PeerContext& ctx, const char* op, const char* what,
+                                      int peer, uint64_t want, uint64_t saw) {
+  report_timeout_pe(ctx, op, what, pe_of(ctx, peer), want, saw);
 }
 
 // Traps after giving the host watchdog (20 ms polls) time to print the fault record: once the
@@ -124,17 +131,24 @@ __device__ inline void trap_after_report() {
   __trap();
 }
 
-// Spins until *flag >= want; after ctx.timeout_ns reports who was waited for and traps.
-__device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, uint64_t want,
-                                 const char* op, const char* what, int peer) {
+// Spins until *flag >= want; after ctx.timeout_ns reports who was waited for (PE peer_pe)
+// and traps.
+__device__ inline void wait_flag_pe(const PeerContext& ctx, const uint64_t* flag, uint64_t want,
+                                    const char* op, const char* what, int peer_pe) {
   if (load_acquire(flag) >= want) return;
   const uint64_t start = global_timer_ns();
   while (load_acquire(flag) < want) {
     if (global_timer_ns() - start > ctx.timeout_ns) {
-      report_timeout(ctx, op, what, peer, want, load_acquire(flag));
+      report_timeout_pe(ctx, op, what, peer_pe, want, load_acquire(flag));
       trap_after_report();
     }
   }
+}
+
+// The same for rank `peer` of the call's group.
+__device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, uint64_t want,
+                                 const char* op, const char* what, int peer) {
+  wait_flag_pe(ctx, flag, want, op, what, pe_of(ctx, peer));
 }
 
 // Spins until the word at p carries `tag` in its high half and returns its low half; after
