@@ -205,7 +205,7 @@ def test_normal_mode_across_nodes_matches_reference(mesh, layout, fp8, capacity)
     E = NUM_EXPERTS
     R = W if mesh == "whole_job" else NODES
     pairs = K if layout == "expert_major" else 1
-    C = None if capacity is None else int(capacity * T * pairs * R / 2)
+    C = None if capacity is None else int(capacity * T * pairs)
     rng = np.random.default_rng(17 + len(layout))
     x, idx, w = _inputs(19, T, H, K, E)
     idx = np.where(rng.random(idx.shape) < 0.1, -1, idx).astype(np.int32)
