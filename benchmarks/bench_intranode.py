@@ -42,6 +42,9 @@ def parse_args():
     p.add_argument("--baselines-only", action="store_true",
                    help="only the JAX baselines, in one process over all local GPUs")
     p.add_argument("--cpu-devices", type=int, default=4, help="fake devices for CPU runs")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="virtual nodes of this many ranks (runtime.initialize(node_size=)): "
+                        "the dispatch and combine across nodes")
     p.add_argument("--profile", action="store_true",
                    help="also print each kernel's phases (entered / done waiting / finished) "
                         "for one call of every jax_ep row (CUDA backend)")
@@ -106,7 +109,13 @@ def main():
     if backend != "reference" and jax.default_backend() == "gpu" and not args.baselines_only:
         from jax_ep import runtime
 
-        runtime.initialize()
+        if args.node_size is None:
+            runtime.initialize()
+        else:  # virtual nodes: the hierarchical paths (node exchange by puts, then NVLink)
+            need = max(jax_ep.buffer_size_hint(T, H, K, E, R, layout=lay, node_size=args.node_size)
+                       for lay in ("rank_major", "expert_major"))
+            runtime.initialize(max(need, runtime.default_buffer_bytes()),
+                               node_size=args.node_size)
     backend = jax_ep.api._resolve_backend(backend)
     mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     shard = NamedSharding(mesh, P(AXIS))

@@ -622,14 +622,25 @@ def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_t
 
 def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,
                      dtype=jnp.bfloat16, layout="rank_major", fp8=False, alignment=1,
-                     config=None) -> int:
+                     config=None, node_size=None) -> int:
     """Symmetric-buffer bytes that every call of a dispatch / combine of these per-GPU shapes
     needs (forward and backward, in every path; the copy-engine paths' larger areas only when
     ``config`` or the environment selects them, or the layout is source_slots); the kernels'
-    own formula."""
+    own formula. ``node_size``: the EP axis spans nodes of that many of its ranks (the node
+    exchange's inboxes, and the node-local stage over nodes * num_tokens tokens)."""
     module, why = _native.load()
     if module is None:
         raise RuntimeError(why)
+    if node_size is not None and node_size < num_ranks:
+        nodes, itemsize = num_ranks // node_size, jnp.dtype(dtype).itemsize
+        x_row = hidden if fp8 else hidden * itemsize
+        exchange = max(
+            module.node_exchange_bytes(nodes, num_tokens, num_topk, x_row,
+                                       4 * (hidden // 128) if fp8 else 0, False),
+            module.node_exchange_bytes(nodes, num_tokens, num_topk, hidden * itemsize, 0, True))
+        stage = buffer_size_hint(nodes * num_tokens, hidden, num_topk, num_experts // nodes,
+                                 node_size, None, dtype, layout, fp8, 1, config)
+        return int(max(exchange, stage))
     if capacity is None:
         capacity = default_capacity(num_tokens, num_ranks, num_topk, num_experts // num_ranks,
                                     layout, alignment)

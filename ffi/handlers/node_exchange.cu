@@ -50,8 +50,7 @@ ffi::Error check_bytes(const char* op, const NodePlan& plan) {
     return invalid(std::string(op) + ": this call needs a symmetric buffer of " +
                    std::to_string(plan.end) + " bytes but the runtime has " +
                    std::to_string(have) + "; pass buffer_bytes >= " + std::to_string(plan.end) +
-                   " to jax_ep.runtime.initialize() (jax_ep.buffer_size_hint(..., "
-                   "node_size=...) gives it)");
+                   " to jax_ep.runtime.initialize()");
   return ffi::Error::Success();
 }
 
