@@ -243,6 +243,18 @@ def main():
     if not args.skip_baselines:
         jax_baselines(R, H, in_rank, counts, x, shard, record, AXIS)
     report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
+    if args.node_size is not None and jax.process_index() == 0:
+        # a token crosses to each other node holding one of its experts once (the node
+        # exchange), and one partial row per (token, node) comes back
+        node = np.arange(R) // args.node_size
+        reached = (node[dest][..., None] == np.arange(R // args.node_size)).any(2)  # [s, T, N]
+        remote = (reached & (np.arange(R // args.node_size)[None, None, :]
+                             != node[:, None, None])).sum() / R
+        print(f"virtual nodes of {args.node_size}: {remote / T:.2f} rows per token cross nodes; "
+              f"per rank and call {remote * 2 * H / 1e6:.1f} MB BF16 / "
+              f"{remote * (H + H // 128 * 4) / 1e6:.1f} MB FP8 dispatched, "
+              f"{remote * 2 * H / 1e6:.1f} MB BF16 combined back, plus {8 * K * T / 1e6:.2f} MB "
+              "of ids and weights per other node")
     if copy_host and jax.process_index() == 0:
         print("\nHost time of the copy-engine rows per call (µs: the median execution, and each "
               "kind of host call's median times its calls per execution, in brackets; the rest "
