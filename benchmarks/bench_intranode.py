@@ -107,12 +107,12 @@ def main():
     L = E // R
     backend = args.backend
     if backend != "reference" and jax.default_backend() == "gpu" and not args.baselines_only:
-        from jax_ep import _cuda, runtime
+        from jax_ep import runtime
 
         if args.node_size is None:
             runtime.initialize()
         else:  # virtual nodes: the hierarchical paths (node exchange by puts, then NVLink)
-            need = max(_cuda.buffer_size_hint(T, H, K, E, R, layout=lay, node_size=args.node_size)
+            need = max(jax_ep.buffer_size_hint(T, H, K, E, R, layout=lay, node_size=args.node_size)
                        for lay in ("rank_major", "expert_major"))
             runtime.initialize(max(need, runtime.default_buffer_bytes()),
                                node_size=args.node_size)

@@ -20,6 +20,7 @@ from jax_ep._types import (
     LowLatencyOutput,
 )
 from jax_ep.api import (
+    buffer_size_hint,
     combine,
     cuda_available,
     default_capacity,
@@ -51,6 +52,7 @@ __all__ = [
     "DispatchOutput",
     "LowLatencyHandle",
     "LowLatencyOutput",
+    "buffer_size_hint",
     "combine",
     "cuda_available",
     "default_capacity",

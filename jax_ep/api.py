@@ -208,6 +208,18 @@ def axis_node_size(axis_name, num_ranks) -> int | None:
     return None if G == num_ranks else G
 
 
+def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=None,
+                     dtype=jnp.bfloat16, layout=RANK_MAJOR, fp8=False, alignment=1,
+                     config=None, node_size=None) -> int:
+    """Bytes of the symmetric buffer (``jax_ep.runtime.initialize(buffer_bytes)``) that every
+    dispatch / combine of these per-GPU shapes needs, backward passes included; ``node_size``:
+    the EP axis spans nodes of that many of its ranks. The CUDA handlers check the same
+    formula. Needs the native extension (not a GPU)."""
+    return _cuda_module().buffer_size_hint(
+        num_tokens, hidden, num_topk, num_experts, num_ranks, capacity=capacity, dtype=dtype,
+        layout=layout, fp8=fp8, alignment=alignment, config=config, node_size=node_size)
+
+
 # ----------------------------------------------------------------------------- layout
 
 def get_dispatch_layout(topk_idx, num_experts, *, axis_name=None, num_ranks=None,

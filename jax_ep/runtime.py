@@ -244,9 +244,9 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         and stream.
       node_size: None: a node is a host (from the host names the processes publish); an int:
         virtual nodes of that many consecutive ranks, to test node-bound jobs on one host.
-        The kernels reach the PEs of their node only: every call's EP group must lie inside
-        one node (e.g. a mesh (data=nodes, expert=GPUs per node)); a call whose group leaves
-        it fails, naming the peer.
+        The kernels map the PEs of their node only; a call whose EP group leaves the node
+        reaches the other nodes by NVSHMEM puts (the normal mode through its node exchange,
+        ``jax_ep._cuda``; the low-latency calls directly).
     """
     global _generation, _atexit_registered
     import jax

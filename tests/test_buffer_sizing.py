@@ -113,3 +113,23 @@ def test_source_slots_areas_count_without_any_variable(monkeypatch):
     slots = hint(layout="source_slots", **kw)
     assert R * T * H * 2 <= slots and R * T * (H * 2 + 4) <= slots
     assert hint(**kw) <= slots
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_across_nodes_the_exchange_and_the_node_stage_are_covered(fp8):
+    # The node exchange holds every other node's T rows (and their scales, ids and weights),
+    # the return direction also stages T rows per node; the node-local stage dispatches
+    # nodes * T tokens over the node's ranks.
+    R, G, T, H, K, E = 8, 2, 256, 512, 4, 32
+    N = R // G
+    x_row = H if fp8 else 2 * H
+    exchange = N * T * (x_row + (4 * H // 128 if fp8 else 0) + 8 * K)
+    returned = 2 * N * T * 2 * H
+    stage = hint(num_tokens=N * T, hidden=H, num_topk=K, num_experts=E // N, num_ranks=G,
+                 fp8=fp8)
+    got = hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R, fp8=fp8,
+               node_size=G)
+    assert got >= max(exchange, returned, stage)
+    assert hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R, fp8=fp8,
+                node_size=R) == hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E,
+                                     num_ranks=R, fp8=fp8)
