@@ -128,24 +128,29 @@ def test_ep_inside_a_node_matches_reference(layout, capacity):
     g.assert_trees_equal(g._ll_used(ll, used), g._ll_used(ll_r, used))
 
 
-def test_ep_inside_a_node_gradients_match_reference():
-    _needs_node_groups()
-    names, shape = INSIDE
-    W, R = jax.device_count(), NODE_SIZE
-    T, H, F, E = 16, 64, 48, 4 * R
-    L = E // R
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
+def _moe_inputs(seed, R, T=16, H=64, F=48):
+    """x [W, T, H], the router [W, H, E] and the experts' weights [R, L, ...] of E = 4 R."""
+    E, L = 4 * R, 4
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
     router = np.broadcast_to(np.asarray(jax.random.normal(k1, (H, E))), (W, H, E)).copy()
     w_in = np.asarray(jax.random.normal(k2, (E, H, F)) / np.sqrt(H)).reshape(R, L, H, F)
     w_out = np.asarray(jax.random.normal(k3, (E, F, H)) / np.sqrt(F)).reshape(R, L, F, H)
-    x = np.asarray(jax.random.normal(k4, (W, T, H)))
-    e = g._ep_index(names, shape)
+    return np.asarray(jax.random.normal(k4, (W, T, H))), router, w_in, w_out
 
-    with jax.default_matmul_precision("float32"):
-        got, want = g.both_2d(g.moe_grads(top_k=2, axis_name=EXPERT), names, shape, x, router,
-                              w_in[e], w_out[e])
+
+def _assert_grads_close(got, want):
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_ep_inside_a_node_gradients_match_reference():
+    _needs_node_groups()
+    names, shape = INSIDE
+    x, router, w_in, w_out = _moe_inputs(7, NODE_SIZE)
+    e = g._ep_index(names, shape)
+    with jax.default_matmul_precision("float32"):
+        _assert_grads_close(*g.both_2d(g.moe_grads(top_k=2, axis_name=EXPERT), names, shape,
+                                       x, router, w_in[e], w_out[e]))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -233,18 +238,10 @@ def test_normal_mode_across_nodes_matches_reference(mesh, layout, fp8, capacity)
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
 def test_normal_mode_across_nodes_gradients_match_reference(layout):
-    T, H, F, E = 16, 64, 48, 4 * W
-    L = E // W
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(9), 4)
-    router = np.broadcast_to(np.asarray(jax.random.normal(k1, (H, E))), (W, H, E)).copy()
-    w_in = np.asarray(jax.random.normal(k2, (E, H, F)) / np.sqrt(H)).reshape(W, L, H, F)
-    w_out = np.asarray(jax.random.normal(k3, (E, F, H)) / np.sqrt(F)).reshape(W, L, F, H)
-    x = np.asarray(jax.random.normal(k4, (W, T, H)))
+    x, router, w_in, w_out = _moe_inputs(9, W)
     with jax.default_matmul_precision("float32"):
-        got, want = g.both(g.moe_grads(top_k=2, axis_name=g.AXIS, layout=layout), x, router,
-                           w_in, w_out)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        _assert_grads_close(*g.both(g.moe_grads(top_k=2, axis_name=g.AXIS, layout=layout), x,
+                                    router, w_in, w_out))
 
 
 def test_source_slots_across_nodes_is_refused():
