@@ -384,7 +384,15 @@ def _rows_at(a, index, fill=0):
     return jnp.where(mask, rows, jnp.asarray(fill, rows.dtype))
 
 
+_MAX_NODES, _MAX_NODE_TOPK = 64, 32  # the node exchange's limits (handlers/node_exchange.cu)
+
+
 def _nodes_dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig):
+    nodes = config.num_ranks // config.node_size
+    if nodes > _MAX_NODES or config.num_topk > _MAX_NODE_TOPK:
+        raise ValueError(
+            f"dispatch across nodes: the CUDA kernels take at most {_MAX_NODES} nodes and top-k "
+            f"<= {_MAX_NODE_TOPK}, got {nodes} nodes and top-k {config.num_topk}")
     stage_config = _node_stage_config(config)
     sent = _node_send(x, x_scales, topk_idx, topk_weights, config)
     stage = dispatch(sent[0], sent[1] if x_scales is not None else None, sent[2], sent[3],
