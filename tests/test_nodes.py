@@ -94,3 +94,102 @@ def test_the_reference_combine_adds_rounded_node_partials(nodes, layout):
     np.testing.assert_array_equal(_combine_on(R, x, idx, y, layout)[0], np.float32(1 + 2 * u))
     nodes((0, 0, 1, 1))
     np.testing.assert_array_equal(_combine_on(R, x, idx, y, layout)[0], np.float32(1.0))
+
+
+# ----------------------------------------------------------------------------- the CUDA path's
+# reordering, on CPU: its two native stages emulated in pure JAX (the node exchange from an
+# all_gather, the node-local stage from the reference's layout builders over the node's ranks),
+# the rest (`_cuda._nodes_dispatch`: the contract's order and capacity from the stage's rows)
+# as it runs on GPUs.
+
+def _emulated_node_send(x, x_scales, topk_idx, topk_weights, config):
+    """jax_ep_node_send: block s = the tokens of the rank with this local index on node s, ids
+    of this node's experts made relative to it (-1 elsewhere)."""
+    R, G = config.num_ranks, config.node_size
+    per_node = config.num_experts // (R // G)
+    me = jax.lax.axis_index(config.axis_name)
+    node = me // G
+    same_index = me % G + G * jnp.arange(R // G)  # the rank of this local index on each node
+    gather = lambda a: jax.lax.all_gather(a, config.axis_name)[same_index]  # noqa: E731
+    rows, ids, weights = gather(x), gather(topk_idx), gather(topk_weights)  # [N, T, ...]
+    here = (ids >= node * per_node) & (ids < (node + 1) * per_node)
+    rel = jnp.where(here, ids - node * per_node, -1)
+    present = jnp.any(here, axis=-1)[..., None]
+    scales = None if x_scales is None else jnp.where(present, gather(x_scales), 0)
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+    return (flat(jnp.where(present, rows, 0)), None if scales is None else flat(scales),
+            flat(rel), flat(jnp.where(here, weights, 0.0)))
+
+
+def _emulated_stage(x, x_scales, topk_idx, topk_weights, config):
+    """The node-local stage: the reference's layout of what this rank receives from the G
+    ranks of its node."""
+    from jax_ep import reference
+
+    G, L = config.num_ranks, config.num_local_experts
+    me = jax.lax.axis_index(config.axis_name)
+    first = me // G * G
+    take = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+        jax.lax.all_gather(a, config.axis_name), first, G)
+    ids = take(topk_idx)  # [G(source), N*T, K]
+    mine = (ids >= 0) & (ids // L == me % G)
+    local = jnp.where(mine, ids % L, -1)
+    weights = jnp.where(mine, take(topk_weights), 0.0)
+    scales = None if x_scales is None else take(x_scales)
+    build = reference._expert_major if config.layout == "expert_major" else reference._rank_major
+    out, _ = build(take(x), scales, local, weights, config)
+    handle = jax_ep.DispatchHandle(
+        topk_idx=topk_idx, send_slot=jnp.zeros((1,), jnp.int32), src_rank=out.pop("src_rank"),
+        src_token=out.pop("src_token"), src_k=out.pop("src_k"),
+        num_received=out["num_received"], pair_row=jnp.zeros((1,), jnp.int32), config=config)
+    return jax_ep.DispatchOutput(handle=handle, **out)
+
+
+@pytest.mark.parametrize("capacity", [None, 0.6], ids=["no_drops", "drops"])
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("R,G", [(4, 2), (8, 2), (8, 4), (4, 1)])
+def test_the_cuda_reordering_across_nodes_matches_the_reference(monkeypatch, R, G, layout,
+                                                                 capacity):
+    from jax_ep import _cuda, reference
+    from jax_ep._types import DispatchConfig, default_capacity
+
+    monkeypatch.setattr(_cuda, "_node_send", _emulated_node_send)
+    real = _cuda.dispatch
+    monkeypatch.setattr(_cuda, "dispatch", lambda *a: (
+        _emulated_stage(*a) if a[-1].within_node else real(*a)))
+    T, H, K, E = 12, 16, 4, 4 * R
+    align = 4 if layout == "expert_major" else 1
+    pairs = K if layout == "expert_major" else 1
+    C = (default_capacity(T, R, K, E // R, layout, align) if capacity is None
+         else int(capacity * T * pairs))
+    config = DispatchConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=H, num_topk=K,
+                            capacity=C, layout=layout, alignment=align, axis_name=AXIS,
+                            backend="reference", node_size=G)
+    rng = np.random.default_rng(R * 10 + G)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(R * T)]).astype(np.int32)
+    idx = np.where(rng.random(idx.shape) < 0.1, -1, idx).astype(np.int32)
+    w = rng.random((R * T, K)).astype(np.float32)
+    m = jax.make_mesh((R,), (AXIS,), devices=jax.devices()[:R],
+                      axis_types=(jax.sharding.AxisType.Auto,))
+
+    def run(f):
+        @jax.jit
+        @partial(jax.shard_map, mesh=m, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+        def g(x, idx, w):
+            out = f(x, None, idx, w, config)
+            h = out.handle
+            keep = (out.x, out.topk_idx, out.topk_weights, out.tokens_per_expert,
+                    out.group_sizes, out.num_received, out.num_dropped, h.src_rank,
+                    h.src_token, h.src_k, h.num_received) + (
+                (h.pair_row,) if layout == "expert_major" else ())
+            return jax.tree.map(lambda a: a[None], keep)
+
+        place = lambda a: jax.device_put(a, NamedSharding(m, P(AXIS)))  # noqa: E731
+        return [np.asarray(a) for a in g(place(x), place(idx), place(w))]
+
+    got, want = run(_cuda._nodes_dispatch), run(reference.dispatch)
+    if capacity is not None:
+        assert want[6].sum() > 0  # rows were dropped
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
