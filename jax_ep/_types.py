@@ -105,6 +105,8 @@ class DispatchHandle:
                   the destination where this (token, rank) / (token, k) pair landed;
                   -1 when nothing was sent or the row was dropped (source_slots: me*T + t,
                   me = this rank, wherever token t has an expert on rank r; no exchange).
+                  Across nodes the CUDA backend leaves it -1: a row's place is decided on
+                  its destination's node (node_stage holds what the combine needs).
       src_rank:   [C] int32  source rank of each received row (-1 = unused row).
       src_token:  [C] int32  source token index of each received row (-1 = unused).
       src_k:      [C] int32  expert_major: top-k slot of each row; otherwise all -1.
