@@ -15,6 +15,7 @@ import numpy as np
 
 from jax_ep import _native, reference
 from jax_ep import config as _config
+from jax_ep._mesh import axis_stride
 from jax_ep._types import (
     EXPERT_MAJOR,
     SOURCE_SLOTS,
@@ -108,17 +109,7 @@ def _group(axis_name, num_ranks) -> dict:
     With the processes listed in mesh order (process i at flat position i), a device's group
     is then the PEs base + r * stride: the extension finds them from its own PE, and every
     kernel checks that the axis index equals the rank it found."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
-    mesh = get_mesh() if get_mesh is not None else None
-    shape = dict(getattr(mesh, "shape", None) or {})
-    names, sizes = tuple(shape), tuple(shape.values())
-    if axis_name not in names:  # outside a mesh context (lowering tests): a one-axis mesh
-        return dict(num_ranks=int(num_ranks), stride=1)
-    k = names.index(axis_name)
-    if sizes[k] != num_ranks:
-        raise ValueError(f"the expert-parallel axis {axis_name!r} has {sizes[k]} devices, the "
-                         f"call was set up for {num_ranks}")
-    return dict(num_ranks=int(num_ranks), stride=int(np.prod(sizes[k + 1:], dtype=np.int64)))
+    return dict(num_ranks=int(num_ranks), stride=axis_stride(axis_name, num_ranks))
 
 
 def _place(axis_name, num_ranks, within_node=False):
@@ -126,8 +117,6 @@ def _place(axis_name, num_ranks, within_node=False):
     num_ranks ranks of this device's node on it (the node-local stage across nodes)."""
     if not within_node:
         return _rank(axis_name), _group(axis_name, num_ranks)
-    from jax_ep.api import axis_stride
-
     size = int(jax.lax.axis_size(axis_name))
     return (_rank(axis_name) % num_ranks,
             dict(num_ranks=int(num_ranks), stride=axis_stride(axis_name, size)))
@@ -331,8 +320,6 @@ def combine(y, weights, handle: DispatchHandle):
 
 def _node_exchange_place(config: DispatchConfig):
     """(rank operand, group attribute) of the node exchange: one rank per node."""
-    from jax_ep.api import axis_stride
-
     R, G = config.num_ranks, config.node_size
     stride = axis_stride(config.axis_name, R)
     return _rank(config.axis_name) // G, dict(num_ranks=R // G, stride=G * stride)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_ep import fp8 as _fp8
 from jax_ep import reference as _reference
+from jax_ep._mesh import axis_stride
 from jax_ep._types import (
     EXPERT_MAJOR,
     LAYOUTS,
@@ -161,22 +162,6 @@ def _split_x(x):
 
 
 # ----------------------------------------------------------------------------- nodes
-
-def axis_stride(axis_name, num_ranks) -> int:
-    """The EP axis's stride in the mesh's row-major device order (the product of the sizes of
-    the axes after it; 1 outside a mesh context)."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
-    mesh = get_mesh() if get_mesh is not None else None
-    shape = dict(getattr(mesh, "shape", None) or {})
-    names, sizes = tuple(shape), tuple(shape.values())
-    if axis_name not in names:
-        return 1
-    k = names.index(axis_name)
-    if sizes[k] != num_ranks:
-        raise ValueError(f"the expert-parallel axis {axis_name!r} has {sizes[k]} devices, the "
-                         f"call was set up for {num_ranks}")
-    return int(np.prod(sizes[k + 1:], dtype=np.int64))
-
 
 def axis_node_size(axis_name, num_ranks) -> int | None:
     """Ranks of the EP axis per node where its groups span nodes (``runtime.topology()``, with
