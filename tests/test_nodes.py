@@ -193,3 +193,94 @@ def test_the_cuda_reordering_across_nodes_matches_the_reference(monkeypatch, R, 
         assert want[6].sum() > 0  # rows were dropped
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def _emulated_stage_combine(y, weights, handle):
+    """The node-local combine: each virtual token's rows on the node's ranks, summed in the
+    contract's order (expert_major: k first, rounded), each rank's terms added in rank order
+    (float32), rounded to y's dtype: the node's partial."""
+    config = handle.config
+    G, NT, K = config.num_ranks, config.num_tokens, config.num_topk
+    me = jax.lax.axis_index(config.axis_name)
+    take = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+        jax.lax.all_gather(a, config.axis_name), me // G * G, G)
+    rows = y.astype(jnp.float32)
+    if weights is not None:
+        rows = rows * weights[:, None]
+    rows, src_rank, src_token, src_k = (take(rows), take(handle.src_rank),
+                                        take(handle.src_token), take(handle.src_k))
+    total = jnp.zeros((NT,) + y.shape[1:], jnp.float32)
+    for f in range(G):
+        mine = src_rank[f] == me % G
+        if config.layout == "expert_major":
+            part = jnp.zeros_like(total)
+            for k in range(K):
+                at = jnp.where(mine & (src_k[f] == k), src_token[f], NT)
+                part = part + jnp.zeros_like(total).at[at].set(rows[f], mode="drop")
+            part = jax.lax.optimization_barrier(part.astype(y.dtype)).astype(jnp.float32)
+        else:
+            part = jnp.zeros_like(total).at[jnp.where(mine, src_token[f], NT)].set(
+                rows[f], mode="drop")
+        total = total + part
+    return total.astype(y.dtype)
+
+
+def _emulated_node_return(partial, node_ids, topk_idx, config):
+    """jax_ep_node_return: the owner adds the partials of the nodes holding its tokens'
+    experts, in node order (float32), rounded once."""
+    R, G, T = config.num_ranks, config.node_size, config.num_tokens
+    N, per_node = R // G, config.num_experts // (R // G)
+    me = jax.lax.axis_index(config.axis_name)
+    same_index = me % G + G * jnp.arange(N)
+    blocks = jax.lax.all_gather(partial, config.axis_name)[same_index]  # [N, N*T, H]
+    total = jnp.zeros((T,) + partial.shape[1:], jnp.float32)
+    for n in range(N):
+        mine = jax.lax.dynamic_slice_in_dim(blocks[n], me // G * T, T).astype(jnp.float32)
+        hit = jnp.any((topk_idx >= n * per_node) & (topk_idx < (n + 1) * per_node), axis=-1)
+        total = total + jnp.where(hit[:, None], mine, 0.0)
+    return total.astype(partial.dtype)
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("R,G", [(4, 2), (8, 4)])
+def test_the_cuda_combine_across_nodes_adds_in_the_contracts_order(monkeypatch, R, G, layout):
+    """The CUDA path's combine (rows back to the stage's order, the node-local combine, the
+    node return), its native stages emulated, against the reference's combine: bit-equal."""
+    from jax_ep import _cuda, reference
+    from jax_ep._types import DispatchConfig, default_capacity
+
+    monkeypatch.setattr(_cuda, "_node_send", _emulated_node_send)
+    monkeypatch.setattr(_cuda, "_node_return", _emulated_node_return)
+    real_dispatch, real_combine = _cuda.dispatch, _cuda.combine
+    monkeypatch.setattr(_cuda, "dispatch", lambda *a: (
+        _emulated_stage(*a) if a[-1].within_node else real_dispatch(*a)))
+    monkeypatch.setattr(_cuda, "combine", lambda y, w, h: (
+        _emulated_stage_combine(y, w, h) if h.config.within_node else real_combine(y, w, h)))
+    T, H, K, E = 12, 16, 4, 4 * R
+    align = 4 if layout == "expert_major" else 1
+    C = int(0.7 * T * (K if layout == "expert_major" else 1))  # some rows dropped
+    config = DispatchConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=H, num_topk=K,
+                            capacity=C, layout=layout, alignment=align, axis_name=AXIS,
+                            backend="reference", node_size=G)
+    rng = np.random.default_rng(R + G)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(R * T)]).astype(np.int32)
+    w = rng.random((R * T, K)).astype(np.float32)
+    y = np.asarray(jnp.asarray(rng.standard_normal((R * C, H)), jnp.bfloat16))
+    row_w = rng.random(R * C).astype(np.float32)
+    m = jax.make_mesh((R,), (AXIS,), devices=jax.devices()[:R],
+                      axis_types=(jax.sharding.AxisType.Auto,))
+    assert default_capacity(T, R, K, E // R, layout, align) > C
+
+    def run(backend):
+        @jax.jit
+        @partial(jax.shard_map, mesh=m, in_specs=(P(AXIS),) * 5, out_specs=P(AXIS))
+        def g(x, idx, w, y, row_w):
+            out = backend.dispatch(x, None, idx, w, config)
+            return backend.combine(y, row_w, out.handle), backend.combine(y, None, out.handle)
+
+        place = lambda a: jax.device_put(a, NamedSharding(m, P(AXIS)))  # noqa: E731
+        return [np.asarray(a.astype(jnp.float32)) for a in g(*map(place, (x, idx, w, y, row_w)))]
+
+    for got, want in zip(run(_cuda), run(reference)):
+        np.testing.assert_array_equal(got, want)
