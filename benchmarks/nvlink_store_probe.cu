@@ -10,6 +10,12 @@
 //   tma_store    bulk (TMA) stores of a shared-memory chunk, several pipelines per CTA
 //   tma_copy     bulk loads global -> shared and bulk stores shared -> peer, S stages a pipeline
 //   copy_engine  cudaMemcpyAsync to the peer's address (no SM)
+// Then the latency a copy-engine low-latency send would add (docs/design.md 6.3): per call,
+// to the peer, its records (0.95 MB: 128 FP8 tokens of hidden 7168), its pair headers (8 KB)
+// and its counts (256 B) by three cudaMemcpyAsync on a stream of their own, then a
+// one-thread kernel raising the peer's flag; µs from the first copy's enqueue to the flag,
+// the flag by a one-thread kernel (it needs an SM) or by the stream's own write
+// (cuStreamWriteValue64), alone and while short blocks keep every SM of this GPU busy.
 //
 //   NV=$(python -c "import nvidia.nvshmem as m; print(m.__path__[0])")
 //   nvcc -O3 -rdc=true -arch=sm_90 -I$NV/include benchmarks/nvlink_store_probe.cu -o probe \
@@ -18,6 +24,7 @@
 //       NVSHMEM_DISABLE_NVLS=1 ./probe $r 2 /tmp/uid & done; wait
 //
 // (benchmarks/run_on_device.sh step `storeprobe` does exactly that.)
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -35,6 +42,61 @@
 namespace {
 
 constexpr int kThreads = 512;
+
+__global__ void raise_flag(unsigned long long* flag, unsigned long long value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+// Keeps every SM busy for about `ns` (a stand-in for the work between a send and its receive).
+__global__ void busy(unsigned long long ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+// The driver's cuStreamWriteValue64, found through the runtime (no link to libcuda).
+using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+WriteValue64 write_value64 = nullptr;
+
+// µs per call of the send's pieces and flag on `stream`, averaged over `calls`; with
+// `loaded`, a kernel on the default stream occupies every SM meanwhile.
+double pieces_us(char* local, char* remote, unsigned long long* flag, cudaStream_t stream,
+                 int sms, bool loaded, bool write_value, int calls) {
+  const size_t sizes[] = {size_t(128) * 7424, 8 * 1024, 256};
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  float total = 0;
+  for (int c = 0; c < calls; ++c) {
+    if (loaded) busy<<<40 * sms, kThreads>>>(20000ull);  // 20 µs blocks, ~800 µs in all
+    CHECK(cudaEventRecord(a, stream));
+    size_t offset = 0;
+    for (size_t bytes : sizes) {
+      CHECK(cudaMemcpyAsync(remote + offset, local + offset, bytes, cudaMemcpyDeviceToDevice,
+                            stream));
+      offset += bytes;
+    }
+    if (write_value) {  // the stream's front end writes it: no SM needed
+      if (write_value64(stream, reinterpret_cast<CUdeviceptr>(flag), c + 1, 0) !=
+          CUDA_SUCCESS) {
+        std::fprintf(stderr, "cuStreamWriteValue64 failed\n");
+        std::exit(1);
+      }
+    } else {
+      raise_flag<<<1, 1, 0, stream>>>(flag, c + 1);
+    }
+    CHECK(cudaEventRecord(b, stream));
+    CHECK(cudaDeviceSynchronize());
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (c > 0) total += ms;  // the first call warms up
+  }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return total * 1e3 / (calls - 1);
+}
 
 __global__ void plain_copy(const int4* src, int4* dst, size_t n) {
   constexpr int kInFlight = 8;
@@ -184,6 +246,25 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpyAsync(remote, local, bytes, cudaMemcpyDeviceToDevice, 0));
   }, bytes, iters);
   if (me == 0) std::printf("copy engine (cudaMemcpyAsync to the peer's address): %.1f GB/s\n", ce);
+  cudaStream_t side;
+  int lowest = 0, highest = 0;
+  CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+  CHECK(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, highest));
+  unsigned long long* flag = reinterpret_cast<unsigned long long*>(remote + bytes - 64);
+  cudaDriverEntryPointQueryResult found;
+  CHECK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64",
+                                         reinterpret_cast<void**>(&write_value64), 12000,
+                                         cudaEnableDefault, &found));
+  for (bool write_value : {false, true}) {
+    if (write_value && found != cudaDriverEntryPointSuccess) break;
+    const double alone = pieces_us(local, remote, flag, side, sms, false, write_value, 50);
+    const double loaded = pieces_us(local, remote, flag, side, sms, true, write_value, 50);
+    if (me == 0)
+      std::printf("copy-engine send pieces (0.95 MB + 8 KB + 256 B, then the flag by %s): "
+                  "%.1f µs alone, %.1f µs while 20 µs blocks hold every SM\n",
+                  write_value ? "cuStreamWriteValue64" : "a one-thread kernel", alone, loaded);
+  }
+  CHECK(cudaStreamDestroy(side));
   nvshmem_free(local);
   nvshmem_finalize();
   return 0;
