@@ -298,7 +298,8 @@ def combine(y, weights, handle: DispatchHandle):
     rank, group = _place(config.axis_name, config.num_ranks, config.within_node)
     return _call("jax_ep_combine", jax.ShapeDtypeStruct((config.num_tokens, y.shape[1]), y.dtype),
                  y, weights.astype(jnp.float32), handle.topk_idx, handle.send_slot,
-                 handle.num_received, handle.src_rank, _pair_row(handle), rank,
+                 handle.num_received, handle.src_rank, handle.src_token, _pair_row(handle),
+                 rank,
                  axis_name=config.axis_name, num_experts=np.int64(config.num_experts),
                  layout=config.layout, path=resolved.combine_path, group=group,
                  tuning=_config.tuning_attributes(resolved))

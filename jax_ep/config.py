@@ -27,10 +27,10 @@ import os
 
 import jax
 
-from jax_ep._types import EXPERT_MAJOR, SOURCE_SLOTS
+from jax_ep._types import EXPERT_MAJOR, RANK_MAJOR, SOURCE_SLOTS
 
 DISPATCH_PATHS = ("fused", "pull", "copy")
-COMBINE_PATHS = ("pull", "copy")
+COMBINE_PATHS = ("pull", "copy", "push")
 # The copy-engine paths serve at most this many ranks (kMaxCopyRanks).
 MAX_COPY_RANKS = 32
 # `auto` picks the copy-engine paths where a peer is expected to need at least this share of
@@ -74,9 +74,11 @@ class Config:
         destinations per token), ``"pull"`` (receivers load rows from the senders' buffers:
         no such limit) or ``"copy"`` (the copy engines send every token to every peer; at most
         32 ranks). The source_slots layout always moves its rows by the copy engines.
-    combine_path: ``"pull"`` (the token owners load the expert ranks' staged rows) or
+    combine_path: ``"pull"`` (the token owners load the expert ranks' staged rows),
         ``"copy"`` (rank_major and source_slots: the expert ranks' copy engines send each
-        owner its rows; expert_major always pulls).
+        owner its rows) or ``"push"`` (rank_major: the expert ranks store each owner's rows
+        into its buffer, and the owner sums them as they arrive, in one kernel); expert_major
+        always pulls.
     num_blocks: CTAs of each communication kernel, the SMs it may take (>= 1).
     copy_chunk_mb: MB of rows per copy-engine transfer (every rank must use the same).
     timeout_s: how long a kernel waits for a peer before it traps, naming the peer.
@@ -243,13 +245,16 @@ def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, la
 
 
 def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
-    """The call's value, else the process's, else ``JAX_EP_COMBINE`` (pull | copy | auto, as
+    """The call's value, else the process's, else ``JAX_EP_COMBINE`` (pull | copy | push | auto, as
     for the dispatch), else the default. expert_major always pulls."""
     path = _field(config, "combine_path")
     path = path or _override("JAX_EP_COMBINE", COMBINE_PATHS + ("auto",))
     if path == "auto":
         path = "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "pull"
     path = path or default_config(num_ranks, num_topk, num_experts, layout).combine_path
+    if path == "push":  # rank_major's path (source_slots takes the copy engines)
+        return path if layout == RANK_MAJOR else default_config(
+            num_ranks, num_topk, num_experts, layout).combine_path
     return "pull" if layout == EXPERT_MAJOR or num_ranks > MAX_COPY_RANKS else path
 
 

@@ -134,12 +134,13 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["pull", "fused", "copy"])
+@pytest.fixture(params=["pull", "fused", "copy", "push"])
 def dispatch_mode(request, monkeypatch):
-    """JAX_EP_DISPATCH; "copy" also selects the copy-engine combine (rank_major)."""
-    monkeypatch.setenv("JAX_EP_DISPATCH", request.param)
-    if request.param == "copy":
-        monkeypatch.setenv("JAX_EP_COMBINE", "copy")
+    """JAX_EP_DISPATCH; "copy" also selects the copy-engine combine (rank_major); "push": the
+    fused dispatch and the push combine (rank_major)."""
+    monkeypatch.setenv("JAX_EP_DISPATCH", "fused" if request.param == "push" else request.param)
+    if request.param in ("copy", "push"):
+        monkeypatch.setenv("JAX_EP_COMBINE", request.param)
     return request.param
 
 

@@ -182,6 +182,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.fused = push;
   a.copy_engine = copy_engine;
   a.source_slots = source_slots;
+  a.push = push;
   a.copy_chunk_bytes = size_t(std::max<int64_t>(tuning.copy_chunk_bytes, 1));
   a.num_tokens = T;
   a.num_topk = K;
@@ -275,7 +276,8 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
                         ffi::Buffer<ffi::S32> num_received, ffi::Buffer<ffi::S32> src_rank,
-                        ffi::Buffer<ffi::S32> pair_row, ffi::Buffer<ffi::S32> rank,
+                        ffi::Buffer<ffi::S32> src_token, ffi::Buffer<ffi::S32> pair_row,
+                        ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
                         std::string_view layout_name, std::string_view path, EpGroup group,
                         Tuning tuning) {
@@ -283,11 +285,14 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (auto err = group_place("combine", group, &place); err.failure()) return err;
   Layout layout;
   if (auto err = parse_layout("combine", layout_name, &layout); err.failure()) return err;
-  if (path != "pull" && path != "copy")
-    return invalid("combine: path must be pull or copy, got " + std::string(path));
+  if (path != "pull" && path != "copy" && path != "push")
+    return invalid("combine: path must be pull, copy or push, got " + std::string(path));
   const bool expert_major = layout == Layout::kExpertMajor;
   const bool source_slots = layout == Layout::kSourceSlots;
   const bool copy_engine = path == "copy";
+  const bool push = path == "push";
+  if (push && (expert_major || source_slots))
+    return invalid("combine: the push path needs the rank_major layout");
   auto y_dims = y.dimensions();
   auto idx_dims = topk_idx.dimensions();
   if (y_dims.size() != 2 || idx_dims.size() != 2)
@@ -301,8 +306,9 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   }
   const int C = static_cast<int>(y_dims[0]), H = static_cast<int>(y_dims[1]);
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
-  if (weights.element_count() != size_t(C) || src_rank.element_count() != size_t(C))
-    return invalid("combine: weights and src_rank must be [C]");
+  if (weights.element_count() != size_t(C) || src_rank.element_count() != size_t(C) ||
+      src_token.element_count() != size_t(C))
+    return invalid("combine: weights, src_rank and src_token must be [C]");
   if (out->element_count() != size_t(T) * H || out->element_type() != y.element_type())
     return invalid("combine: result must be [T, H] of y's dtype");
   const size_t row_bytes = size_t(H) * element_bytes(y.element_type());
@@ -313,7 +319,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (source_slots && (expert_major || C != int64_t(R) * T))
     return invalid("combine: source_slots needs rank_major rows and [ranks x tokens, H] y");
   CombineArgs a{};
-  const size_t needed = !copy_engine  ? combine_bytes(C, row_bytes)
+  const size_t needed = push          ? plan_combine_push(R, T, row_bytes).end
+                        : !copy_engine  ? combine_bytes(C, row_bytes)
                         : source_slots ? plan_combine_slots(R, T, row_bytes).end
                                        : plan_combine_copy(R, T, row_bytes).end;
   if (auto err = peer_context("combine", rank, needed, tuning, place, &a.ctx); err.failure())
@@ -347,6 +354,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.send_slot = send_slot.typed_data();
   a.num_received = num_received.typed_data();
   a.src_rank = src_rank.typed_data();
+  a.src_token = src_token.typed_data();
   a.pair_row = expert_major ? pair_row.typed_data() : nullptr;
   a.out = out->untyped_data();
   return cuda_error(launch_combine(a, stream), "combine");
@@ -407,6 +415,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::combine_impl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -158,6 +158,24 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_combine(int capacity, size_t y_row_byt
   return p;
 }
 
+// The push combine (rank_major): every source's rows and weights at [source][token] of the
+// owner's buffer, the rows 16-byte aligned.
+struct CombinePushPlan {
+  size_t weights = 0, rows = 0, end = 0;
+};
+JAX_EP_HOST_DEVICE inline CombinePushPlan plan_combine_push(int num_ranks, int num_tokens,
+                                                            size_t y_row_bytes) {
+  CombinePushPlan p;
+  const size_t slots = size_t(num_ranks) * num_tokens;
+  size_t offset = align_up(sizeof(Control), kRegionAlign);
+  p.weights = offset;
+  offset = align_up(offset + sizeof(float) * slots, kRegionAlign);
+  p.rows = offset;
+  offset = align_up(offset + row_stride(y_row_bytes) * slots, kRegionAlign);
+  p.end = offset;
+  return p;
+}
+
 // Bytes each operation needs; the FFI handlers check these, so the hint below cannot drift.
 JAX_EP_HOST_DEVICE inline size_t dispatch_bytes(int num_ranks, int num_tokens, int num_topk,
                                                 int num_experts, bool expert_major, int capacity,

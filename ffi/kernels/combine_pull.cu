@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
   if (args.expert_major) return launch_combine_pairs(args, stream);
   if (args.copy_engine) return launch_combine_copy(args, stream);
+  if (args.push) return launch_combine_push(args, stream);
   const size_t row_bytes = element_size(args.dtype) * size_t(args.hidden);
   cudaError_t status =
       launch_after_previous(combine_stage, args.num_blocks, kThreads, 0, stream, args, row_bytes);

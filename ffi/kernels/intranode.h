@@ -122,8 +122,11 @@ struct CombineArgs {
   const int32_t* send_slot;
   const int32_t* num_received;
   const int32_t* src_rank;  // [C]: rows with -1 are not staged
+  const int32_t* src_token;  // [C]: each row's token at its owner (the push combine)
   const int32_t* pair_row;  // expert_major: [R][T][K] (DispatchArgs::pair_row)
   void* out;
+  // rank_major: rows pushed into the owners' [source][token] slots (plan_combine_push)
+  bool push;
 };
 
 __device__ __forceinline__ bool valid_expert(int e, int num_experts) {
@@ -169,5 +172,6 @@ cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 // engines' (combine_copy.cu) and expert_major's (combine_pairs.cu).
 cudaError_t launch_combine_copy(const CombineArgs& args, cudaStream_t stream);
 cudaError_t launch_combine_pairs(const CombineArgs& args, cudaStream_t stream);
+cudaError_t launch_combine_push(const CombineArgs& args, cudaStream_t stream);
 
 }  // namespace jax_ep
