@@ -182,7 +182,6 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.fused = push;
   a.copy_engine = copy_engine;
   a.source_slots = source_slots;
-  a.push = push;
   a.copy_chunk_bytes = size_t(std::max<int64_t>(tuning.copy_chunk_bytes, 1));
   a.num_tokens = T;
   a.num_topk = K;
@@ -355,6 +354,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.num_received = num_received.typed_data();
   a.src_rank = src_rank.typed_data();
   a.src_token = src_token.typed_data();
+  a.push = push;
   a.pair_row = expert_major ? pair_row.typed_data() : nullptr;
   a.out = out->untyped_data();
   return cuda_error(launch_combine(a, stream), "combine");
