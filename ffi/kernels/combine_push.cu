@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(kThreads) combine_push(CombineArgs a, size_t r
   profile_mark(ctx, kProfCombineReduce, kEnter);
   profile_mark(ctx, kProfCombineReduce, kWaited);
   const CombinePushPlan plan = plan_combine_push(ctx.num_ranks, a.num_tokens, row_bytes);
-  const int T = a.num_tokens, per_chunk = push_chunk_tokens(T);
-  const int chunks = (T + per_chunk - 1) / per_chunk;
+  const int tokens = a.num_tokens, per_chunk = push_chunk_tokens(tokens);
+  const int chunks = (tokens + per_chunk - 1) / per_chunk;
   const int used = min(*a.num_received, a.capacity);
   const int lane = threadIdx.x % 32;
   Control* mine = control_of(ctx, ctx.rank);
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) combine_push(CombineArgs a, size_t r
       const int c = int(__shfl_sync(0xffffffffu, taken, 0));
       if (c < chunks) {
         chunk = c;
-        needed = rows_expected(a, c * per_chunk, min(T, (c + 1) * per_chunk), lane);
+        needed = rows_expected(a, c * per_chunk, min(tokens, (c + 1) * per_chunk), lane);
       } else {
         chunks_left = false;
       }
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) combine_push(CombineArgs a, size_t r
         __syncwarp();  // lane 0's acquire orders every lane's reads of the rows
         if (lane == 0 && needed > 0) mine->arrivals[chunk] = 0;  // free for the next call
         sum_tokens<T, kVector, kSources>(a, plan, row_bytes, chunk * per_chunk,
-                                         min(T, (chunk + 1) * per_chunk), lane);
+                                         min(tokens, (chunk + 1) * per_chunk), lane);
         chunk = -1;
         idle_since = 0;
         continue;
