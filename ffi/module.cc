@@ -238,7 +238,7 @@ NB_MODULE(_C, m) {
   m.def("required_buffer_bytes", &jax_ep::required_buffer_bytes, nb::arg("num_ranks"),
         nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("elem_bytes"), nb::arg("num_topk"),
         nb::arg("num_experts"), nb::arg("capacity"), nb::arg("expert_major"), nb::arg("fp8"),
-        nb::arg("copy_engine") = false,
+        nb::arg("copy_engine") = false, nb::arg("push_combine") = false,
         "Symmetric-buffer bytes that a dispatch + combine of these shapes needs");
   m.def(
       "node_exchange_bytes",

@@ -99,6 +99,12 @@ def _copy_engine_selected(num_ranks, num_topk, num_experts, layout, tuning=None)
                 or resolved.combine_path == "copy")
 
 
+def _push_combine_selected(num_ranks, num_topk, num_experts, layout, tuning=None) -> bool:
+    """Whether the push combine is selected (its [source][token] slots count in the hint)."""
+    resolved = _resolve(tuning, num_ranks, num_topk, num_experts, layout)
+    return resolved.combine_path == "push"
+
+
 def _rank(axis_name):
     return jax.lax.axis_index(axis_name).astype(jnp.int32)
 
@@ -643,4 +649,5 @@ def buffer_size_hint(num_tokens, hidden, num_topk, num_experts, num_ranks, capac
     return int(module.required_buffer_bytes(
         num_ranks, num_tokens, hidden, jnp.dtype(dtype).itemsize, num_topk, num_experts,
         capacity, layout == EXPERT_MAJOR, fp8,
-        _copy_engine_selected(num_ranks, num_topk, num_experts, layout, config)))
+        _copy_engine_selected(num_ranks, num_topk, num_experts, layout, config),
+        _push_combine_selected(num_ranks, num_topk, num_experts, layout, config)))

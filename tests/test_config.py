@@ -69,6 +69,13 @@ def test_defaults_follow_the_layout_and_the_path(monkeypatch):
                             **SHAPE) == "pull"
 
 
+def test_the_push_combine_is_rank_major_only():
+    push = jax_ep.Config(combine_path="push")
+    assert cfg.combine_path(push, layout="rank_major", **SHAPE) == "push"
+    assert cfg.combine_path(push, layout="expert_major", **SHAPE) == "pull"
+    assert cfg.combine_path(push, layout="source_slots", **SHAPE) == "copy"  # its default
+
+
 def test_explicit_beats_override_beats_default(monkeypatch):
     monkeypatch.setenv("JAX_EP_DISPATCH", "pull")
     monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")

@@ -234,7 +234,8 @@ JAX_EP_HOST_DEVICE inline NodePlan plan_node_exchange(int num_nodes, int num_tok
 // only with copy_engine. What buffer_size_hint reports.
 inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, int elem_bytes,
                                     int num_topk, int num_experts, int capacity, bool expert_major,
-                                    bool fp8, bool copy_engine = false) {
+                                    bool fp8, bool copy_engine = false,
+                                    bool push_combine = false) {
   const size_t x_row = fp8 ? size_t(hidden) : size_t(hidden) * elem_bytes;
   const size_t scale_row = fp8 ? sizeof(float) * (hidden / 128) : 0;
   const size_t y_row = size_t(hidden) * elem_bytes;
@@ -249,6 +250,7 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
       copy_engine && !expert_major ? plan_combine_copy(num_ranks, num_tokens, y_row).end : 0,
       copy_engine && !expert_major ? plan_combine_slots(num_ranks, num_tokens, y_row).end : 0,
       combine_bytes(capacity, y_row),
+      push_combine && !expert_major ? plan_combine_push(num_ranks, num_tokens, y_row).end : 0,
       cached_dispatch_bytes(num_tokens, y_row),
   };
   size_t need = 0;
