@@ -10,7 +10,7 @@ namespace {
 // Tokens per arrival counter (Control::arrivals holds kMaxChunks).
 __host__ __device__ inline int push_chunk_tokens(int num_tokens) {
   const int spread = (num_tokens + kMaxChunks - 1) / kMaxChunks;
-  return spread > 4 ? spread : 4;
+  return spread > 1 ? spread : 1;
 }
 
 // One block: the push kernel's work counters reset, then every peer past the previous call
