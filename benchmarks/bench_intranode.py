@@ -37,7 +37,7 @@ def parse_args():
     p.add_argument("--modes", default="pull,fused,copy,slots",
                    help="dispatch modes to time (JAX_EP_DISPATCH values, and slots: the "
                    "source_slots layout, its combine in every --combine-modes), comma-separated")
-    p.add_argument("--combine-modes", default="pull,copy",
+    p.add_argument("--combine-modes", default="push,pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
                    help="only the JAX baselines, in one process over all local GPUs")
@@ -234,6 +234,8 @@ def main():
     if "slots" in modes:
         slots_inputs = dispatch_for_combine("source_slots", R * T)(x, idx_d, w)
         for mode in args.combine_modes.split(","):
+            if mode == "push":  # rank_major's path only (source_slots would take its copy)
+                continue
             os.environ["JAX_EP_COMBINE"] = mode
             record(f"jax_ep combine BF16 source_slots [{mode}]", combine, *slots_inputs,
                    chained=1)

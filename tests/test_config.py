@@ -49,8 +49,8 @@ def _full(dispatch_path, combine_path, num_blocks, copy_chunk_mb=16.0, timeout_s
 
 
 def test_defaults_follow_the_layout_and_the_path(monkeypatch):
-    for layout in ("rank_major", "expert_major"):
-        assert cfg.resolve(None, layout=layout, **SHAPE) == _full("fused", "pull", 64)
+    assert cfg.resolve(None, layout="rank_major", **SHAPE) == _full("fused", "push", 64)
+    assert cfg.resolve(None, layout="expert_major", **SHAPE) == _full("fused", "pull", 64)
     slots = cfg.resolve(None, layout="source_slots", **SHAPE)
     assert slots.combine_path == "copy" and slots.num_blocks == 32  # its copy engines
     # expert_major's combine takes every SM (132 here), the copy-engine paths 32 / 22 / 19 CTAs
@@ -74,6 +74,22 @@ def test_the_push_combine_is_rank_major_only():
     assert cfg.combine_path(push, layout="rank_major", **SHAPE) == "push"
     assert cfg.combine_path(push, layout="expert_major", **SHAPE) == "pull"
     assert cfg.combine_path(push, layout="source_slots", **SHAPE) == "copy"  # its default
+
+
+def test_the_default_combine_pulls_below_the_push_combines_blocks(monkeypatch):
+    few = jax_ep.Config(num_blocks=cfg.PUSH_COMBINE_MIN_BLOCKS - 1)
+    assert cfg.combine_path(few, layout="rank_major", **SHAPE) == "pull"
+    assert cfg.resolve(few, layout="rank_major", operation="combine", **SHAPE).combine_path == "pull"
+    # an explicit push stands at any count; auto falls back to the default
+    assert cfg.combine_path(jax_ep.Config(combine_path="push", num_blocks=8),
+                            layout="rank_major", **SHAPE) == "push"
+    monkeypatch.setenv("JAX_EP_COMBINE", "auto")
+    assert cfg.combine_path(None, layout="rank_major", **SHAPE) == "copy"  # a peer needs ~all
+    assert cfg.combine_path(None, layout="rank_major", num_ranks=8, num_topk=2,
+                            num_experts=256) == "push"
+    monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")
+    monkeypatch.delenv("JAX_EP_COMBINE")
+    assert cfg.combine_path(None, layout="rank_major", **SHAPE) == "pull"
 
 
 def test_explicit_beats_override_beats_default(monkeypatch):

@@ -134,13 +134,12 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["pull", "fused", "copy", "push"])
+@pytest.fixture(params=["pull", "fused", "copy"])
 def dispatch_mode(request, monkeypatch):
-    """JAX_EP_DISPATCH; "copy" also selects the copy-engine combine (rank_major); "push": the
-    fused dispatch and the push combine (rank_major)."""
-    monkeypatch.setenv("JAX_EP_DISPATCH", "fused" if request.param == "push" else request.param)
-    if request.param in ("copy", "push"):
-        monkeypatch.setenv("JAX_EP_COMBINE", request.param)
+    """JAX_EP_DISPATCH and the combine it comes with (rank_major): "pull" with the pull combine,
+    "fused" with the default one (push), "copy" with the copy engines'."""
+    monkeypatch.setenv("JAX_EP_DISPATCH", request.param)
+    monkeypatch.setenv("JAX_EP_COMBINE", {"fused": "push"}.get(request.param, request.param))
     return request.param
 
 

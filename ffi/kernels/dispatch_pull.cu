@@ -192,7 +192,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   // counters (expert_major: R per-source ranges, rounded up each).
   const int64_t rows = a.expert_major ? int64_t(R) * a.num_tokens : a.capacity;
   const int64_t counters = a.expert_major ? kMaxChunks - R : kMaxChunks;
-  const int64_t least = 1;
+  const int64_t least = a.expert_major ? 1 : 4;
   a.chunk_rows = static_cast<int>(std::max<int64_t>(least, (rows + counters - 1) / counters));
   if (a.copy_engine)
     copy_chunking(a.num_tokens, a.x_row_bytes, a.copy_chunk_bytes, &a.copy_chunk_rows,
