@@ -7,7 +7,10 @@
 namespace jax_ep {
 namespace {
 
-// Tokens per arrival counter (Control::arrivals holds kMaxChunks).
+// Tokens per arrival counter: one while Control::arrivals (kMaxChunks) holds them all. The
+// last chunk to complete is summed by one warp after the last row lands, so its size is the
+// call's tail: 4-token chunks took 265 µs per call against the pull's 258, one-token chunks
+// 242 (2×H100, DeepSeek-V3 shapes, benchmarks/RESULTS.md).
 __host__ __device__ inline int push_chunk_tokens(int num_tokens) {
   const int spread = (num_tokens + kMaxChunks - 1) / kMaxChunks;
   return spread > 1 ? spread : 1;
