@@ -79,7 +79,8 @@ def test_the_push_combine_is_rank_major_only():
 def test_the_default_combine_pulls_below_the_push_combines_blocks(monkeypatch):
     few = jax_ep.Config(num_blocks=cfg.PUSH_COMBINE_MIN_BLOCKS - 1)
     assert cfg.combine_path(few, layout="rank_major", **SHAPE) == "pull"
-    assert cfg.resolve(few, layout="rank_major", operation="combine", **SHAPE).combine_path == "pull"
+    resolved = cfg.resolve(few, layout="rank_major", operation="combine", **SHAPE)
+    assert resolved.combine_path == "pull"
     # an explicit push stands at any count; auto falls back to the default
     assert cfg.combine_path(jax_ep.Config(combine_path="push", num_blocks=8),
                             layout="rank_major", **SHAPE) == "push"
