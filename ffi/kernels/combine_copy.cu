@@ -1,6 +1,6 @@
 // The copy-engine combine (rank_major and source_slots): the GPU's copy engines send each
 // owner its rows, chunk by chunk with a landed flag each, alongside the reduce, which waits for
-// the flags. docs/design.md, section 5.2.
+// the flags. docs/design.md, section 5.3.
 #include "kernels/combine_common.cuh"
 #include "runtime/diagnostics.h"
 #include "runtime/runtime.h"
