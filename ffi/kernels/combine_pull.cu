@@ -1,5 +1,6 @@
-// The pull combine (rank_major, the default path): every PE stages the rows of y that peers
-// will read, then each PE sums its tokens' rows, pulled over NVLink, in the contract's order.
+// The pull combine (rank_major's default below the push combine's CTA count, and the
+// source_slots layout's second path): every PE stages the rows of y that peers will read, then
+// each PE sums its tokens' rows, pulled over NVLink, in the contract's order.
 // Also the combine's entry point, which picks the path. docs/design.md, section 5.2.
 #include "kernels/combine_common.cuh"
 
