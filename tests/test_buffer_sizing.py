@@ -76,6 +76,22 @@ def test_copy_engine_areas_count_only_when_selected(variable, monkeypatch):
         assert plain < need
 
 
+def test_push_combine_slots_count_when_it_is_the_default(monkeypatch):
+    # The push combine (rank_major's default at >= 64 CTAs) lands every source's row and
+    # weight of each token: [R][T] slots, more than a small capacity's rows.
+    R, T, H, K, E, C = 4, 512, 256, 8, 32, 16
+    kw = dict(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R, capacity=C)
+    monkeypatch.delenv("JAX_EP_COMBINE", raising=False)
+    monkeypatch.delenv("JAX_EP_NUM_BLOCKS", raising=False)
+    need = R * T * (H * 2 + 4)
+    assert hint(**kw) >= need
+    monkeypatch.setenv("JAX_EP_COMBINE", "pull")
+    assert hint(**kw) < need
+    monkeypatch.delenv("JAX_EP_COMBINE")
+    monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")  # the pull is the default there
+    assert hint(**kw) < need
+
+
 @pytest.mark.parametrize("combine", [False, True])
 def test_low_latency_tagged_words_never_sit_on_another_calls_records(combine):
     # Tagged words (pair headers, gate words, tags) are valid once they show the call's number:
