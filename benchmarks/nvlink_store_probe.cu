@@ -10,6 +10,8 @@
 //   tma_store    bulk (TMA) stores of a shared-memory chunk, several pipelines per CTA
 //   tma_copy     bulk loads global -> shared and bulk stores shared -> peer, S stages a pipeline
 //   copy_engine  cudaMemcpyAsync to the peer's address (no SM)
+// and the fused dispatch's pattern (row_push): 14 KB rows, a warp each, to consecutive or
+// scattered rows of the peer, with or without a local copy of each row.
 // Then the latency a copy-engine low-latency send would add (docs/design.md 6.3): per call,
 // to the peer, its records (0.95 MB: 128 FP8 tokens of hidden 7168), its pair headers (8 KB)
 // and its counts (256 B) by three cudaMemcpyAsync on a stream of their own, then a
@@ -139,6 +141,39 @@ __global__ void tma_store(char* dst, size_t bytes, uint32_t chunk, int pipes) {
   bulk_wait_all();
 }
 
+// The fused dispatch's pattern: one warp per row of row_bytes (a token's row), rows claimed
+// from a counter, row r read from src and stored to the peer's row r, or to row r * 7919 mod
+// rows (consecutive claims land far apart) with `scatter`; with `own`, also stored to a local
+// row (the PE's own copy of a token that goes to both ranks).
+__global__ void row_push(const char* src, char* dst, char* own, int rows, size_t row_bytes,
+                         unsigned* counter, bool scatter) {
+  constexpr int kInFlight = 8;
+  const int lane = threadIdx.x % 32;
+  const size_t n = row_bytes / 16;
+  for (;;) {
+    unsigned claimed = 0;
+    if (lane == 0) claimed = atomicAdd(counter, 1u);
+    const int r = int(__shfl_sync(0xffffffffu, claimed, 0));
+    if (r >= rows) break;
+    const int d = scatter ? int(size_t(r) * 7919 % size_t(rows)) : r;
+    const int4* from = reinterpret_cast<const int4*>(src + size_t(r) * row_bytes);
+    int4* to = reinterpret_cast<int4*>(dst + size_t(d) * row_bytes);
+    int4* mine = own != nullptr ? reinterpret_cast<int4*>(own + size_t(r) * row_bytes) : nullptr;
+    for (size_t i = lane; i < n; i += 32 * kInFlight) {
+      int4 v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n) v[u] = from[i + u * 32];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n) {
+          to[i + u * 32] = v[u];
+          if (mine != nullptr) mine[i + u * 32] = v[u];
+        }
+    }
+  }
+}
+
 struct Timer {
   cudaEvent_t a, b;
   Timer() {
@@ -242,6 +277,30 @@ int main(int argc, char** argv) {
     }, bytes, iters);
     if (me == 0) std::printf("| %d | %.1f | %.1f | %.1f | %.1f |\n", g, a, b, c, d);
   }
+  // Rows of a DeepSeek-V3 token (hidden 7168, BF16), one warp each, as the fused dispatch.
+  const size_t row_bytes = 7168 * 2;
+  const int rows = int(bytes / row_bytes);
+  char* own = nullptr;
+  unsigned* counter = nullptr;
+  CHECK(cudaMalloc(&own, bytes));
+  CHECK(cudaMalloc(&counter, sizeof(unsigned)));
+  if (me == 0)
+    std::printf("rows of %zu B, a warp each, claimed from a counter (the fused dispatch's "
+                "pattern); GB/s to the peer per direction\n| CTAs | consecutive rows | "
+                "scattered rows | consecutive + own local copy |\n|---:|---:|---:|---:|\n",
+                row_bytes);
+  for (int g : {24, 64, sms}) {
+    double rate[3];
+    for (int v = 0; v < 3; ++v)
+      rate[v] = measure([&] {
+        CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), 0));
+        row_push<<<g, kThreads>>>(local, remote, v == 2 ? own : nullptr, rows, row_bytes,
+                                  counter, v == 1);
+      }, size_t(rows) * row_bytes, iters);
+    if (me == 0) std::printf("| %d | %.1f | %.1f | %.1f |\n", g, rate[0], rate[1], rate[2]);
+  }
+  CHECK(cudaFree(own));
+  CHECK(cudaFree(counter));
   const double ce = measure([&] {
     CHECK(cudaMemcpyAsync(remote, local, bytes, cudaMemcpyDeviceToDevice, 0));
   }, bytes, iters);
