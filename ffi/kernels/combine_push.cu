@@ -1,8 +1,9 @@
 // The push combine (rank_major): each PE stores the rows of y that peers own straight into the
 // owners' [source][token] slots over NVLink and, in the same kernel, sums its own tokens once
-// their peers' rows have arrived; no staging copy of y. The fused dispatch's loop mirrored.
-// docs/design.md, section 5.1.
+// their peers' rows have arrived; no staging copy of y. It runs the fused dispatch's loop
+// (push_loop.cuh). docs/design.md, section 5.1.
 #include "kernels/combine_common.cuh"
+#include "kernels/push_loop.cuh"
 
 namespace jax_ep {
 namespace {
@@ -25,7 +26,7 @@ __global__ void __launch_bounds__(kThreads) combine_push_enter(CombineArgs a) {
   if (threadIdx.x == 0) {
     Control* mine = control_of(ctx, ctx.rank);
     mine->work_cursor[kCursorCombine] = 0;   // rows of y to push
-    mine->work_cursor[kCursorDispatch] = 0;  // chunks of this PE's tokens to sum
+    mine->work_cursor[kCursorDispatch] = 0;  // chunks of this PE's tokens to sum (one range)
   }
   enter_call(ctx, current_call(ctx), "combine");
   profile_mark(ctx, kProfCombineStage, kWaited);
@@ -95,10 +96,35 @@ __device__ __forceinline__ void sum_tokens(const CombineArgs& a, const CombinePu
   }
 }
 
+// The push combine as push_loop's path: the items are the rows of y, the chunks this PE's
+// tokens (one range), consumed by summing them.
+template <typename T, int kVector, int kSources>
+struct PushCombine {
+  const CombineArgs& a;
+  const CombinePushPlan& plan;
+  size_t row_bytes;
+  int per_chunk;
+  __device__ int last(int c) const { return min(a.num_tokens, (c + 1) * per_chunk); }
+  __device__ int2 range(int) const {
+    return {0, (a.num_tokens + per_chunk - 1) / per_chunk};
+  }
+  __device__ int needed(int c, int lane) const {
+    return rows_expected(a, c * per_chunk, last(c), lane);
+  }
+  __device__ void consume(int c, int lane) const {
+    sum_tokens<T, kVector, kSources>(a, plan, row_bytes, c * per_chunk, last(c), lane);
+  }
+  __device__ void push(int i, int lane) const { push_row(a, plan, row_bytes, per_chunk, i, lane); }
+  __device__ int peer(int c) const {  // the first rank with a row of the chunk's first token
+    const PeerContext& ctx = a.ctx;
+    for (int j = 0; j < ctx.num_ranks; ++j)
+      if (j != ctx.rank && a.send_slot[size_t(c) * per_chunk * ctx.num_ranks + j] >= 0) return j;
+    return ctx.rank;
+  }
+};
+
 // Each warp pushes rows of y (claimed from a counter) and between them holds at most one chunk
-// of this PE's tokens, summing it once its peers' rows have all arrived; a warp waits only once
-// every row is claimed, for rows that running warps (here or at the peers) push, so nothing
-// needs the grid resident. The wait is bounded and names the chunk's first missing peer.
+// of this PE's tokens, summing it once its peers' rows have all arrived (push_loop).
 template <typename T, int kVector, int kSources>
 __global__ void __launch_bounds__(kThreads) combine_push(CombineArgs a, size_t row_bytes) {
   wait_previous_kernel();
@@ -107,70 +133,12 @@ __global__ void __launch_bounds__(kThreads) combine_push(CombineArgs a, size_t r
   profile_mark(ctx, kProfCombineReduce, kEnter);
   profile_mark(ctx, kProfCombineReduce, kWaited);
   const CombinePushPlan plan = plan_combine_push(ctx.num_ranks, a.num_tokens, row_bytes);
-  const int tokens = a.num_tokens, per_chunk = push_chunk_tokens(tokens);
-  const int chunks = (tokens + per_chunk - 1) / per_chunk;
-  const int used = min(*a.num_received, a.capacity);
-  const int lane = threadIdx.x % 32;
+  PushCombine<T, kVector, kSources> path{a, plan, row_bytes, push_chunk_tokens(a.num_tokens)};
   Control* mine = control_of(ctx, ctx.rank);
-  uint32_t* row_cursor = &mine->work_cursor[kCursorCombine];
-  uint32_t* chunk_cursor = &mine->work_cursor[kCursorDispatch];
-  int i = claim_item(row_cursor, lane);
-  int chunk = -1, needed = 0;
-  bool chunks_left = true;
-  uint64_t idle_since = 0;
-  while (true) {
-    if (chunk < 0 && chunks_left) {
-      uint32_t taken = 0;
-      if (lane == 0) {  // peek first: an exhausted counter is not incremented forever
-        taken = *reinterpret_cast<volatile uint32_t*>(chunk_cursor);
-        if (int(taken) < chunks) taken = atomicAdd(chunk_cursor, 1u);
-      }
-      const int c = int(__shfl_sync(0xffffffffu, taken, 0));
-      if (c < chunks) {
-        chunk = c;
-        needed = rows_expected(a, c * per_chunk, min(tokens, (c + 1) * per_chunk), lane);
-      } else {
-        chunks_left = false;
-      }
-    }
-    if (chunk >= 0) {
-      uint32_t complete = needed == 0;
-      if (lane == 0 && !complete)
-        complete = load_acquire_u32(&mine->arrivals[chunk]) >= uint32_t(needed);
-      if (__shfl_sync(0xffffffffu, complete, 0)) {
-        __syncwarp();  // lane 0's acquire orders every lane's reads of the rows
-        if (lane == 0 && needed > 0) mine->arrivals[chunk] = 0;  // free for the next call
-        sum_tokens<T, kVector, kSources>(a, plan, row_bytes, chunk * per_chunk,
-                                         min(tokens, (chunk + 1) * per_chunk), lane);
-        chunk = -1;
-        idle_since = 0;
-        continue;
-      }
-    }
-    if (i < used) {
-      push_row(a, plan, row_bytes, per_chunk, i, lane);
-      i = claim_item(row_cursor, lane);
-      idle_since = 0;
-      continue;
-    }
-    if (chunk < 0) break;  // nothing held, nothing to push, no chunk left
-    if (lane == 0) {
-      const uint64_t now = global_timer_ns();
-      if (idle_since == 0) idle_since = now;
-      if (now - idle_since > ctx.timeout_ns) {
-        int peer = ctx.rank;  // the first rank with a row of the chunk's first token
-        for (int j = 0; j < ctx.num_ranks; ++j)
-          if (j != ctx.rank && a.send_slot[size_t(chunk) * per_chunk * ctx.num_ranks + j] >= 0) {
-            peer = j;
-            break;
-          }
-        report_timeout(ctx, "combine", "rows of a chunk of tokens (push)", peer,
-                       uint64_t(needed), uint64_t(load_acquire_u32(&mine->arrivals[chunk])));
-        trap_after_report();
-      }
-    }
-    __nanosleep(200);
-  }
+  const PushCursors cursors{&mine->work_cursor[kCursorCombine],
+                            &mine->work_cursor[kCursorDispatch]};
+  push_loop(ctx, path, min(*a.num_received, a.capacity), cursors, 1, "combine",
+            "rows of a chunk of tokens (push)");
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
     finish_call(ctx, call);

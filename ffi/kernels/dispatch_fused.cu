@@ -5,94 +5,12 @@
 #include <type_traits>
 
 #include "kernels/dispatch_common.cuh"
+#include "kernels/push_loop.cuh"
 
 namespace jax_ep {
 namespace {
 
 // ------------------------------------------------------------------------------ push mode
-
-// The fused kernels' loop, one per warp: pushing this PE's tokens and consuming the chunks
-// that have arrived here interleave at warp granularity. Each warp holds at most one chunk,
-// taken in order from one of `ranges` chunk ranges with a fetch-and-add (no contended
-// compare-and-swap: an in-order claim serialised 2048 claims to ~0.4 µs each); between its
-// pushes it checks whether that chunk is complete (arrival counters) and consumes it, so the
-// copy-out of a peer's rows runs while every PE is still pushing instead of after the last
-// push. A warp holding a chunk keeps pushing, and it waits only once every token is claimed,
-// for rows that running warps (here or on the peers) are pushing: nothing needs the whole grid
-// resident. Tokens are claimed from the dispatch work counter by whichever warp is free:
-// roughly in ascending order (destinations' chunks fill up progressively), and warps whose
-// stores drain faster take more tokens (with a static split the last CTA finished ~80 µs after
-// the first, 2×H200).
-//   Path::range(q) -> {begin, end} chunk indices of range q;
-//   Path::needed(c) -> arrivals that complete chunk c (0: complete already);
-//   Path::consume(c, lane), Path::push(t, lane), Path::peer(c) (for a timeout report).
-template <typename Path>
-__device__ __forceinline__ void fused_loop(const DispatchArgs& a, Path& path, int ranges) {
-  const PeerContext& ctx = a.ctx;
-  const int lane = threadIdx.x % 32;
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
-  Control* mine = control_of(ctx, ctx.rank);
-  uint32_t* token_cursor = &mine->work_cursor[kCursorDispatch];
-  uint32_t* arrivals = mine->arrivals;
-  int t = claim_item(token_cursor, lane);
-  int chunk = -1, needed = 0;  // the chunk this warp holds, and the arrivals that complete it
-  int next_range = (warp + ctx.rank + 1) % ranges;  // ranges tried round-robin from here
-  bool ranges_left = true;
-  uint64_t idle_since = 0;
-  while (true) {
-    // 1. Hold a chunk: the next one of the first range that has any left.
-    for (int k = 0; k < ranges && chunk < 0 && ranges_left; ++k) {
-      const int q = next_range;
-      next_range = (next_range + 1) % ranges;
-      const int2 range = path.range(q);
-      if (range.x >= range.y) continue;
-      uint32_t taken = 0;
-      if (lane == 0) {
-        // Peek first, so that exhausted ranges are not incremented by every warp forever.
-        taken = *reinterpret_cast<volatile uint32_t*>(&mine->chunk_cursor[q]);
-        if (range.x + int(taken) < range.y) taken = atomicAdd(&mine->chunk_cursor[q], 1u);
-      }
-      const int c = range.x + int(__shfl_sync(0xffffffffu, taken, 0));
-      if (c >= range.y) continue;
-      chunk = c;
-      needed = path.needed(c, lane);
-    }
-    if (chunk < 0) ranges_left = false;  // every range is exhausted: nothing more to hold
-    // 2. Consume it once complete.
-    if (chunk >= 0) {
-      uint32_t complete = needed == 0;
-      if (lane == 0 && !complete) complete = load_acquire_u32(&arrivals[chunk]) >= uint32_t(needed);
-      if (__shfl_sync(0xffffffffu, complete, 0)) {
-        __syncwarp();  // lane 0's acquire orders every lane's reads of the rows
-        // Every row of this chunk has arrived for this call: its counter is free for the next.
-        if (lane == 0 && needed > 0) arrivals[chunk] = 0;
-        path.consume(chunk, lane);
-        chunk = -1;
-        idle_since = 0;
-        continue;
-      }
-    }
-    // 3. Otherwise push the next token of ours.
-    if (t < a.num_tokens) {
-      path.push(t, lane);
-      t = claim_item(token_cursor, lane);
-      idle_since = 0;
-      continue;
-    }
-    if (chunk < 0) break;  // nothing held, nothing to push, no chunk left
-    // 4. Every token is claimed and the held chunk's rows are still arriving: wait, bounded.
-    if (lane == 0) {
-      const uint64_t now = global_timer_ns();
-      if (idle_since == 0) idle_since = now;
-      if (now - idle_since > ctx.timeout_ns) {
-        report_timeout(ctx, "dispatch", "rows of an output chunk", path.peer(chunk),
-                       uint64_t(needed), uint64_t(load_acquire_u32(&arrivals[chunk])));
-        trap_after_report();
-      }
-    }
-    __nanosleep(200);
-  }
-}
 
 // ---- rank_major: rows go straight to their final position, in the receiver's push region
 // over NVLink (moved out by the receiver once their chunk has arrived) or in our own output.
@@ -428,12 +346,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
   extern __shared__ int32_t tables[];
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);
+  Control* mine = control_of(ctx, ctx.rank);
+  const PushCursors cursors{&mine->work_cursor[kCursorDispatch], mine->chunk_cursor};
+  const char* what = "rows of an output chunk";
   if constexpr (kExpertMajor) {
     ExpertMajorPush<kSources> path{a, tb};
-    fused_loop(a, path, ctx.num_ranks);
+    push_loop(ctx, path, a.num_tokens, cursors, ctx.num_ranks, "dispatch", what);
   } else {
     RankMajorPush<kSources> path{a, tb};
-    fused_loop(a, path, ctx.num_ranks);
+    push_loop(ctx, path, a.num_tokens, cursors, ctx.num_ranks, "dispatch", what);
   }
   profile_end(ctx, kProfDispatchFused);
   finish_dispatch<kExpertMajor>(a, tb, call, 7, kProfDispatchFused);
