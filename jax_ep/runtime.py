@@ -37,6 +37,8 @@ import socket
 import sys
 import threading
 
+import numpy as np
+
 from jax_ep import _native
 from jax_ep import config as _config
 
@@ -316,11 +318,46 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
                       unique_id, single_host, low_latency_bytes, nodes)
     global _topology
     _topology = Topology(nodes=tuple(nodes), virtual=node_size is not None)
+    _map_xla_windows(module, client, rank, world, generation, local[0], init_timeout_s)
     module.set_diagnostics(float(fault_exit_s), bool(log_calls))
     _native.register(force=True)
     if not _atexit_registered:
         atexit.register(_finalize_at_exit)
         _atexit_registered = True
+
+
+def _map_xla_windows(module, client, rank, world, generation, device, timeout_s) -> None:
+    """Maps every process's allocation of XLA's device memory into the others, so that the
+    pull combine's peers read y where XLA keeps it instead of from a staged copy
+    (docs/design.md, section 5.4). All or nothing: where any process cannot export its
+    allocation or open a peer's, none is mapped and the kernels stage as before."""
+    import jax
+    import jax.numpy as jnp
+
+    probe = jax.device_put(jnp.zeros((1,), jnp.int32), device).block_until_ready()
+    handle, base, size = module.export_xla_window(int(probe.unsafe_buffer_pointer()))
+    if world == 1:
+        module.open_xla_windows([handle], [base], [size])
+        return
+    prefix = f"{_KEY_PREFIX}/{generation}/xla_window"
+    wait_ms = int(timeout_s * 1000)
+    client.key_value_set_bytes(f"{prefix}/{rank}",
+                               np.array([base, size], np.uint64).tobytes() + handle)
+    posts = [client.blocking_key_value_get_bytes(f"{prefix}/{r}", wait_ms) for r in range(world)]
+    handles = [p[16:] for p in posts]
+    bases = [int(v) for v in (np.frombuffer(p[:16], np.uint64)[0] for p in posts)]
+    sizes = [int(v) for v in (np.frombuffer(p[:16], np.uint64)[1] for p in posts)]
+    opened = all(handles)
+    if opened:
+        try:
+            module.open_xla_windows(handles, bases, sizes)
+        except RuntimeError:
+            opened = False
+    client.key_value_set_bytes(f"{prefix}/opened/{rank}", b"1" if opened else b"0")
+    agreed = all(client.blocking_key_value_get_bytes(f"{prefix}/opened/{r}", wait_ms) == b"1"
+                 for r in range(world))
+    if not agreed:  # no windows anywhere: every call stages
+        module.open_xla_windows([b""] * world, [0] * world, [0] * world)
 
 
 @dataclasses.dataclass(frozen=True)

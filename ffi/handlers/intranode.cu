@@ -41,7 +41,8 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
   *ctx = PeerContext{t->peers,           place.rank,        place.num_ranks,
                     tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
                     next_profile_row(),  place.base,        place.stride,
-                    t->num_ranks,        false};
+                    t->num_ranks,        false,
+                    t->xla_windows};
   return ffi::Error::Success();
 }
 
@@ -357,6 +358,16 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.push = push;
   a.pair_row = expert_major ? pair_row.typed_data() : nullptr;
   a.out = out->untyped_data();
+  // The pull path leaves y and the weights where XLA keeps them when that allocation is
+  // mapped at the peers (jax_ep.runtime maps it at initialisation where it can).
+  const Transport* t = transport();
+  auto mapped = [t](const void* p, size_t bytes) {
+    const uint64_t at = reinterpret_cast<uint64_t>(p);
+    return t->xla_windows != nullptr && t->xla_size > 0 && at >= t->xla_base &&
+           at + bytes <= t->xla_base + t->xla_size;
+  };
+  a.unstaged = !copy_engine && !push && !expert_major &&
+               mapped(a.y, size_t(C) * row_bytes) && mapped(a.weights, sizeof(float) * C);
   return cuda_error(launch_combine(a, stream), "combine");
 }
 

@@ -146,6 +146,30 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
     }
     __syncthreads();
   }
+  // Pull: a peer that published its y and weights (Control::xla_rows) is read there, through
+  // its mapped XLA allocation, instead of from its staged copy.
+  __shared__ const char* unstaged_rows[kCopy ? 1 : kSources];
+  __shared__ const float* unstaged_weights[kCopy ? 1 : kSources];
+  if (!kCopy) {
+    if (threadIdx.x < R) {
+      const int pe = pe_of(ctx, threadIdx.x);
+      const Control* mine = control_of(ctx, me);
+      const uint64_t y = *reinterpret_cast<const volatile uint64_t*>(&mine->xla_rows[pe]);
+      const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(&mine->xla_weights[pe]);
+      unstaged_rows[threadIdx.x] = nullptr;
+      unstaged_weights[threadIdx.x] = nullptr;
+      if (int(threadIdx.x) != me && y != 0) {
+        if (ctx.xla == nullptr || ctx.xla[pe].size == 0) {  // published, not mapped here
+          report_timeout(ctx, "combine", "a peer's y outside the mapped XLA allocations",
+                         threadIdx.x, 0, 0);
+          trap_after_report();
+        }
+        unstaged_rows[threadIdx.x] = xla_address(ctx, pe, y);
+        unstaged_weights[threadIdx.x] = reinterpret_cast<const float*>(xla_address(ctx, pe, w));
+      }
+    }
+    __syncthreads();
+  }
   const int H = a.hidden;
   const size_t stride = row_stride(row_bytes);
   const int lane = threadIdx.x % 32;
@@ -180,6 +204,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
                              (size_t(r) * a.num_tokens + q) * copy_plan.record_stride;
         weights[j] = __ldcg(reinterpret_cast<const float*>(record + copy_plan.weight_offset));
         rows[j] = reinterpret_cast<const T*>(record);
+      } else if (!kCopy && unstaged_rows[j] != nullptr) {  // the peer's own y
+        weights[j] = unstaged_weights[j][slot];
+        rows[j] = reinterpret_cast<const T*>(unstaged_rows[j] + size_t(slot) * row_bytes);
       } else {
         weights[j] = region<float>(ctx, r, plan.meta_weights)[slot];
         rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
@@ -193,6 +220,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   if (last_block(ctx, 5) && threadIdx.x == 0) {
     if (kCopy) close_copy_engine_call(ctx, a.copy_chunks, "combine");
     finish_call(ctx, call);
+    // Peers read this PE's y and weights where XLA keeps them: the call (and with it XLA's
+    // hold on them) ends only once every peer is done with it.
+    if (!kCopy && a.unstaged) {
+      const Control* mine = control_of(ctx, me);
+      for (int s = 0; s < R; ++s)
+        wait_flag(ctx, &mine->done[pe_of(ctx, s)], call, "combine", "peer done reading y", s);
+    }
     profile_mark(ctx, kProfCombineReduce, kRetired);
   }
 }

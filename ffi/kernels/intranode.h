@@ -127,6 +127,9 @@ struct CombineArgs {
   void* out;
   // rank_major: rows pushed into the owners' [source][token] slots (plan_combine_push)
   bool push;
+  // The pull path with y and weights inside this PE's mapped XLA allocation: the peers read
+  // them there (Control::xla_rows) instead of from a staged copy.
+  bool unstaged;
 };
 
 __device__ __forceinline__ bool valid_expert(int e, int num_experts) {

@@ -64,6 +64,11 @@ struct Control {
   // node's PEs to its buffer over: the node exchange (kernels/node_exchange.cu) puts into a PE
   // only after this, since done[] does not cross nodes.
   uint64_t entered[kMaxRanks];
+  // The pull combine's unstaged sources: xla_rows[s] / xla_weights[s] = the addresses (in PE
+  // s's own address space) of its y and weights for the current call, 0 when it staged them
+  // (written before ready[s]; see XlaWindow).
+  uint64_t xla_rows[kMaxRanks];
+  uint64_t xla_weights[kMaxRanks];
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
   // block finished, [3] last block finished, [4] retired: the last block past its closing
@@ -92,6 +97,14 @@ enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 enum class Flag { kReady, kDone };
 
 constexpr size_t kRegionAlign = 256;
+
+// A PE's allocation of XLA's device memory (the one its JAX arrays live in), mapped into this
+// process: remote is its base in the PE's own address space, mapped the same bytes here, size
+// 0 where nothing is mapped. A peer's address a in [remote, remote + size) reads at
+// mapped + (a - remote) here.
+struct XlaWindow {
+  uint64_t mapped, remote, size;
+};
 
 JAX_EP_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 

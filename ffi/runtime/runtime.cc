@@ -1,8 +1,10 @@
 // NVSHMEM-backed implementation of the runtime interface (runtime.h).
 #include "runtime/runtime.h"
 
+#include "runtime/control.h"
 #include "runtime/diagnostics.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -30,6 +32,10 @@ std::vector<void*> g_host_peers;
 std::vector<int> g_node_of;  // node of every PE (InitOptions::node_of)
 cudaStream_t g_copy_stream = nullptr;
 cudaEvent_t g_copy_fork = nullptr, g_copy_join = nullptr;
+// XLA's allocations of this node's PEs (open_xla_windows): the device array the kernels read,
+// and the peers' mappings to close at finalize.
+XlaWindow* g_xla_windows_device = nullptr;
+std::vector<void*> g_xla_opened;
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::runtime_error("jax_ep runtime: " + message);
@@ -127,6 +133,16 @@ void* allocate_symmetric(size_t bytes, const char* what, int me, int n) {
   check_cuda(cudaMemset(local, 0, bytes), "zeroing a symmetric buffer");
   check_cuda(cudaDeviceSynchronize(), "zeroing a symmetric buffer");
   return local;
+}
+
+// The peers' mappings of XLA's allocations, closed (after every kernel that read them).
+void close_xla_windows() {
+  for (void* p : g_xla_opened) cudaIpcCloseMemHandle(p);
+  g_xla_opened.clear();
+  cudaFree(g_xla_windows_device);
+  g_xla_windows_device = nullptr;
+  g_transport.xla_windows = nullptr;
+  g_transport.xla_base = g_transport.xla_size = 0;
 }
 
 // Device array [n] of every PE's copy of `local` as mapped into this process (and, when
@@ -300,6 +316,7 @@ void finalize() {
   if (g_transport.ll_local != nullptr) nvshmem_free(g_transport.ll_local);
   cudaFree(g_peers_device);
   cudaFree(g_ll_peers_device);
+  close_xla_windows();
   destroy_copy_engine_stream();
   g_host_peers.clear();
   g_node_of.clear();
@@ -311,6 +328,73 @@ void finalize() {
     nvshmem_finalize();
     g_owns_nvshmem = false;
   }
+}
+
+std::string export_xla_window(uint64_t ptr, uint64_t* base, uint64_t* size) {
+  // cuMemGetAddressRange through the runtime's driver entry point: the module links no libcuda.
+  using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  check_cuda(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000,
+                                              cudaEnableDefault, &found),
+             "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)");
+  if (found != cudaDriverEntryPointSuccess || entry == nullptr)
+    fail("the driver has no cuMemGetAddressRange");
+  CUdeviceptr start = 0;
+  size_t bytes = 0;
+  if (reinterpret_cast<AddressRange>(entry)(&start, &bytes, static_cast<CUdeviceptr>(ptr)) !=
+      CUDA_SUCCESS)
+    fail("cuMemGetAddressRange: the pointer is not in a device allocation");
+  *base = start;
+  *size = bytes;
+  cudaIpcMemHandle_t handle;
+  if (cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(start)) != cudaSuccess) {
+    cudaGetLastError();  // not exportable (e.g. a virtual-memory allocation): no window
+    return std::string();
+  }
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void open_xla_windows(const std::vector<std::string>& handles, const std::vector<uint64_t>& bases,
+                      const std::vector<uint64_t>& sizes) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_initialized) fail("open_xla_windows before initialize");
+  const int n = g_transport.num_ranks, me = g_transport.rank;
+  if (static_cast<int>(handles.size()) != n || static_cast<int>(bases.size()) != n ||
+      static_cast<int>(sizes.size()) != n)
+    fail("open_xla_windows needs a handle, base and size for each of the " +
+         std::to_string(n) + " PEs");
+  close_xla_windows();
+  std::vector<XlaWindow> windows(n, XlaWindow{0, 0, 0});
+  try {
+    for (int pe = 0; pe < n; ++pe) {
+      if (handles[pe].empty() || g_node_of[pe] != g_node_of[me]) continue;
+      if (pe == me) {
+        windows[pe] = XlaWindow{bases[pe], bases[pe], sizes[pe]};
+        continue;
+      }
+      if (handles[pe].size() != sizeof(cudaIpcMemHandle_t)) fail("a malformed IPC handle");
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, handles[pe].data(), sizeof(handle));
+      void* mapped = nullptr;
+      check_cuda(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
+                 ("cudaIpcOpenMemHandle(XLA's allocation of PE " + std::to_string(pe) + ")")
+                     .c_str());
+      g_xla_opened.push_back(mapped);
+      windows[pe] = XlaWindow{reinterpret_cast<uint64_t>(mapped), bases[pe], sizes[pe]};
+    }
+    void* device = nullptr;
+    check_cuda(cudaMalloc(&device, sizeof(XlaWindow) * n), "cudaMalloc(XLA windows)");
+    g_xla_windows_device = static_cast<XlaWindow*>(device);
+    check_cuda(cudaMemcpy(device, windows.data(), sizeof(XlaWindow) * n, cudaMemcpyHostToDevice),
+               "cudaMemcpy(XLA windows)");
+  } catch (...) {
+    close_xla_windows();
+    throw;
+  }
+  g_transport.xla_windows = g_xla_windows_device;
+  g_transport.xla_base = windows[me].remote;
+  g_transport.xla_size = windows[me].size;
 }
 
 }  // namespace jax_ep

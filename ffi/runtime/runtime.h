@@ -15,6 +15,8 @@ struct CUevent_st;
 
 namespace jax_ep {
 
+struct XlaWindow;  // runtime/control.h
+
 // What a kernel needs to reach its peers. All pointers are device pointers.
 struct Transport {
   int rank = -1;             // this process's PE == index along the EP mesh axis
@@ -38,6 +40,10 @@ struct Transport {
   CUstream_st* copy_stream = nullptr;
   CUevent_st* copy_fork = nullptr;
   CUevent_st* copy_join = nullptr;
+  // XLA's allocations of this node's PEs mapped here (open_xla_windows; nullptr before):
+  // device array [num_ranks] of XlaWindow, and this PE's own window on the host.
+  const XlaWindow* xla_windows = nullptr;
+  uint64_t xla_base = 0, xla_size = 0;
 };
 // Returns nullptr when initialize() has not run (the FFI handlers turn that into an error).
 const Transport* transport();
@@ -61,5 +67,13 @@ void finalize();                                // idempotent
 bool is_initialized();
 size_t unique_id_size();
 std::string nvshmem_version();                  // of the host library loaded at run time
+// The allocation of XLA's that holds device pointer `ptr` (a JAX array's buffer): its base and
+// size, and a legacy IPC handle for it (empty when the allocation cannot be exported).
+std::string export_xla_window(uint64_t ptr, uint64_t* base, uint64_t* size);
+// Maps every other PE of this node's exported allocation (handles[pe], bases[pe], sizes[pe]
+// from export_xla_window; an empty handle maps nothing) and makes the windows visible to
+// the kernels. Throws if a handle does not open.
+void open_xla_windows(const std::vector<std::string>& handles, const std::vector<uint64_t>& bases,
+                      const std::vector<uint64_t>& sizes);
 
 }  // namespace jax_ep

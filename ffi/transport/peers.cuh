@@ -33,7 +33,15 @@ struct PeerContext {
   int num_pes;             // PEs of the job (peers[pe] is nullptr for another node's)
   bool spans_nodes;        // the job has PEs on other nodes, reached by puts (low-latency
                            // calls: transport/puts.cuh); false in the normal mode
+  // XLA's allocation of every PE of this node mapped here, indexed by PE (nullptr: none).
+  const XlaWindow* xla = nullptr;
 };
+
+// Peer PE's address a (in its own address space, inside its XLA allocation) as readable here.
+__device__ __forceinline__ const char* xla_address(const PeerContext& ctx, int pe, uint64_t a) {
+  const XlaWindow w = ctx.xla[pe];
+  return reinterpret_cast<const char*>(w.mapped + (a - w.remote));
+}
 
 // The PE of rank r of the call's group.
 __host__ __device__ __forceinline__ int pe_of(const PeerContext& ctx, int r) {
