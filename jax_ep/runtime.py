@@ -329,35 +329,44 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
 def _map_xla_windows(module, client, rank, world, generation, device, timeout_s) -> None:
     """Maps every process's allocation of XLA's device memory into the others, so that the
     pull combine's peers read y where XLA keeps it instead of from a staged copy
-    (docs/design.md, section 5.4). All or nothing: where any process cannot export its
-    allocation or open a peer's, none is mapped and the kernels stage as before."""
+    (docs/design.md, section 5.4)."""
     import jax
     import jax.numpy as jnp
 
     probe = jax.device_put(jnp.zeros((1,), jnp.int32), device).block_until_ready()
-    handle, base, size = module.export_xla_window(int(probe.unsafe_buffer_pointer()))
+    post = module.export_xla_window(int(probe.unsafe_buffer_pointer()))
+    _open_xla_windows(module, client, rank, world, generation, post, timeout_s)
+
+
+def _open_xla_windows(module, client, rank, world, generation, post, timeout_s) -> bool:
+    """Every process posts (IPC handle, base, size) of its XLA allocation and opens the others'.
+    All or nothing: where any process has no handle (its allocation cannot be exported) or
+    cannot open a peer's, every process ends with no window and the kernels stage as before.
+    Returns whether the windows are open."""
+    handle, base, size = post
     if world == 1:
         module.open_xla_windows([handle], [base], [size])
-        return
+        return bool(handle)
     prefix = f"{_KEY_PREFIX}/{generation}/xla_window"
     wait_ms = int(timeout_s * 1000)
     client.key_value_set_bytes(f"{prefix}/{rank}",
                                np.array([base, size], np.uint64).tobytes() + handle)
     posts = [client.blocking_key_value_get_bytes(f"{prefix}/{r}", wait_ms) for r in range(world)]
+    ranges = [np.frombuffer(p[:16], np.uint64) for p in posts]
     handles = [p[16:] for p in posts]
-    bases = [int(v) for v in (np.frombuffer(p[:16], np.uint64)[0] for p in posts)]
-    sizes = [int(v) for v in (np.frombuffer(p[:16], np.uint64)[1] for p in posts)]
     opened = all(handles)
     if opened:
         try:
-            module.open_xla_windows(handles, bases, sizes)
+            module.open_xla_windows(handles, [int(r[0]) for r in ranges],
+                                    [int(r[1]) for r in ranges])
         except RuntimeError:
             opened = False
     client.key_value_set_bytes(f"{prefix}/opened/{rank}", b"1" if opened else b"0")
     agreed = all(client.blocking_key_value_get_bytes(f"{prefix}/opened/{r}", wait_ms) == b"1"
                  for r in range(world))
-    if not agreed:  # no windows anywhere: every call stages
+    if opened and not agreed:  # a peer could not: close ours too, nobody reads unstaged
         module.open_xla_windows([b""] * world, [0] * world, [0] * world)
+    return agreed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -210,3 +210,57 @@ def test_a_different_process_config_is_named():
     with pytest.raises(ValueError, match=r"config \(rank 0: .*'num_blocks': 24.*rank 1: "
                                          r".*'num_blocks': 32"):
         runtime._check_same_settings([base, other])
+
+
+class FakeBytesStore(FakeKeyValueStore):
+    key_value_set_bytes = FakeKeyValueStore.key_value_set
+    blocking_key_value_get_bytes = FakeKeyValueStore.blocking_key_value_get
+
+
+class FakeWindows:
+    """The extension's open_xla_windows: records what each call opened; refuses when told."""
+
+    def __init__(self, refuse=False):
+        self.refuse, self.calls = refuse, []
+
+    def open_xla_windows(self, handles, bases, sizes):
+        if self.refuse and any(handles):
+            raise RuntimeError("cudaIpcOpenMemHandle: invalid argument")
+        self.calls.append((list(handles), list(bases), list(sizes)))
+
+
+def _open_windows_on_every_rank(posts, refuse=()):
+    store, world = FakeBytesStore(), len(posts)
+    modules = [FakeWindows(refuse=r in refuse) for r in range(world)]
+    results = [None] * world
+
+    def run(rank):
+        results[rank] = runtime._open_xla_windows(modules[rank], store, rank, world, 0,
+                                                  posts[rank], 5.0)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    return results, modules
+
+
+def test_xla_windows_open_everywhere_with_every_ranks_handle():
+    posts = [(bytes([7 + r]) * 64, 4096 * (r + 1), 1 << 30) for r in range(3)]
+    results, modules = _open_windows_on_every_rank(posts)
+    assert results == [True] * 3
+    for module in modules:
+        assert module.calls == [([p[0] for p in posts], [p[1] for p in posts], [1 << 30] * 3)]
+
+
+def test_xla_windows_are_all_or_nothing():
+    # a rank whose allocation cannot be exported: nobody opens anything
+    posts = [(b"h" * 64, 1, 2), (b"", 3, 4), (b"h" * 64, 5, 6)]
+    results, modules = _open_windows_on_every_rank(posts)
+    assert results == [False] * 3 and all(m.calls == [] for m in modules)
+    # a rank that cannot open a peer's: the others close what they opened
+    posts = [(b"h" * 64, 1, 2), (b"i" * 64, 3, 4)]
+    results, modules = _open_windows_on_every_rank(posts, refuse={1})
+    assert results == [False, False]
+    assert modules[0].calls[-1] == ([b""] * 2, [0, 0], [0, 0]) and modules[1].calls == []
