@@ -46,6 +46,15 @@ ffi::Error peer_context(const char* op, ffi::Buffer<ffi::S32> rank, size_t neede
   return ffi::Error::Success();
 }
 
+// Whether [p, p + bytes) lies in this PE's XLA allocation as the peers map it (the runtime's
+// open_xla_windows): where they may read or write it directly.
+bool in_xla_window(const void* p, size_t bytes) {
+  const Transport* t = transport();
+  const uint64_t at = reinterpret_cast<uint64_t>(p);
+  return t != nullptr && t->xla_windows != nullptr && t->xla_size > 0 && at >= t->xla_base &&
+         at + bytes <= t->xla_base + t->xla_size;
+}
+
 size_t element_bytes(ffi::DataType type) {
   switch (type) {
     case ffi::DataType::F32: return 4;
@@ -211,6 +220,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.src_token = src_token->typed_data();
   a.src_k = src_k->typed_data();
   a.pair_row = expert_major ? pair_row->typed_data() : nullptr;
+  // The fused rank_major path lets the peers store rows straight into this PE's outputs when
+  // XLA's allocation holding them is mapped at the peers.
+  const size_t rows = size_t(a.capacity);
+  a.direct_out = push && !expert_major && in_xla_window(a.out_x, rows * a.x_row_bytes) &&
+                 (!has_scales || in_xla_window(a.out_scales, rows * a.scale_row_bytes));
   return cuda_error(launch_dispatch(a, stream), "dispatch");
 }
 
@@ -360,14 +374,9 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   a.out = out->untyped_data();
   // The pull path leaves y and the weights where XLA keeps them when that allocation is
   // mapped at the peers (jax_ep.runtime maps it at initialisation where it can).
-  const Transport* t = transport();
-  auto mapped = [t](const void* p, size_t bytes) {
-    const uint64_t at = reinterpret_cast<uint64_t>(p);
-    return t->xla_windows != nullptr && t->xla_size > 0 && at >= t->xla_base &&
-           at + bytes <= t->xla_base + t->xla_size;
-  };
   a.unstaged = !copy_engine && !push && !expert_major &&
-               mapped(a.y, size_t(C) * row_bytes) && mapped(a.weights, sizeof(float) * C);
+               in_xla_window(a.y, size_t(C) * row_bytes) &&
+               in_xla_window(a.weights, sizeof(float) * C);
   return cuda_error(launch_combine(a, stream), "combine");
 }
 

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
       unstaged_rows[threadIdx.x] = nullptr;
       unstaged_weights[threadIdx.x] = nullptr;
       if (int(threadIdx.x) != me && y != 0) {
-        if (ctx.xla == nullptr || ctx.xla[pe].size == 0) {  // published, not mapped here
+        if (!xla_mapped(ctx, pe)) {  // published, not mapped here
           report_timeout(ctx, "combine", "a peer's y outside the mapped XLA allocations",
                          threadIdx.x, 0, 0);
           trap_after_report();

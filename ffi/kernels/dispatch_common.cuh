@@ -23,6 +23,12 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
     profile_end(ctx, kProfDispatchStage);
     if (last_block(ctx, 0) && threadIdx.x == 0) {
+      const int me = pe_of(ctx, ctx.rank);
+      for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
+        Control* peer = control_of(ctx, p);
+        peer->xla_out_x[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
+        peer->xla_out_scales[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
+      }
       signal_all(ctx, Flag::kReady, call);
       profile_mark(ctx, kProfDispatchStage, kRetired);
     }

@@ -15,13 +15,49 @@ namespace {
 // ---- rank_major: rows go straight to their final position, in the receiver's push region
 // over NVLink (moved out by the receiver once their chunk has arrived) or in our own output.
 
+// The receivers' outputs where they published them (Control::xla_out_x), as mapped here;
+// nullptr where the rows go through the receiver's push region. Read once per block.
+template <int kSources>
+struct DirectOutputs {
+  char* x[kSources];
+  char* scales[kSources];
+};
+
+template <int kSources>
+__device__ void load_direct_outputs(const DispatchArgs& a, DirectOutputs<kSources>* direct) {
+  const PeerContext& ctx = a.ctx;
+  if (threadIdx.x < kSources) {
+    const int r = threadIdx.x;
+    char *x = nullptr, *scales = nullptr;
+    if (r < ctx.num_ranks && r != ctx.rank) {
+      const int pe = pe_of(ctx, r);
+      const Control* mine = control_of(ctx, ctx.rank);
+      const uint64_t out = *reinterpret_cast<const volatile uint64_t*>(&mine->xla_out_x[pe]);
+      const uint64_t sc = *reinterpret_cast<const volatile uint64_t*>(&mine->xla_out_scales[pe]);
+      if (out != 0) {
+        if (!xla_mapped(ctx, pe)) {  // published, not mapped here
+          report_timeout(ctx, "dispatch", "a peer's output outside the mapped XLA allocations",
+                         r, 0, 0);
+          trap_after_report();
+        }
+        x = xla_address(ctx, pe, out);
+        scales = xla_address(ctx, pe, sc);
+      }
+    }
+    direct->x[r] = x;
+    direct->scales[r] = scales;
+  }
+  __syncthreads();
+}
+
 // Where token t's row goes: for each destination rank, its output row's address in the
 // receiver's push region (or in our own output when we are the receiver), and the chunk of the
 // receiver's output it lands in (-1: not sent). Writes the metadata record of every
 // destination row and the row index into send_slot. All lanes of the warp call it.
 template <int kSources>
 __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const GatherTables& tb,
-                                                   int t, int lane, char* (&rows)[kSources],
+                                                   const DirectOutputs<kSources>& direct, int t,
+                                                   int lane, char* (&rows)[kSources],
                                                    char* (&scales)[kSources],
                                                    int (&landed)[kSources]) {
   const PeerContext& ctx = a.ctx;
@@ -55,6 +91,9 @@ __device__ __forceinline__ void token_destinations(const DispatchArgs& a, const 
     if (r == me) {
       rows[r] = static_cast<char*>(a.out_x) + size_t(row) * a.x_row_bytes;
       scales[r] = reinterpret_cast<char*>(a.out_scales) + size_t(row) * a.scale_row_bytes;
+    } else if (direct.x[r] != nullptr) {  // straight into the receiver's output
+      rows[r] = direct.x[r] + size_t(row) * a.x_row_bytes;
+      scales[r] = direct.scales[r] + size_t(row) * a.scale_row_bytes;
     } else {
       rows[r] = region<char>(ctx, r, a.push.rows) + size_t(row) * stride;
       scales[r] = region<char>(ctx, r, a.push.scales) + size_t(row) * scale_stride;
@@ -84,7 +123,7 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
   const int id = lane < K ? __ldcg(ids + lane) : -1;
   const float weight = lane < K ? __ldcg(weights + lane) : 0.f;
   const int token = lane == 0 ? __ldcg(reinterpret_cast<const int32_t*>(meta)) : -1;
-  if (s != me) {  // rows a peer wrote, possibly during this kernel: bypass L1
+  if (s != me && !a.direct_out) {  // rows a peer wrote, possibly during this kernel: bypass L1
     copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
                    region<char>(ctx, me, a.push.rows) + size_t(i) * stride, a.x_row_bytes, lane,
                    32);
@@ -127,6 +166,7 @@ template <int kSources>
 struct RankMajorPush {
   const DispatchArgs& a;
   const GatherTables& tb;
+  const DirectOutputs<kSources>& direct;
   __device__ int2 range(int q) const {
     const int chunks = (a.capacity + a.chunk_rows - 1) / a.chunk_rows;
     return {begin(q), q + 1 < a.ctx.num_ranks ? begin(q + 1) : chunks};
@@ -153,7 +193,7 @@ struct RankMajorPush {
     char* rows[kSources];
     char* scales[kSources];
     int landed[kSources];  // chunk of the destination's output each row landed in, or -1
-    token_destinations<kSources>(a, tb, t, lane, rows, scales, landed);
+    token_destinations<kSources>(a, tb, direct, t, lane, rows, scales, landed);
     store_token(a, t, rows, scales, lane);
     if (lane == 0) {
 #pragma unroll
@@ -353,7 +393,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
     ExpertMajorPush<kSources> path{a, tb};
     push_loop(ctx, path, a.num_tokens, cursors, ctx.num_ranks, "dispatch", what);
   } else {
-    RankMajorPush<kSources> path{a, tb};
+    __shared__ DirectOutputs<kSources> direct;
+    load_direct_outputs<kSources>(a, &direct);
+    RankMajorPush<kSources> path{a, tb, direct};
     push_loop(ctx, path, a.num_tokens, cursors, ctx.num_ranks, "dispatch", what);
   }
   profile_end(ctx, kProfDispatchFused);

@@ -76,6 +76,9 @@ struct DispatchArgs {
   size_t copy_chunk_bytes;
   // The source_slots layout: row s*T + t is source s's token t (copy_engine is set too).
   bool source_slots;
+  // Fused rank_major with out_x (and out_scales) inside this PE's mapped XLA allocation: the
+  // peers store their rows there (Control::xla_out_x) instead of into the push region.
+  bool direct_out;
 };
 
 enum class ElementType { kBF16, kF16, kF32 };

@@ -69,6 +69,11 @@ struct Control {
   // (written before ready[s]; see XlaWindow).
   uint64_t xla_rows[kMaxRanks];
   uint64_t xla_weights[kMaxRanks];
+  // The fused dispatch's direct rows (rank_major): xla_out_x[s] / xla_out_scales[s] = PE s's
+  // outputs for the current call, in its own address space, 0 when its rows go through the
+  // push region (written before ready[s]).
+  uint64_t xla_out_x[kMaxRanks];
+  uint64_t xla_out_scales[kMaxRanks];
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
   // block finished, [3] last block finished, [4] retired: the last block past its closing

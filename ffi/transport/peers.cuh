@@ -37,10 +37,15 @@ struct PeerContext {
   const XlaWindow* xla = nullptr;
 };
 
-// Peer PE's address a (in its own address space, inside its XLA allocation) as readable here.
-__device__ __forceinline__ const char* xla_address(const PeerContext& ctx, int pe, uint64_t a) {
+// Peer PE's address a (in its own address space, inside its XLA allocation) as mapped here.
+__device__ __forceinline__ char* xla_address(const PeerContext& ctx, int pe, uint64_t a) {
   const XlaWindow w = ctx.xla[pe];
-  return reinterpret_cast<const char*>(w.mapped + (a - w.remote));
+  return reinterpret_cast<char*>(w.mapped + (a - w.remote));
+}
+
+// Whether PE pe's XLA allocation is mapped here (what a published address needs).
+__device__ __forceinline__ bool xla_mapped(const PeerContext& ctx, int pe) {
+  return ctx.xla != nullptr && ctx.xla[pe].size > 0;
 }
 
 // The PE of rank r of the call's group.
