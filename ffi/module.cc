@@ -184,19 +184,14 @@ NB_MODULE(_C, m) {
     jax_ep::release_copy_engine_graphs();
   });
   m.def("is_initialized", &jax_ep::is_initialized);
-  // (handle bytes, base, size) of the XLA allocation holding a JAX array's device pointer;
-  // the handle is empty when the allocation cannot be exported.
+  // (descriptor, base, size) of the XLA allocation holding a JAX array's device pointer; the
+  // descriptor is -1 when the allocation cannot be exported.
   m.def("export_xla_window", [](uint64_t ptr) {
     uint64_t base = 0, size = 0;
-    std::string handle = jax_ep::export_xla_window(ptr, &base, &size);
-    return nb::make_tuple(nb::bytes(handle.data(), handle.size()), base, size);
+    const int fd = jax_ep::export_xla_window(ptr, &base, &size);
+    return nb::make_tuple(fd, base, size);
   });
-  m.def("open_xla_windows", [](std::vector<nb::bytes> handles, std::vector<uint64_t> bases,
-                               std::vector<uint64_t> sizes) {
-    std::vector<std::string> raw;
-    for (const nb::bytes& h : handles) raw.emplace_back(h.c_str(), h.size());
-    jax_ep::open_xla_windows(raw, bases, sizes);
-  });
+  m.def("open_xla_windows", &jax_ep::open_xla_windows);
   m.def("buffer_bytes", [] {
     const jax_ep::Transport* t = jax_ep::transport();
     return t ? t->bytes : size_t(0);

@@ -51,6 +51,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
 
 _generation = 0  # initialize() calls so far: a fresh key-value namespace for each
 _atexit_registered = False
+_xla_windows_open = False
 
 
 def default_buffer_bytes() -> int:
@@ -318,7 +319,9 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
                       unique_id, single_host, low_latency_bytes, nodes)
     global _topology
     _topology = Topology(nodes=tuple(nodes), virtual=node_size is not None)
-    _map_xla_windows(module, client, rank, world, generation, local[0], init_timeout_s)
+    global _xla_windows_open
+    _xla_windows_open = _map_xla_windows(module, client, rank, world, generation, local[0],
+                                         nodes, init_timeout_s)
     module.set_diagnostics(float(fault_exit_s), bool(log_calls))
     _native.register(force=True)
     if not _atexit_registered:
@@ -326,47 +329,123 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
         _atexit_registered = True
 
 
-def _map_xla_windows(module, client, rank, world, generation, device, timeout_s) -> None:
-    """Maps every process's allocation of XLA's device memory into the others, so that the
-    pull combine's peers read y where XLA keeps it instead of from a staged copy
-    (docs/design.md, section 5.4)."""
+def xla_windows_open() -> bool:
+    """Whether this job's processes reach each other's XLA arrays directly (the combine's
+    reads and the dispatch's stores skip the staged copies), as ``initialize`` set up."""
+    return _xla_windows_open
+
+
+def _map_xla_windows(module, client, rank, world, generation, device, nodes,
+                     timeout_s) -> bool:
+    """Maps every process's allocation of XLA's device memory into the other processes of its
+    node, so that peers read and write arrays where XLA keeps them instead of through staged
+    copies (docs/design.md, section 5.4). Returns whether the windows are open."""
     import jax
     import jax.numpy as jnp
 
     probe = jax.device_put(jnp.zeros((1,), jnp.int32), device).block_until_ready()
-    post = module.export_xla_window(int(probe.unsafe_buffer_pointer()))
-    _open_xla_windows(module, client, rank, world, generation, post, timeout_s)
+    fd, base, size = module.export_xla_window(int(probe.unsafe_buffer_pointer()))
+    try:
+        return _open_xla_windows(module, client, rank, world, generation, (fd, base, size),
+                                 nodes, timeout_s)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
-def _open_xla_windows(module, client, rank, world, generation, post, timeout_s) -> bool:
-    """Every process posts (IPC handle, base, size) of its XLA allocation and opens the others'.
-    All or nothing: where any process has no handle (its allocation cannot be exported) or
-    cannot open a peer's, every process ends with no window and the kernels stage as before.
-    Returns whether the windows are open."""
-    handle, base, size = post
+def _open_xla_windows(module, client, rank, world, generation, post, nodes,
+                      timeout_s) -> bool:
+    """Every process posts the base and size of its XLA allocation and whether it could export
+    it (``post``: descriptor or -1, base, size), passes the descriptor to the other processes
+    of its node over a Unix socket, and maps theirs. All or nothing: where any process cannot
+    export or map, every process ends with no window and the kernels stage as before. Returns
+    whether the windows are open."""
+    fd, base, size = post
     if world == 1:
-        module.open_xla_windows([handle], [base], [size])
-        return bool(handle)
+        module.open_xla_windows([fd], [base], [size])
+        return fd >= 0
     prefix = f"{_KEY_PREFIX}/{generation}/xla_window"
     wait_ms = int(timeout_s * 1000)
-    client.key_value_set_bytes(f"{prefix}/{rank}",
-                               np.array([base, size], np.uint64).tobytes() + handle)
-    posts = [client.blocking_key_value_get_bytes(f"{prefix}/{r}", wait_ms) for r in range(world)]
-    ranges = [np.frombuffer(p[:16], np.uint64) for p in posts]
-    handles = [p[16:] for p in posts]
-    opened = all(handles)
-    if opened:
+    peers = [r for r in range(world) if r != rank and nodes[r] == nodes[rank]]
+    name = f"jax_ep-{os.getpid()}-{os.urandom(8).hex()}"
+    listener = None
+    if fd >= 0 and peers:
         try:
-            module.open_xla_windows(handles, [int(r[0]) for r in ranges],
-                                    [int(r[1]) for r in ranges])
-        except RuntimeError:
-            opened = False
+            listener = _listen(name, len(peers))
+        except OSError:
+            fd = -1
+    received: dict[int, int] = {}
+    try:
+        client.key_value_set_bytes(f"{prefix}/{rank}",
+                                   np.array([base, size, fd >= 0], np.uint64).tobytes()
+                                   + name.encode())
+        posts = [client.blocking_key_value_get_bytes(f"{prefix}/{r}", wait_ms)
+                 for r in range(world)]
+        ranges = [np.frombuffer(p[:24], np.uint64) for p in posts]
+        opened = all(int(r[2]) for r in ranges)
+        if opened:
+            try:
+                received = _exchange_descriptors(listener, fd, rank, peers,
+                                                 {r: posts[r][24:].decode() for r in peers},
+                                                 timeout_s)
+                module.open_xla_windows([fd if r == rank else received.get(r, -1)
+                                         for r in range(world)],
+                                        [int(r[0]) for r in ranges], [int(r[1]) for r in ranges])
+            except (OSError, RuntimeError):
+                opened = False
+    finally:
+        if listener is not None:
+            listener.close()
+        for received_fd in received.values():
+            os.close(received_fd)
     client.key_value_set_bytes(f"{prefix}/opened/{rank}", b"1" if opened else b"0")
     agreed = all(client.blocking_key_value_get_bytes(f"{prefix}/opened/{r}", wait_ms) == b"1"
                  for r in range(world))
     if opened and not agreed:  # a peer could not: close ours too, nobody reads unstaged
-        module.open_xla_windows([b""] * world, [0] * world, [0] * world)
+        module.open_xla_windows([-1] * world, [0] * world, [0] * world)
     return agreed
+
+
+def _listen(name: str, backlog: int) -> socket.socket:
+    """A Unix socket in the abstract namespace (no file to clean up) that peers connect to."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + name)
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def _exchange_descriptors(listener, fd, rank, peers, names, timeout_s) -> dict[int, int]:
+    """Sends ``fd`` to every peer's listener (``names[peer]``) and receives one descriptor from
+    each peer on ``listener``: {peer: descriptor}, owned by the caller. The sends do not wait
+    for the peers to accept (the listeners' backlog holds them), so every process sends first."""
+    for peer in peers:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout_s)
+            conn.connect("\0" + names[peer])
+            socket.send_fds(conn, [rank.to_bytes(4, "little")], [fd])
+    received: dict[int, int] = {}
+    try:
+        listener.settimeout(timeout_s)
+        while len(received) < len(peers):
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(timeout_s)
+                message, fds, _, _ = socket.recv_fds(conn, 4, 1)
+                sender = int.from_bytes(message, "little")
+                if len(fds) != 1 or sender not in peers or sender in received:
+                    for stray in fds:
+                        os.close(stray)
+                    raise OSError(f"an unexpected descriptor message from {sender}")
+                received[sender] = fds[0]
+    except BaseException:
+        for received_fd in received.values():
+            os.close(received_fd)
+        raise
+    return received
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,11 +474,11 @@ def finalize() -> None:
 
     Collective (every process calls it); idempotent. Runs at exit by itself.
     """
-    global _topology
+    global _topology, _xla_windows_open
     module, _ = _native.load()
     if module is not None and module.is_initialized():
         module.finalize()
-    _topology = None
+    _topology, _xla_windows_open = None, False
 
 
 def _finalize_at_exit() -> None:

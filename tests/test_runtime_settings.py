@@ -5,6 +5,7 @@ for data a peer never sends. Needs neither a GPU nor the extension."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -218,49 +219,65 @@ class FakeBytesStore(FakeKeyValueStore):
 
 
 class FakeWindows:
-    """The extension's open_xla_windows: records what each call opened; refuses when told."""
+    """The extension's open_xla_windows: records, for each call, which pipe each descriptor
+    reaches (its inode) with the bases and sizes; refuses to map when told."""
 
     def __init__(self, refuse=False):
         self.refuse, self.calls = refuse, []
 
-    def open_xla_windows(self, handles, bases, sizes):
-        if self.refuse and any(handles):
-            raise RuntimeError("cudaIpcOpenMemHandle: invalid argument")
-        self.calls.append((list(handles), list(bases), list(sizes)))
+    def open_xla_windows(self, fds, bases, sizes):
+        if self.refuse and any(fd >= 0 for fd in fds):
+            raise RuntimeError("cuMemMap(XLA's allocation of PE 0) failed (CUresult 1)")
+        self.calls.append(([os.fstat(fd).st_ino if fd >= 0 else None for fd in fds],
+                           list(bases), list(sizes)))
 
 
-def _open_windows_on_every_rank(posts, refuse=()):
-    store, world = FakeBytesStore(), len(posts)
+def _open_windows_on_every_rank(exportable, nodes=None, refuse=()):
+    """Runs _open_xla_windows on a thread per rank; rank r exports a pipe's write end (or
+    nothing where exportable[r] is false). Returns the results, the fake extensions and the
+    inode each rank exported."""
+    store, world = FakeBytesStore(), len(exportable)
+    nodes = nodes or [0] * world
     modules = [FakeWindows(refuse=r in refuse) for r in range(world)]
+    pipes = [os.pipe() for _ in range(world)]
     results = [None] * world
 
     def run(rank):
+        fd = pipes[rank][1] if exportable[rank] else -1
         results[rank] = runtime._open_xla_windows(modules[rank], store, rank, world, 0,
-                                                  posts[rank], 5.0)
+                                                  (fd, 4096 * (rank + 1), 1 << 30), nodes, 5.0)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(10)
-    return results, modules
+        thread.join(20)
+    inodes = [os.fstat(w).st_ino for _, w in pipes]
+    for read_end, write_end in pipes:
+        os.close(read_end)
+        os.close(write_end)
+    return results, modules, inodes
 
 
-def test_xla_windows_open_everywhere_with_every_ranks_handle():
-    posts = [(bytes([7 + r]) * 64, 4096 * (r + 1), 1 << 30) for r in range(3)]
-    results, modules = _open_windows_on_every_rank(posts)
+def test_xla_windows_pass_every_descriptor_to_the_processes_of_its_node():
+    results, modules, inodes = _open_windows_on_every_rank([True] * 3)
     assert results == [True] * 3
-    for module in modules:
-        assert module.calls == [([p[0] for p in posts], [p[1] for p in posts], [1 << 30] * 3)]
+    for module in modules:  # each rank maps every rank's own allocation (its pipe)
+        assert module.calls == [(inodes, [4096, 8192, 12288], [1 << 30] * 3)]
+
+
+def test_xla_windows_stay_within_a_node():
+    results, modules, inodes = _open_windows_on_every_rank([True] * 4, nodes=[0, 0, 1, 1])
+    assert results == [True] * 4
+    assert modules[0].calls[0][0] == [inodes[0], inodes[1], None, None]
+    assert modules[3].calls[0][0] == [None, None, inodes[2], inodes[3]]
 
 
 def test_xla_windows_are_all_or_nothing():
-    # a rank whose allocation cannot be exported: nobody opens anything
-    posts = [(b"h" * 64, 1, 2), (b"", 3, 4), (b"h" * 64, 5, 6)]
-    results, modules = _open_windows_on_every_rank(posts)
+    # a rank whose allocation cannot be exported: nobody maps anything
+    results, modules, _ = _open_windows_on_every_rank([True, False, True])
     assert results == [False] * 3 and all(m.calls == [] for m in modules)
-    # a rank that cannot open a peer's: the others close what they opened
-    posts = [(b"h" * 64, 1, 2), (b"i" * 64, 3, 4)]
-    results, modules = _open_windows_on_every_rank(posts, refuse={1})
+    # a rank that cannot map a peer's: the others close what they mapped
+    results, modules, _ = _open_windows_on_every_rank([True, True], refuse={1})
     assert results == [False, False]
-    assert modules[0].calls[-1] == ([b""] * 2, [0, 0], [0, 0]) and modules[1].calls == []
+    assert modules[0].calls[-1] == ([None, None], [0, 0], [0, 0]) and modules[1].calls == []

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace jax_ep {
@@ -35,7 +36,7 @@ cudaEvent_t g_copy_fork = nullptr, g_copy_join = nullptr;
 // XLA's allocations of this node's PEs (open_xla_windows): the device array the kernels read,
 // and the peers' mappings to close at finalize.
 XlaWindow* g_xla_windows_device = nullptr;
-std::vector<void*> g_xla_opened;
+std::vector<std::pair<CUdeviceptr, size_t>> g_xla_opened;  // (address, bytes)
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::runtime_error("jax_ep runtime: " + message);
@@ -135,9 +136,33 @@ void* allocate_symmetric(size_t bytes, const char* what, int me, int n) {
   return local;
 }
 
-// The peers' mappings of XLA's allocations, closed (after every kernel that read them).
+// The driver's virtual-memory calls, through the runtime's entry points: the module links no
+// libcuda. Throws when the driver lacks one.
+template <typename F>
+F driver_entry(const char* name) {
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  check_cuda(cudaGetDriverEntryPointByVersion(name, &entry, 12000, cudaEnableDefault, &found),
+             name);
+  if (found != cudaDriverEntryPointSuccess || entry == nullptr)
+    fail(std::string("the driver has no ") + name);
+  return reinterpret_cast<F>(entry);
+}
+
+void check_cu(CUresult status, const std::string& what) {
+  if (status != CUDA_SUCCESS) fail(what + " failed (CUresult " + std::to_string(status) + ")");
+}
+
+// The peers' mappings of XLA's allocations, unmapped (after every kernel that read them).
 void close_xla_windows() {
-  for (void* p : g_xla_opened) cudaIpcCloseMemHandle(p);
+  if (!g_xla_opened.empty()) {
+    auto unmap = driver_entry<CUresult (*)(CUdeviceptr, size_t)>("cuMemUnmap");
+    auto free_range = driver_entry<CUresult (*)(CUdeviceptr, size_t)>("cuMemAddressFree");
+    for (const auto& [va, bytes] : g_xla_opened) {
+      unmap(va, bytes);
+      free_range(va, bytes);
+    }
+  }
   g_xla_opened.clear();
   cudaFree(g_xla_windows_device);
   g_xla_windows_device = nullptr;
@@ -330,63 +355,90 @@ void finalize() {
   }
 }
 
-std::string export_xla_window(uint64_t ptr, uint64_t* base, uint64_t* size) {
-  // cuMemGetAddressRange through the runtime's driver entry point: the module links no libcuda.
-  using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  void* entry = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  check_cuda(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000,
-                                              cudaEnableDefault, &found),
-             "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)");
-  if (found != cudaDriverEntryPointSuccess || entry == nullptr)
-    fail("the driver has no cuMemGetAddressRange");
+int export_xla_window(uint64_t ptr, uint64_t* base, uint64_t* size) {
+  auto range = driver_entry<CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr)>(
+      "cuMemGetAddressRange");
   CUdeviceptr start = 0;
   size_t bytes = 0;
-  if (reinterpret_cast<AddressRange>(entry)(&start, &bytes, static_cast<CUdeviceptr>(ptr)) !=
-      CUDA_SUCCESS)
-    fail("cuMemGetAddressRange: the pointer is not in a device allocation");
+  check_cu(range(&start, &bytes, static_cast<CUdeviceptr>(ptr)),
+           "cuMemGetAddressRange(a JAX array's buffer)");
   *base = start;
   *size = bytes;
-  cudaIpcMemHandle_t handle;
-  if (cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(start)) != cudaSuccess) {
-    cudaGetLastError();  // not exportable (e.g. a virtual-memory allocation): no window
-    return std::string();
-  }
-  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  // XLA's allocator maps its memory through the virtual-memory API with file-descriptor
+  // handles; an allocation made otherwise (cudaMalloc) has no handle to retain: no window.
+  auto retain = driver_entry<CUresult (*)(CUmemGenericAllocationHandle*, void*)>(
+      "cuMemRetainAllocationHandle");
+  auto export_fd = driver_entry<CUresult (*)(void*, CUmemGenericAllocationHandle,
+                                             CUmemAllocationHandleType, unsigned long long)>(
+      "cuMemExportToShareableHandle");
+  auto release = driver_entry<CUresult (*)(CUmemGenericAllocationHandle)>("cuMemRelease");
+  CUmemGenericAllocationHandle handle = 0;
+  if (retain(&handle, reinterpret_cast<void*>(start)) != CUDA_SUCCESS) return -1;
+  int fd = -1;
+  const CUresult exported =
+      export_fd(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  release(handle);
+  return exported == CUDA_SUCCESS ? fd : -1;
 }
 
-void open_xla_windows(const std::vector<std::string>& handles, const std::vector<uint64_t>& bases,
+void open_xla_windows(const std::vector<int>& fds, const std::vector<uint64_t>& bases,
                       const std::vector<uint64_t>& sizes) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_initialized) fail("open_xla_windows before initialize");
   const int n = g_transport.num_ranks, me = g_transport.rank;
-  if (static_cast<int>(handles.size()) != n || static_cast<int>(bases.size()) != n ||
+  if (static_cast<int>(fds.size()) != n || static_cast<int>(bases.size()) != n ||
       static_cast<int>(sizes.size()) != n)
-    fail("open_xla_windows needs a handle, base and size for each of the " +
+    fail("open_xla_windows needs a descriptor, base and size for each of the " +
          std::to_string(n) + " PEs");
   close_xla_windows();
   std::vector<XlaWindow> windows(n, XlaWindow{0, 0, 0});
   try {
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
     for (int pe = 0; pe < n; ++pe) {
-      if (handles[pe].empty() || g_node_of[pe] != g_node_of[me]) continue;
+      if (fds[pe] < 0 || g_node_of[pe] != g_node_of[me]) continue;
       if (pe == me) {
         windows[pe] = XlaWindow{bases[pe], bases[pe], sizes[pe]};
         continue;
       }
-      if (handles[pe].size() != sizeof(cudaIpcMemHandle_t)) fail("a malformed IPC handle");
-      cudaIpcMemHandle_t handle;
-      std::memcpy(&handle, handles[pe].data(), sizeof(handle));
-      void* mapped = nullptr;
-      check_cuda(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
-                 ("cudaIpcOpenMemHandle(XLA's allocation of PE " + std::to_string(pe) + ")")
-                     .c_str());
-      g_xla_opened.push_back(mapped);
-      windows[pe] = XlaWindow{reinterpret_cast<uint64_t>(mapped), bases[pe], sizes[pe]};
+      const std::string of = "(XLA's allocation of PE " + std::to_string(pe) + ")";
+      auto import_fd = driver_entry<CUresult (*)(CUmemGenericAllocationHandle*, void*,
+                                                 CUmemAllocationHandleType)>(
+          "cuMemImportFromShareableHandle");
+      auto reserve = driver_entry<CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                                               unsigned long long)>("cuMemAddressReserve");
+      auto map = driver_entry<CUresult (*)(CUdeviceptr, size_t, size_t,
+                                           CUmemGenericAllocationHandle, unsigned long long)>(
+          "cuMemMap");
+      auto access = driver_entry<CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*,
+                                              size_t)>("cuMemSetAccess");
+      auto release = driver_entry<CUresult (*)(CUmemGenericAllocationHandle)>("cuMemRelease");
+      CUmemGenericAllocationHandle handle = 0;
+      check_cu(import_fd(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fds[pe])),
+                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+               "cuMemImportFromShareableHandle" + of);
+      CUdeviceptr va = 0;
+      const CUresult reserved = reserve(&va, sizes[pe], 0, 0, 0);
+      if (reserved != CUDA_SUCCESS) release(handle);
+      check_cu(reserved, "cuMemAddressReserve" + of);
+      const CUresult mapped = map(va, sizes[pe], 0, handle, 0);
+      release(handle);  // the mapping holds the allocation from here
+      if (mapped != CUDA_SUCCESS) {
+        driver_entry<CUresult (*)(CUdeviceptr, size_t)>("cuMemAddressFree")(va, sizes[pe]);
+        check_cu(mapped, "cuMemMap" + of);
+      }
+      g_xla_opened.emplace_back(va, sizes[pe]);
+      CUmemAccessDesc desc{};
+      desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      desc.location.id = device;
+      desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      check_cu(access(va, sizes[pe], &desc, 1), "cuMemSetAccess" + of);
+      windows[pe] = XlaWindow{static_cast<uint64_t>(va), bases[pe], sizes[pe]};
     }
-    void* device = nullptr;
-    check_cuda(cudaMalloc(&device, sizeof(XlaWindow) * n), "cudaMalloc(XLA windows)");
-    g_xla_windows_device = static_cast<XlaWindow*>(device);
-    check_cuda(cudaMemcpy(device, windows.data(), sizeof(XlaWindow) * n, cudaMemcpyHostToDevice),
+    void* table = nullptr;
+    check_cuda(cudaMalloc(&table, sizeof(XlaWindow) * n), "cudaMalloc(XLA windows)");
+    g_xla_windows_device = static_cast<XlaWindow*>(table);
+    check_cuda(cudaMemcpy(table, windows.data(), sizeof(XlaWindow) * n, cudaMemcpyHostToDevice),
                "cudaMemcpy(XLA windows)");
   } catch (...) {
     close_xla_windows();

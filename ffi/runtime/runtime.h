@@ -68,12 +68,14 @@ bool is_initialized();
 size_t unique_id_size();
 std::string nvshmem_version();                  // of the host library loaded at run time
 // The allocation of XLA's that holds device pointer `ptr` (a JAX array's buffer): its base and
-// size, and a legacy IPC handle for it (empty when the allocation cannot be exported).
-std::string export_xla_window(uint64_t ptr, uint64_t* base, uint64_t* size);
-// Maps every other PE of this node's exported allocation (handles[pe], bases[pe], sizes[pe]
-// from export_xla_window; an empty handle maps nothing) and makes the windows visible to
-// the kernels. Throws if a handle does not open.
-void open_xla_windows(const std::vector<std::string>& handles, const std::vector<uint64_t>& bases,
+// size, and a file descriptor exporting it (virtual-memory API), or -1 when it cannot be
+// exported. The caller owns the descriptor.
+int export_xla_window(uint64_t ptr, uint64_t* base, uint64_t* size);
+// Maps every other PE of this node's exported allocation (fds[pe]: the descriptor received
+// from PE pe's export_xla_window, -1 maps nothing; bases[pe], sizes[pe] as it exported them)
+// and makes the windows visible to the kernels. Throws if one does not map; the caller keeps
+// the descriptors.
+void open_xla_windows(const std::vector<int>& fds, const std::vector<uint64_t>& bases,
                       const std::vector<uint64_t>& sizes);
 
 }  // namespace jax_ep
