@@ -276,7 +276,8 @@ def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
         print(f"\n{R}×{jax.devices()[0].device_kind} {what}, {jax.process_count()} process(es), "
               f"T={T}/rank H={H} top-{K} of {E} ({args.routing} routing); mean received "
               f"tokens/rank {mean_recv:.0f} ({bytes_bf16 / 1e6:.1f} MB BF16); "
-              f"{args.iters} chained calls per timing")
+              f"{args.iters} chained calls per timing; peers reach XLA's arrays directly: "
+              f"{'yes' if jax_ep.runtime.xla_windows_open() else 'no (staged copies)'}")
         steady = f"{args.rounds}×{args.iters}"
         print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} | "
               f"{steady + ' µs':>11s} | {steady + ' GB/s':>12s} | {'GPU µs/call':>11s} | "
