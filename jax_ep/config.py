@@ -44,9 +44,12 @@ DEFAULT_COPY_CHUNK_MB = 16.0
 DEFAULT_TIMEOUT_S = 100.0
 # CTAs of the SM data paths where nothing else is measured better.
 DEFAULT_BLOCKS = 64
-# The push combine is rank_major's default where it gets at least this many CTAs: on 2×H100
-# at DeepSeek-V3 shapes it took 242 µs against the pull's 258 with 64 CTAs and 238 against
-# 255 with 128, but 343 against 280 with 24 (benchmarks/RESULTS.md).
+# Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
+# combine reads y in place and is rank_major's default: 209 µs against the push's 240 on
+# 2×H100 at DeepSeek-V3 shapes with 64 CTAs. Where they do not, the pull stages y first and
+# the push is the default where it gets at least this many CTAs: 242 µs against the staged
+# pull's 258 with 64 CTAs and 238 against 255 with 128, but 343 against 280 with 24
+# (benchmarks/RESULTS.md).
 PUSH_COMBINE_MIN_BLOCKS = 64
 
 # Every JAX_EP_* variable that changes what jax_ep does, read in this module only.
@@ -163,17 +166,26 @@ def default_blocks(layout, operation="dispatch", *, path=None, num_ranks=2) -> i
     return DEFAULT_BLOCKS
 
 
+def _reads_in_place() -> bool:
+    """Whether the processes reach each other's XLA arrays (``initialize`` mapped them), so
+    that the pull combine reads y where XLA keeps it instead of from a staged copy."""
+    from jax_ep import runtime  # runtime imports this module
+    return runtime.xla_windows_open()
+
+
 def default_config(num_ranks, num_topk, num_experts, layout, operation="dispatch") -> Config:
     """The measured defaults for a call's shape (benchmarks/RESULTS.md). On two GPUs at
     DeepSeek-V3 shapes the fused dispatch wins in every layout but source_slots, which exists
     for its copy engines: fused BF16 227.7 µs against 237.2 for the copy engines (2×H200) and
-    270.8 against 654 for expert_major. The combine: push for rank_major (242 µs against the
-    pull's 258, 2×H100; ``combine_path`` falls back to pull below
-    ``PUSH_COMBINE_MIN_BLOCKS`` CTAs), pull for expert_major, the copy engines for
-    source_slots. ``num_blocks``: ``default_blocks`` of the operation's path."""
+    270.8 against 654 for expert_major. The combine: for rank_major the pull where it reads
+    the peers' y in place (``_reads_in_place``), else the push (242 µs against the staged
+    pull's 258, 2×H100; ``combine_path`` falls back to pull below ``PUSH_COMBINE_MIN_BLOCKS``
+    CTAs); pull for expert_major, the copy engines for source_slots. ``num_blocks``:
+    ``default_blocks`` of the operation's path."""
     del num_topk, num_experts  # one answer so far on every measured shape
     dispatch = "fused"
-    combine = {RANK_MAJOR: "push", SOURCE_SLOTS: "copy"}.get(layout, "pull")
+    rank_major = "pull" if _reads_in_place() else "push"
+    combine = {RANK_MAJOR: rank_major, SOURCE_SLOTS: "copy"}.get(layout, "pull")
     path = dispatch if operation == "dispatch" else combine
     return Config(dispatch_path=dispatch, combine_path=combine,
                   num_blocks=default_blocks(layout, operation, path=path, num_ranks=num_ranks),
@@ -253,8 +265,9 @@ def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, la
 def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
     """The call's value, else the process's, else ``JAX_EP_COMBINE`` (pull | copy | push |
     auto: copy where the dispatch's auto would pick it, else the default), else the default:
-    push for rank_major where the combine gets at least ``PUSH_COMBINE_MIN_BLOCKS`` CTAs, else
-    pull (source_slots: copy). expert_major always pulls."""
+    for rank_major the pull where it reads the peers' y in place, else the push where the
+    combine gets at least ``PUSH_COMBINE_MIN_BLOCKS`` CTAs, else the pull (source_slots:
+    copy). expert_major always pulls."""
     path = _field(config, "combine_path")
     path = path or _override("JAX_EP_COMBINE", COMBINE_PATHS + ("auto",))
     if path == "auto":

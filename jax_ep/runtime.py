@@ -422,6 +422,8 @@ def _exchange_descriptors(listener, fd, rank, peers, names, timeout_s) -> dict[i
     """Sends ``fd`` to every peer's listener (``names[peer]``) and receives one descriptor from
     each peer on ``listener``: {peer: descriptor}, owned by the caller. The sends do not wait
     for the peers to accept (the listeners' backlog holds them), so every process sends first."""
+    if not peers:
+        return {}
     for peer in peers:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout_s)

@@ -76,6 +76,17 @@ def test_the_push_combine_is_rank_major_only():
     assert cfg.combine_path(push, layout="source_slots", **SHAPE) == "copy"  # its default
 
 
+def test_the_default_combine_pulls_where_it_reads_peers_arrays_in_place(monkeypatch):
+    monkeypatch.setattr(cfg, "_reads_in_place", lambda: True)
+    assert cfg.resolve(None, layout="rank_major", **SHAPE) == _full("fused", "pull", 64)
+    assert cfg.combine_path(jax_ep.Config(num_blocks=128), layout="rank_major",
+                            **SHAPE) == "pull"
+    assert cfg.combine_path(jax_ep.Config(combine_path="push"), layout="rank_major",
+                            **SHAPE) == "push"  # asked for: it stands
+    monkeypatch.setattr(cfg, "_reads_in_place", lambda: False)
+    assert cfg.combine_path(None, layout="rank_major", **SHAPE) == "push"
+
+
 def test_the_default_combine_pulls_below_the_push_combines_blocks(monkeypatch):
     few = jax_ep.Config(num_blocks=cfg.PUSH_COMBINE_MIN_BLOCKS - 1)
     assert cfg.combine_path(few, layout="rank_major", **SHAPE) == "pull"

@@ -271,6 +271,10 @@ def test_xla_windows_stay_within_a_node():
     assert results == [True] * 4
     assert modules[0].calls[0][0] == [inodes[0], inodes[1], None, None]
     assert modules[3].calls[0][0] == [None, None, inodes[2], inodes[3]]
+    # a node of one process has nobody to pass its descriptor to
+    results, modules, inodes = _open_windows_on_every_rank([True] * 2, nodes=[0, 1])
+    assert results == [True] * 2
+    assert modules[0].calls[0][0] == [inodes[0], None]
 
 
 def test_xla_windows_are_all_or_nothing():
