@@ -383,11 +383,15 @@ def _open_xla_windows(module, client, rank, world, generation, post, nodes,
                  for r in range(world)]
         ranges = [np.frombuffer(p[:24], np.uint64) for p in posts]
         opened = all(int(r[2]) for r in ranges)
+        if opened:  # every process says whether its sends went through before any receives
+            sent = _send_descriptor(fd, rank, peers, {r: posts[r][24:].decode() for r in peers},
+                                    timeout_s)
+            client.key_value_set_bytes(f"{prefix}/sent/{rank}", b"1" if sent else b"0")
+            opened = all(client.blocking_key_value_get_bytes(f"{prefix}/sent/{r}", wait_ms)
+                         == b"1" for r in range(world))
         if opened:
             try:
-                received = _exchange_descriptors(listener, fd, rank, peers,
-                                                 {r: posts[r][24:].decode() for r in peers},
-                                                 timeout_s)
+                received = _receive_descriptors(listener, peers, timeout_s)
                 module.open_xla_windows([fd if r == rank else received.get(r, -1)
                                          for r in range(world)],
                                         [int(r[0]) for r in ranges], [int(r[1]) for r in ranges])
@@ -418,18 +422,26 @@ def _listen(name: str, backlog: int) -> socket.socket:
     return listener
 
 
-def _exchange_descriptors(listener, fd, rank, peers, names, timeout_s) -> dict[int, int]:
-    """Sends ``fd`` to every peer's listener (``names[peer]``) and receives one descriptor from
-    each peer on ``listener``: {peer: descriptor}, owned by the caller. The sends do not wait
-    for the peers to accept (the listeners' backlog holds them), so every process sends first."""
-    if not peers:
-        return {}
-    for peer in peers:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout_s)
-            conn.connect("\0" + names[peer])
-            socket.send_fds(conn, [rank.to_bytes(4, "little")], [fd])
+def _send_descriptor(fd, rank, peers, names, timeout_s) -> bool:
+    """Sends ``fd`` to every peer's listener (``names[peer]``); whether every send went
+    through. A send does not wait for the peer to accept (its listener's backlog holds it)."""
+    try:
+        for peer in peers:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(timeout_s)
+                conn.connect("\0" + names[peer])
+                socket.send_fds(conn, [rank.to_bytes(4, "little")], [fd])
+    except OSError:  # e.g. processes of one host in different network namespaces
+        return False
+    return True
+
+
+def _receive_descriptors(listener, peers, timeout_s) -> dict[int, int]:
+    """One descriptor from each peer on ``listener`` (every peer has sent it already):
+    {peer: descriptor}, owned by the caller."""
     received: dict[int, int] = {}
+    if not peers:
+        return received
     try:
         listener.settimeout(timeout_s)
         while len(received) < len(peers):

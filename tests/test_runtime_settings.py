@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -232,7 +233,7 @@ class FakeWindows:
                            list(bases), list(sizes)))
 
 
-def _open_windows_on_every_rank(exportable, nodes=None, refuse=()):
+def _open_windows_on_every_rank(exportable, nodes=None, refuse=(), timeout_s=5.0):
     """Runs _open_xla_windows on a thread per rank; rank r exports a pipe's write end (or
     nothing where exportable[r] is false). Returns the results, the fake extensions and the
     inode each rank exported."""
@@ -245,7 +246,8 @@ def _open_windows_on_every_rank(exportable, nodes=None, refuse=()):
     def run(rank):
         fd = pipes[rank][1] if exportable[rank] else -1
         results[rank] = runtime._open_xla_windows(modules[rank], store, rank, world, 0,
-                                                  (fd, 4096 * (rank + 1), 1 << 30), nodes, 5.0)
+                                                  (fd, 4096 * (rank + 1), 1 << 30), nodes,
+                                                  timeout_s)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for thread in threads:
@@ -285,3 +287,34 @@ def test_xla_windows_are_all_or_nothing():
     results, modules, _ = _open_windows_on_every_rank([True, True], refuse={1})
     assert results == [False, False]
     assert modules[0].calls[-1] == ([None, None], [0, 0], [0, 0]) and modules[1].calls == []
+
+
+def test_xla_windows_give_up_at_once_where_a_descriptor_cannot_be_sent(monkeypatch):
+    # rank 1 listens under another name than it posts: the others' sends to it fail, and
+    # nobody waits out the timeout for a descriptor that never comes
+    listen = runtime._listen
+
+    def listen_elsewhere(name, backlog):
+        hidden = threading.current_thread().name == "rank-1"
+        return listen(name + "-elsewhere" if hidden else name, backlog)
+
+    monkeypatch.setattr(runtime, "_listen", listen_elsewhere)
+    store, modules = FakeBytesStore(), [FakeWindows() for _ in range(3)]
+    pipes = [os.pipe() for _ in range(3)]
+    results = [None] * 3
+
+    def run(rank):
+        results[rank] = runtime._open_xla_windows(modules[rank], store, rank, 3, 0,
+                                                  (pipes[rank][1], 4096, 1 << 30), [0] * 3, 30.0)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(3)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(40)
+    assert results == [False] * 3 and all(m.calls == [] for m in modules)
+    assert time.monotonic() - start < 10
+    for read_end, write_end in pipes:
+        os.close(read_end)
+        os.close(write_end)
