@@ -225,6 +225,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const size_t rows = size_t(a.capacity);
   a.direct_out = push && !expert_major && in_xla_window(a.out_x, rows * a.x_row_bytes) &&
                  (!has_scales || in_xla_window(a.out_scales, rows * a.scale_row_bytes));
+  // The pull path lets the peers read this PE's inputs where XLA keeps them.
+  const size_t pairs_bytes = size_t(T) * size_t(K) * sizeof(int32_t);
+  a.in_place = !push && !copy_engine && in_xla_window(a.x, size_t(T) * a.x_row_bytes) &&
+               (!has_scales || in_xla_window(a.scales, size_t(T) * a.scale_row_bytes)) &&
+               in_xla_window(a.topk_idx, pairs_bytes) && in_xla_window(a.topk_weights, pairs_bytes);
   return cuda_error(launch_dispatch(a, stream), "dispatch");
 }
 

@@ -39,7 +39,8 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   char* rows = region<char>(ctx, ctx.rank, a.plan.rows);
   char* scales = region<char>(ctx, ctx.rank, a.plan.scales);
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  for (int t = warp; t < T && !a.copy_engine; t += warps) {  // the copy engines move the rows
+  const bool stage_rows = !a.copy_engine && !a.in_place;  // the copy engines move the rows
+  for (int t = warp; t < T && stage_rows; t += warps) {
     copy_row(rows + t * stride, static_cast<const char*>(a.x) + t * a.x_row_bytes, a.x_row_bytes,
              lane, 32);
     if (a.scales != nullptr)
@@ -49,12 +50,21 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   }
   int32_t* ids = region<int32_t>(ctx, ctx.rank, a.plan.meta_ids);
   float* weights = region<float>(ctx, ctx.rank, a.plan.meta_weights);
-  for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * K; i += gridDim.x * kThreads) {
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * K && !a.in_place;
+       i += gridDim.x * kThreads) {
     ids[i] = a.topk_idx[i];
     weights[i] = a.topk_weights[i];
   }
   profile_end(ctx, kProfDispatchStage);
   if (last_block(ctx, 0) && threadIdx.x == 0) {
+    const int me = pe_of(ctx, ctx.rank);
+    const XlaInputs inputs =
+        a.in_place ? XlaInputs{reinterpret_cast<uint64_t>(a.x), reinterpret_cast<uint64_t>(a.scales),
+                               reinterpret_cast<uint64_t>(a.topk_idx),
+                               reinterpret_cast<uint64_t>(a.topk_weights)}
+                   : XlaInputs{0, 0, 0, 0};
+    for (int p = 0; p < ctx.num_ranks; ++p)  // before ready: its release orders these
+      control_of(ctx, p)->xla_in[me] = inputs;
     signal_all(ctx, Flag::kReady, call);
     profile_mark(ctx, kProfDispatchStage, kRetired);
   }
@@ -469,6 +479,13 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
     }
     if (kPull && a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
     finish_call(ctx, call);
+    // Peers read this PE's inputs where XLA keeps them: the call (and with it XLA's hold on
+    // them) ends only once every peer is done with them.
+    if (kPull && a.in_place) {
+      const Control* mine = control_of(ctx, ctx.rank);
+      for (int s = 0; s < ctx.num_ranks; ++s)
+        wait_flag(ctx, &mine->done[pe_of(ctx, s)], call, "dispatch", "peer done reading x", s);
+    }
     profile_mark(ctx, profile_slot, kRetired);
   }
 }

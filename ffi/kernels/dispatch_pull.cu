@@ -1,11 +1,18 @@
 // The pull dispatch: the stage also stages this PE's rows (or, on the copy-engine path, the
-// copy engines send every token to every peer's landing area), then each PE's gather kernel
-// reads the rows it receives from the sources' buffers into the output. docs/design.md,
+// copy engines send every token to every peer's landing area; or, with the XLA windows, it
+// only publishes where x is), then each PE's gather kernel reads the rows it receives from the
+// sources into the output. docs/design.md,
 // sections 4.2 and 4.3. Also the dispatch's entry point, which picks the data path.
 #include "kernels/dispatch_common.cuh"
 
 namespace jax_ep {
 namespace {
+
+// Lane r's pointer, in every lane.
+template <typename T>
+__device__ __forceinline__ T* shfl_pointer(T* p, int r) {
+  return reinterpret_cast<T*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(p), r));
+}
 
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
@@ -34,9 +41,16 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   // chunks land; the rotation keeps every output row visited once (our rows may all lie past
   // the capacity).
   const int rotate = a.copy_engine && !kExpertMajor && C > 0 ? tb.src_offset[me] % C : 0;
+  const Control* mine = control_of(ctx, me);
   for (int j0 = warp; j0 < C; j0 += 32 * warps) {
     const int j = j0 + lane * warps;
     int my_i = -1, my_s = -1, my_t = -1, my_k = -1, my_local = -1;
+    // The source's inputs where it left them in place (Control::xla_in), as mapped here; x
+    // nullptr: its staged copy.
+    const char* my_x = nullptr;
+    const char* my_scales = nullptr;
+    const int32_t* my_ids = nullptr;
+    const float* my_weights = nullptr;
     if (j < C) {
       my_i = j + rotate < C ? j + rotate : j + rotate - C;
       int position = 0;
@@ -49,6 +63,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
       } else if (my_s >= 0) {
         my_t = region<int32_t>(ctx, my_s, a.plan.lists)[size_t(me) * a.plan.list_len + position];
       }
+      if (my_s >= 0 && !a.copy_engine) {
+        const int pe = pe_of(ctx, my_s);
+        const XlaInputs in{__ldcg(&mine->xla_in[pe].x), __ldcg(&mine->xla_in[pe].scales),
+                           __ldcg(&mine->xla_in[pe].ids), __ldcg(&mine->xla_in[pe].weights)};
+        if (in.x != 0) {
+          if (!xla_mapped(ctx, pe)) {  // published, not mapped here
+            report_timeout(ctx, "dispatch", "a peer's x outside the mapped XLA allocations",
+                           my_s, 0, 0);
+            trap_after_report();
+          }
+          my_x = xla_address(ctx, pe, in.x);
+          my_scales = in.scales != 0 ? xla_address(ctx, pe, in.scales) : nullptr;
+          my_ids = reinterpret_cast<const int32_t*>(xla_address(ctx, pe, in.ids));
+          my_weights = reinterpret_cast<const float*>(xla_address(ctx, pe, in.weights));
+        }
+      }
     }
     for (int r = 0; r < 32; ++r) {
       const int i = __shfl_sync(0xffffffffu, my_i, r);
@@ -60,8 +90,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
       }
       const int t = __shfl_sync(0xffffffffu, my_t, r), k = __shfl_sync(0xffffffffu, my_k, r);
       const int local = __shfl_sync(0xffffffffu, my_local, r);
-      const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
-      const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
+      const char* in_x = shfl_pointer(my_x, r);
+      const int32_t* ids = in_x != nullptr ? shfl_pointer(my_ids, r) + size_t(t) * K
+                                           : region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
+      const float* weights = in_x != nullptr
+                                 ? shfl_pointer(my_weights, r) + size_t(t) * K
+                                 : region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
       // lane j's id and weight (expert_major: lane 0's weight of pair k), used after the copy
       const int e = !kExpertMajor && lane < K ? ids[lane] : -1;
       const bool weighs = kExpertMajor ? lane == 0 : lane < K;
@@ -82,6 +116,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
         copy_row<true>(out_row, row, a.x_row_bytes, lane, 32);
         if (a.scales != nullptr)
           copy_row<true>(out_scales, row_scales, a.scale_row_bytes, lane, 32);
+      } else if (in_x != nullptr) {  // where the source's XLA keeps it
+        copy_row(out_row, in_x + size_t(t) * a.x_row_bytes, a.x_row_bytes, lane, 32);
+        if (a.scales != nullptr)
+          copy_row(out_scales, shfl_pointer(my_scales, r) + size_t(t) * a.scale_row_bytes,
+                   a.scale_row_bytes, lane, 32);
       } else {
         copy_row(out_row, region<char>(ctx, s, a.plan.rows) + t * stride, a.x_row_bytes, lane, 32);
         if (a.scales != nullptr)

@@ -79,6 +79,10 @@ struct DispatchArgs {
   // Fused rank_major with out_x (and out_scales) inside this PE's mapped XLA allocation: the
   // peers store their rows there (Control::xla_out_x) instead of into the push region.
   bool direct_out;
+  // The pull path (not the copy engines) with x, scales, topk_idx and topk_weights inside this
+  // PE's mapped XLA allocation: the peers read them there (Control::xla_in) instead of from a
+  // staged copy, and the call ends once every peer is done reading.
+  bool in_place;
 };
 
 enum class ElementType { kBF16, kF16, kF32 };

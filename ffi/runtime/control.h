@@ -16,6 +16,11 @@
 namespace jax_ep {
 
 constexpr int kMaxRanks = 1024;
+
+// A dispatch's inputs as one PE published them for its peers (Control::xla_in).
+struct XlaInputs {
+  uint64_t x, scales, ids, weights;
+};
 constexpr int kProfileKernels = 16;
 // Rows of Control::profile: handler call c since the last reset stamps row c % (kProfileCalls
 // - 1), so a chain of calls leaves a timeline (gaps between calls included); the last row is
@@ -74,6 +79,10 @@ struct Control {
   // push region (written before ready[s]).
   uint64_t xla_out_x[kMaxRanks];
   uint64_t xla_out_scales[kMaxRanks];
+  // The pull dispatch's sources read in place: xla_in[s] = PE s's inputs for the current call
+  // (x, scales, top-k ids, top-k weights), in its own address space, x 0 when it staged them
+  // (written before ready[s]).
+  XlaInputs xla_in[kMaxRanks];
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
   // block finished, [3] last block finished, [4] retired: the last block past its closing
