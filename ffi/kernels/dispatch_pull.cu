@@ -42,8 +42,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   // the capacity).
   const int rotate = a.copy_engine && !kExpertMajor && C > 0 ? tb.src_offset[me] % C : 0;
   const Control* mine = control_of(ctx, me);
-  for (int j0 = warp; j0 < C; j0 += 32 * warps) {
-    const int j = j0 + lane * warps;
+  // Batches of 32 rows claimed in order from a counter (reset by the stage): a warp whose rows
+  // are local does not sit idle while others pull theirs over NVLink.
+  uint32_t* cursor = &control_of(ctx, me)->work_cursor[kCursorDispatch];
+  for (int b = claim_item(cursor, lane); b * 32 < C; b = claim_item(cursor, lane)) {
+    const int j = b * 32 + lane;
     int my_i = -1, my_s = -1, my_t = -1, my_k = -1, my_local = -1;
     // The source's inputs where it left them in place (Control::xla_in), as mapped here; x
     // nullptr: its staged copy.
