@@ -28,13 +28,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, me, a.plan.matrix), tables, tb);
 
-  // Rows of the output: warp w takes rows w, w + warps, ... (so that the grid goes through the
-  // rows in order, as the copy engines land them), 32 at a time: lane r finds the r-th row's
-  // source and token, so that the list entries of 32 rows (the sources', over NVLink for a
-  // peer) take one round trip, not one in front of every copy. Each row's ids and weights
-  // (the source's too) are loaded before its copy, so their round trip overlaps the copy.
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  const int warps = gridDim.x * kWarps;
+  // Rows of the output in batches of 32 claimed in order from a counter (reset by the stage),
+  // so that the grid goes through the rows in order, as the copy engines land them, and a warp
+  // whose rows are local does not sit idle while others pull theirs over NVLink. Lane r finds
+  // the r-th row's source and token, so that the list entries of 32 rows (the sources', over
+  // NVLink for a peer) take one round trip, not one in front of every copy. Each row's ids and
+  // weights (the source's too) are loaded before its copy, so their round trip overlaps it.
+  const int lane = threadIdx.x % 32;
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
   const int out_k = kExpertMajor ? 1 : K;
   // Copy-engine dispatch, rank_major: our own rows (in x already) first, while the peers'
@@ -42,8 +42,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
   // the capacity).
   const int rotate = a.copy_engine && !kExpertMajor && C > 0 ? tb.src_offset[me] % C : 0;
   const Control* mine = control_of(ctx, me);
-  // Batches of 32 rows claimed in order from a counter (reset by the stage): a warp whose rows
-  // are local does not sit idle while others pull theirs over NVLink.
   uint32_t* cursor = &control_of(ctx, me)->work_cursor[kCursorDispatch];
   for (int b = claim_item(cursor, lane); b * 32 < C; b = claim_item(cursor, lane)) {
     const int j = b * 32 + lane;
