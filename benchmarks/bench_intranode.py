@@ -36,7 +36,8 @@ def parse_args():
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--modes", default="pull,fused,copy,slots",
                    help="dispatch modes to time (JAX_EP_DISPATCH values, and slots: the "
-                   "source_slots layout, its combine in every --combine-modes), comma-separated")
+                   "source_slots layout, its combine in every --combine-modes; slots-fused: "
+                   "source_slots by the SMs), comma-separated")
     p.add_argument("--combine-modes", default="push,pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
@@ -207,7 +208,8 @@ def main():
            marker=None)
     modes = args.modes.split(",")
     for mode in modes:  # JAX_EP_DISPATCH, read when the call is traced
-        if mode == "slots":  # source_slots: copy engines whatever the mode
+        if mode in ("slots", "slots-fused"):  # source_slots: its copy engines, or its SMs
+            os.environ["JAX_EP_DISPATCH"] = "fused" if mode == "slots-fused" else "copy"
             slots = partial(dispatch, layout="source_slots", cap=R * T)
             record(f"jax_ep dispatch BF16 source_slots [{mode}]", slots, x, idx_d, w, chained=2)
             record(f"jax_ep dispatch FP8 source_slots, quantize included [{mode}]",

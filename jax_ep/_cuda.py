@@ -80,7 +80,7 @@ def _check_sources(op, path, count, expert_major):
 
 
 def _check_dispatch_limits(num_ranks, num_topk, layout, path):
-    copy_engine = layout == SOURCE_SLOTS or path == "copy"
+    copy_engine = path == "copy"
     limit = _limits()["max_copy_ranks"]
     if copy_engine and num_ranks > limit:
         what = "the source_slots layout" if layout == SOURCE_SLOTS else "dispatch_path 'copy'"
@@ -196,8 +196,10 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
     expert_major = layout == EXPERT_MAJOR
     resolved = _resolve(tuning, num_ranks, K, num_experts, layout)
-    # source_slots moves its rows by the copy engines whatever the path
-    path = "copy" if layout == SOURCE_SLOTS else resolved.dispatch_path
+    # source_slots moves its rows by the copy engines, or by the SMs where fused is asked for
+    path = resolved.dispatch_path
+    if layout == SOURCE_SLOTS and path != "fused":
+        path = "copy"
     _check_dispatch_limits(num_ranks, K, layout, path)
     has_scales = x_scales is not None
     row_meta = (C,) if expert_major else (C, K)

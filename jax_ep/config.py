@@ -80,7 +80,9 @@ class Config:
         and, in the same kernel, the receivers move complete chunks out; at most 16
         destinations per token), ``"pull"`` (receivers load rows from the senders' buffers:
         no such limit) or ``"copy"`` (the copy engines send every token to every peer; at most
-        32 ranks). The source_slots layout always moves its rows by the copy engines.
+        32 ranks). The source_slots layout moves its rows by the copy engines (its default)
+        or, with ``"fused"``, by the SMs, which store each row at its fixed place in every
+        destination as soon as the call starts (no count exchange in front).
     combine_path: ``"pull"`` (the token owners load the expert ranks' staged rows),
         ``"copy"`` (rank_major and source_slots: the expert ranks' copy engines send each
         owner its rows) or ``"push"`` (rank_major: the expert ranks store each owner's rows
@@ -159,7 +161,7 @@ def default_blocks(layout, operation="dispatch", *, path=None, num_ranks=2) -> i
     rank_major's rows through HBM (2×H200: combine 355 -> 289 µs with 132 CTAs instead of 64).
     Everything else 64 (the expert_major dispatch 297 µs with 64, 309 with 132; rank_major's
     227 and 235; 24 CTAs: 260 / 266 µs)."""
-    if path == "copy" or layout == SOURCE_SLOTS:
+    if path == "copy" or (layout == SOURCE_SLOTS and path != "fused"):
         return copy_engine_blocks(num_ranks)
     if layout == EXPERT_MAJOR and operation != "dispatch":
         return _multiprocessors() or DEFAULT_BLOCKS
@@ -183,7 +185,7 @@ def default_config(num_ranks, num_topk, num_experts, layout, operation="dispatch
     CTAs); pull for expert_major, the copy engines for source_slots. ``num_blocks``:
     ``default_blocks`` of the operation's path."""
     del num_topk, num_experts  # one answer so far on every measured shape
-    dispatch = "fused"
+    dispatch = "copy" if layout == SOURCE_SLOTS else "fused"
     rank_major = "pull" if _reads_in_place() else "push"
     combine = {RANK_MAJOR: rank_major, SOURCE_SLOTS: "copy"}.get(layout, "pull")
     path = dispatch if operation == "dispatch" else combine
@@ -258,7 +260,8 @@ def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, la
     path = _field(config, "dispatch_path")
     path = path or _override("JAX_EP_DISPATCH", DISPATCH_PATHS + ("auto",))
     if path == "auto":
-        return "copy" if _copy_pays(num_ranks, num_topk, num_experts, layout) else "fused"
+        pays = layout == SOURCE_SLOTS or _copy_pays(num_ranks, num_topk, num_experts, layout)
+        return "copy" if pays else "fused"
     return path or default_config(num_ranks, num_topk, num_experts, layout).dispatch_path
 
 

@@ -69,6 +69,16 @@ def test_defaults_follow_the_layout_and_the_path(monkeypatch):
                             **SHAPE) == "pull"
 
 
+def test_source_slots_dispatches_by_copy_engines_unless_fused_is_asked_for(monkeypatch):
+    slots = dict(SHAPE, layout="source_slots")
+    assert cfg.dispatch_path(None, **slots) == "copy"
+    assert cfg.resolve(None, **slots).num_blocks == 32  # the copy engines' CTAs
+    fused = cfg.resolve(jax_ep.Config(dispatch_path="fused"), **slots)
+    assert fused.dispatch_path == "fused" and fused.num_blocks == 64  # the SMs' default
+    monkeypatch.setenv("JAX_EP_DISPATCH", "auto")
+    assert cfg.dispatch_path(None, **slots) == "copy"
+
+
 def test_the_push_combine_is_rank_major_only():
     push = jax_ep.Config(combine_path="push")
     assert cfg.combine_path(push, layout="rank_major", **SHAPE) == "push"

@@ -306,11 +306,20 @@ def slots_combine(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["copy", "fused"])
+def slots_dispatch(request, monkeypatch):
+    """JAX_EP_DISPATCH for the source_slots layout: its copy engines (the default), or the SMs
+    storing every row at its place in each destination (in place with the XLA windows)."""
+    monkeypatch.setenv("JAX_EP_DISPATCH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("T,H,K,per_rank,kind,mask,dtype", [
     c[:7] for c in CASES if c[7] is None] + [(200, 7168 // 8, 8, 8, "random", 0.05, jnp.bfloat16)])
-def test_source_slots_match_reference(T, H, K, per_rank, kind, mask, dtype, slots_combine):
+def test_source_slots_match_reference(T, H, K, per_rank, kind, mask, dtype, slots_combine,
+                                      slots_dispatch):
     """source_slots: the rows of every (source, token) in their fixed place, moved by the copy
-    engines whatever JAX_EP_DISPATCH says; combine through both data paths."""
+    engines or by the SMs; combine through both data paths."""
     R = num_ranks()
     E = per_rank * R
     rng = np.random.default_rng(T * 17 + H + K)

@@ -147,9 +147,9 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   // pull, the fused push, or pull with the rows moved by the copy engines
   if (path != "pull" && path != "fused" && path != "copy")
     return invalid("dispatch: path must be pull, fused or copy, got " + std::string(path));
-  // source_slots always moves its rows by the copy engines (its reason to be)
-  if (source_slots && path != "copy")
-    return invalid("dispatch: the source_slots layout takes the copy path, got " +
+  // source_slots moves its rows by the copy engines or, with path fused, by the SMs
+  if (source_slots && path != "copy" && path != "fused")
+    return invalid("dispatch: the source_slots layout takes the copy or the fused path, got " +
                    std::string(path));
   if (source_slots && t != nullptr && capacity != int64_t(R) * T)
     return invalid("dispatch: source_slots needs capacity = " +
@@ -172,7 +172,9 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                    " bytes of shared memory per block, above the " +
                    std::to_string(max_block_shared_memory()) + " this GPU allows" +
                    (expert_major ? " (the rank_major layout needs far less)" : ""));
-  RegionPlan plan = copy_engine ? plan_dispatch_copy(R, T, K, static_cast<int>(num_experts),
+  // source_slots by the SMs uses the copy engines' landing areas where it cannot store in place
+  const bool landing = copy_engine || source_slots;
+  RegionPlan plan = landing ? plan_dispatch_copy(R, T, K, static_cast<int>(num_experts),
                                                      expert_major, size_t(H) * elem,
                                                      scale_row)
                                 : plan_dispatch(R, T, K, static_cast<int>(num_experts),
@@ -181,7 +183,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       plan_dispatch_push(R, T, K, static_cast<int>(num_experts), expert_major,
                          static_cast<int>(capacity), size_t(H) * elem, scale_row);
   DispatchArgs a{};
-  const size_t needed = copy_engine ? plan.end
+  const size_t needed = landing ? plan.end
                                     : dispatch_bytes(R, T, K, static_cast<int>(num_experts),
                                                      expert_major, static_cast<int>(capacity),
                                                      size_t(H) * elem, scale_row, push);

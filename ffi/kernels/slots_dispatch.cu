@@ -2,6 +2,9 @@
 // Every source's copy engines land all of its rows in its peers' landing areas
 // (add_dispatch_transfers), so the CTAs only publish the routing, copy rows locally into
 // their fixed places and write each row's metadata: no per-destination scan, no token lists.
+// By the SMs (path "fused"): a row's place needs no peer's counts, so each source stores its
+// rows into every destination as soon as the call starts: straight into the destination's
+// output where it published one (the XLA windows), else into its landing area.
 #include "kernels/intranode.h"
 
 namespace jax_ep {
@@ -9,6 +12,15 @@ namespace {
 
 // Ids (and weights) a lane loads together for one row: one round trip per group of them.
 constexpr int kIdsPerRound = 8;
+// Control::block_counter slot of the SM path's stores (the last block raises pushed[]).
+constexpr int kCounterSlotsPush = 6;
+
+int resident_blocks(int wanted) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 && sms < wanted ? sms : wanted;
+}
 
 // Publishes this PE's ids and weights (the receivers read them for their rows' metadata),
 // writes send_slot (token t is row me*T + t at every rank holding one of its experts) and
@@ -26,6 +38,7 @@ __global__ void __launch_bounds__(kThreads) slots_stage(DispatchArgs a) {
     for (int l = threadIdx.x; l < L; l += kThreads) a.tokens_per_expert[l] = 0;
     if (threadIdx.x == 0) *a.num_received = *a.num_dropped = 0;
   }
+  reset_cursor(ctx, kCursorDispatch);  // the SM path's tokens
   int32_t* ids = region<int32_t>(ctx, me, a.plan.meta_ids);
   float* weights = region<float>(ctx, me, a.plan.meta_weights);
   const int thread = blockIdx.x * kThreads + threadIdx.x, threads = gridDim.x * kThreads;
@@ -39,8 +52,58 @@ __global__ void __launch_bounds__(kThreads) slots_stage(DispatchArgs a) {
   }
   profile_end(ctx, kProfDispatchStage);
   if (last_block(ctx, 0) && threadIdx.x == 0) {
+    const int pe = pe_of(ctx, me);
+    for (int p = 0; p < R; ++p) {  // before ready: its release orders these
+      Control* peer = control_of(ctx, p);
+      peer->xla_out_x[pe] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
+      peer->xla_out_scales[pe] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
+    }
     signal_all(ctx, Flag::kReady, call);
     profile_mark(ctx, kProfDispatchStage, kRetired);
+  }
+}
+
+// The SM path's stores: warps claim this PE's tokens and store each row (and its scales) into
+// row me*T + t of every peer holding one of its experts; the last block then raises pushed[me]
+// at each peer. This PE's own rows are left to the gather, which copies them from x.
+__device__ void push_slot_rows(const DispatchArgs& a, uint64_t call) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, L = a.num_experts / R;
+  const int lane = threadIdx.x % 32;
+  Control* mine = control_of(ctx, me);
+  __shared__ char* rows[kMaxCopyRanks];
+  __shared__ char* scales[kMaxCopyRanks];
+  if (threadIdx.x < R) {  // each destination's output (published) or landing area
+    const int r = threadIdx.x, pe = pe_of(ctx, r);
+    const uint64_t x = __ldcg(&mine->xla_out_x[pe]);
+    const uint64_t sc = __ldcg(&mine->xla_out_scales[pe]);
+    if (x != 0 && !xla_mapped(ctx, pe)) {  // published, not mapped here
+      report_timeout(ctx, "dispatch", "a peer's output outside the mapped XLA allocations", r,
+                     0, 0);
+      trap_after_report();
+    }
+    rows[r] = x != 0 ? xla_address(ctx, pe, x) : region<char>(ctx, r, a.plan.rows);
+    scales[r] = x != 0 ? (sc != 0 ? xla_address(ctx, pe, sc) : nullptr)
+                       : region<char>(ctx, r, a.plan.scales);
+  }
+  __syncthreads();
+  uint32_t* cursor = &mine->work_cursor[kCursorDispatch];
+  for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
+    const uint32_t peers = rank_mask(a, t, L) & ~(1u << me);
+    const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
+    const size_t i = size_t(me) * T + t;
+    for (uint32_t left = peers; left != 0; left &= left - 1) {
+      const int r = __ffs(left) - 1;
+      copy_row(rows[r] + i * a.x_row_bytes, row, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr)
+        copy_row(scales[r] + i * a.scale_row_bytes,
+                 reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+                 a.scale_row_bytes, lane, 32);
+    }
+  }
+  if (last_block_on(&mine->block_counter[kCounterSlotsPush]) && threadIdx.x == 0) {
+    const int pe = pe_of(ctx, me);
+    for (int r = 0; r < R; ++r) store_release(&control_of(ctx, r)->pushed[pe], call);
   }
 }
 
@@ -81,6 +144,10 @@ __device__ bool write_row_metadata(const DispatchArgs& a, int i, int s, int t) {
   return used;
 }
 
+// kSMs: the SM path, which first stores this PE's rows at the peers (push_slot_rows); a peer's
+// rows are then in place (this PE published its output) or in the landing area once the
+// peer's pushed flag has come.
+template <bool kSMs>
 __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
   wait_previous_kernel();
   const PeerContext& ctx = a.ctx;
@@ -88,6 +155,8 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
   profile_mark(ctx, kProfDispatchGather, kEnter);
   wait_all_ready(ctx, call, "dispatch");
   profile_mark(ctx, kProfDispatchGather, kWaited);
+  if (kSMs) push_slot_rows(a, call);
+  const Control* mine = control_of(ctx, ctx.rank);
   const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, rows = R * T;
   const int L = a.num_experts / R;
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
@@ -126,8 +195,15 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
                    a.scale_row_bytes, lane, 32);
         continue;
       }
-      wait_landed(ctx, s, t / a.copy_chunk_rows, lane, "dispatch");
-      // L1 may hold the area's previous call: the copy engine wrote around it
+      if (kSMs) {
+        if (a.direct_out) continue;  // the peer stored it here
+        if (lane == 0)
+          wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);
+        __syncwarp();
+      } else {
+        wait_landed(ctx, s, t / a.copy_chunk_rows, lane, "dispatch");
+      }
+      // L1 may hold the area's previous call: the copy engine (or the peer) wrote around it
       copy_row<true>(out_row, region<char>(ctx, me, a.plan.rows) + size_t(i) * a.x_row_bytes,
                      a.x_row_bytes, lane, 32);
       if (a.scales != nullptr)
@@ -143,7 +219,12 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
   for (int l = threadIdx.x; l < L; l += kThreads)
     a.group_sizes[l] = __ldcg(a.tokens_per_expert + l);
   if (threadIdx.x == 0) {
-    close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
+    if (kSMs) {  // every peer's rows are here (in place, they landed unseen)
+      for (int s = 0; s < ctx.num_ranks; ++s)
+        wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);
+    } else {
+      close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
+    }
     finish_call(ctx, call);
     profile_mark(ctx, kProfDispatchGather, kRetired);
   }
@@ -152,6 +233,14 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
 }  // namespace
 
 cudaError_t launch_dispatch_slots(const DispatchArgs& a, cudaStream_t stream) {
+  if (!a.copy_engine) {  // by the SMs
+    cudaError_t status = launch_after_previous(slots_stage, a.num_blocks, kThreads, 0, stream, a);
+    if (status != cudaSuccess) return status;
+    // every block resident: a block waiting for a peer's rows must not keep this PE's own
+    // pushes from a CTA slot
+    return launch_after_previous(slots_gather<true>, resident_blocks(a.num_blocks), kThreads, 0,
+                                 stream, a);
+  }
   cudaError_t status = copy_engine_guard(a.ctx, /*combine=*/false, stream);
   if (status != cudaSuccess) return status;
   CopySequence sequence;
@@ -160,7 +249,7 @@ cudaError_t launch_dispatch_slots(const DispatchArgs& a, cudaStream_t stream) {
   if (status == cudaSuccess)
     status = launch_after_previous(slots_stage, a.num_blocks, kThreads, 0, stream, a);
   if (status == cudaSuccess)
-    status = launch_after_previous(slots_gather, a.num_blocks, kThreads, 0, stream, a);
+    status = launch_after_previous(slots_gather<false>, a.num_blocks, kThreads, 0, stream, a);
   if (status == cudaSuccess) status = copy_engine_join(a.ctx, stream);
   return status;
 }
