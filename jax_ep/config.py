@@ -51,6 +51,10 @@ DEFAULT_BLOCKS = 64
 # pull's 258 with 64 CTAs and 238 against 255 with 128, but 343 against 280 with 24
 # (benchmarks/RESULTS.md).
 PUSH_COMBINE_MIN_BLOCKS = 64
+# Where the pull dispatch reads the sources' x in place (the same windows), it is rank_major's
+# default dispatch at this many CTAs or fewer: with few SMs the receivers' loads keep NVLink
+# busier than the senders' stores (benchmarks/RESULTS.md).
+PULL_DISPATCH_MAX_BLOCKS = 32
 
 # Every JAX_EP_* variable that changes what jax_ep does, read in this module only.
 ENVIRONMENT = {
@@ -256,13 +260,20 @@ def _number(name, default, kind):
 def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
     """The call's value, else the process's, else ``JAX_EP_DISPATCH`` (fused | pull | copy |
     auto; auto: the copy engines for rank_major where a peer is expected to need >= 85 % of
-    the tokens, else fused), else the default."""
+    the tokens, else fused), else the default: for rank_major the pull where it reads the
+    sources' x in place and gets at most ``PULL_DISPATCH_MAX_BLOCKS`` CTAs, else fused."""
     path = _field(config, "dispatch_path")
     path = path or _override("JAX_EP_DISPATCH", DISPATCH_PATHS + ("auto",))
     if path == "auto":
         pays = layout == SOURCE_SLOTS or _copy_pays(num_ranks, num_topk, num_experts, layout)
         return "copy" if pays else "fused"
-    return path or default_config(num_ranks, num_topk, num_experts, layout).dispatch_path
+    if path is None:
+        path = default_config(num_ranks, num_topk, num_experts, layout).dispatch_path
+        if (path == "fused" and layout == RANK_MAJOR and _reads_in_place()
+                and num_blocks(config, layout=layout, path=path, num_ranks=num_ranks)
+                <= PULL_DISPATCH_MAX_BLOCKS):
+            path = "pull"
+    return path
 
 
 def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:

@@ -276,3 +276,26 @@ def test_runtime_variables_are_read_in_the_config_module(monkeypatch):
         cfg.timeout_s(None)
     monkeypatch.setenv("JAX_EP_COMMAND_BUFFERS", "1")
     assert cfg.command_buffers()
+
+
+def test_the_default_dispatch_pulls_in_place_with_few_blocks(monkeypatch):
+    few = jax_ep.Config(num_blocks=cfg.PULL_DISPATCH_MAX_BLOCKS)
+    many = jax_ep.Config(num_blocks=cfg.PULL_DISPATCH_MAX_BLOCKS + 1)
+    monkeypatch.setattr(cfg, "_reads_in_place", lambda: True)
+    assert cfg.dispatch_path(few, layout="rank_major", **SHAPE) == "pull"
+    assert cfg.dispatch_path(many, layout="rank_major", **SHAPE) == "fused"
+    assert cfg.dispatch_path(None, layout="rank_major", **SHAPE) == "fused"  # 64 CTAs
+    assert cfg.resolve(few, layout="rank_major", **SHAPE).dispatch_path == "pull"
+    # other layouts, an explicit path and the variable stand
+    assert cfg.dispatch_path(few, layout="expert_major", **SHAPE) == "fused"
+    assert cfg.dispatch_path(few, layout="source_slots", **SHAPE) == "copy"
+    assert cfg.dispatch_path(jax_ep.Config(dispatch_path="fused", num_blocks=8),
+                             layout="rank_major", **SHAPE) == "fused"
+    monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")
+    assert cfg.dispatch_path(None, layout="rank_major", **SHAPE) == "pull"
+    monkeypatch.setenv("JAX_EP_DISPATCH", "fused")
+    assert cfg.dispatch_path(None, layout="rank_major", **SHAPE) == "fused"
+    monkeypatch.delenv("JAX_EP_DISPATCH")
+    # without the windows the pull would stage x first: fused at any count
+    monkeypatch.setattr(cfg, "_reads_in_place", lambda: False)
+    assert cfg.dispatch_path(few, layout="rank_major", **SHAPE) == "fused"

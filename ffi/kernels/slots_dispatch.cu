@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(kThreads) slots_stage(DispatchArgs a) {
 }
 
 // The SM path's stores: warps claim this PE's tokens and store each row (and its scales) into
-// row me*T + t of every peer holding one of its experts; the last block then raises pushed[me]
-// at each peer. This PE's own rows are left to the gather, which copies them from x.
+// row me*T + t of every peer holding one of its experts, and of this PE's own output where one
+// is here (the local copy then runs beside the NVLink stores instead of after them); the last
+// block then raises pushed[me] at each peer.
 __device__ void push_slot_rows(const DispatchArgs& a, uint64_t call) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, L = a.num_experts / R;
@@ -89,15 +90,21 @@ __device__ void push_slot_rows(const DispatchArgs& a, uint64_t call) {
   __syncthreads();
   uint32_t* cursor = &mine->work_cursor[kCursorDispatch];
   for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
-    const uint32_t peers = rank_mask(a, t, L) & ~(1u << me);
+    const uint32_t mask = rank_mask(a, t, L);
     const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
+    const char* row_scales =
+        reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes;
     const size_t i = size_t(me) * T + t;
-    for (uint32_t left = peers; left != 0; left &= left - 1) {
+    for (uint32_t left = mask & ~(1u << me); left != 0; left &= left - 1) {
       const int r = __ffs(left) - 1;
       copy_row(rows[r] + i * a.x_row_bytes, row, a.x_row_bytes, lane, 32);
       if (a.scales != nullptr)
-        copy_row(scales[r] + i * a.scale_row_bytes,
-                 reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
+        copy_row(scales[r] + i * a.scale_row_bytes, row_scales, a.scale_row_bytes, lane, 32);
+    }
+    if (mask >> me & 1) {
+      copy_row(static_cast<char*>(a.out_x) + i * a.x_row_bytes, row, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr)
+        copy_row(reinterpret_cast<char*>(a.out_scales) + i * a.scale_row_bytes, row_scales,
                  a.scale_row_bytes, lane, 32);
     }
   }
@@ -186,6 +193,7 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
         continue;
       }
       const int s = i / T, t = i % T;
+      if (kSMs && s == me) continue;  // the push stored it
       if (s == me) {
         copy_row(out_row, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
                  a.x_row_bytes, lane, 32);
