@@ -299,8 +299,6 @@ int main(int argc, char** argv) {
       }, size_t(rows) * row_bytes, iters);
     if (me == 0) std::printf("| %d | %.1f | %.1f | %.1f |\n", g, rate[0], rate[1], rate[2]);
   }
-  CHECK(cudaFree(own));
-  CHECK(cudaFree(counter));
   const double ce = measure([&] {
     CHECK(cudaMemcpyAsync(remote, local, bytes, cudaMemcpyDeviceToDevice, 0));
   }, bytes, iters);
@@ -309,6 +307,44 @@ int main(int argc, char** argv) {
   int lowest = 0, highest = 0;
   CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
   CHECK(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, highest));
+  // Both at once: the copy engine takes the first share of the rows (one copy on a stream of
+  // its own), the SMs push the rest (the row pattern with the own local copy beside), so the
+  // link carries both; GB/s of all rows to the peer per direction.
+  cudaEvent_t fork, join;
+  CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  if (me == 0)
+    std::printf("rows split: the copy engine's share, the SMs' the rest; GB/s per direction\n"
+                "| CTAs | CE 0 %% | CE 25 %% | CE 40 %% | CE 50 %% | CE 60 %% |\n"
+                "|---:|---:|---:|---:|---:|---:|\n");
+  for (int g : {24, 64}) {
+    double rate[5];
+    const double shares[] = {0.0, 0.25, 0.4, 0.5, 0.6};
+    for (int v = 0; v < 5; ++v) {
+      const int ce_rows = int(rows * shares[v]);
+      rate[v] = measure([&] {
+        CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), 0));
+        CHECK(cudaEventRecord(fork, 0));
+        CHECK(cudaStreamWaitEvent(side, fork, 0));
+        if (ce_rows > 0)
+          CHECK(cudaMemcpyAsync(remote, local, size_t(ce_rows) * row_bytes,
+                                cudaMemcpyDeviceToDevice, side));
+        row_push<<<g, kThreads>>>(local + size_t(ce_rows) * row_bytes,
+                                  remote + size_t(ce_rows) * row_bytes,
+                                  own + size_t(ce_rows) * row_bytes, rows - ce_rows, row_bytes,
+                                  counter, false);
+        CHECK(cudaEventRecord(join, side));
+        CHECK(cudaStreamWaitEvent(0, join, 0));
+      }, size_t(rows) * row_bytes, iters);
+    }
+    if (me == 0)
+      std::printf("| %d | %.1f | %.1f | %.1f | %.1f | %.1f |\n", g, rate[0], rate[1], rate[2],
+                  rate[3], rate[4]);
+  }
+  CHECK(cudaEventDestroy(fork));
+  CHECK(cudaEventDestroy(join));
+  CHECK(cudaFree(own));
+  CHECK(cudaFree(counter));
   unsigned long long* flag = reinterpret_cast<unsigned long long*>(remote + bytes - 64);
   cudaDriverEntryPointQueryResult found;
   CHECK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64",

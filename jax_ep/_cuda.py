@@ -80,13 +80,14 @@ def _check_sources(op, path, count, expert_major):
 
 
 def _check_dispatch_limits(num_ranks, num_topk, layout, path):
-    copy_engine = path == "copy"
     limit = _limits()["max_copy_ranks"]
-    if copy_engine and num_ranks > limit:
-        what = "the source_slots layout" if layout == SOURCE_SLOTS else "dispatch_path 'copy'"
-        raise ValueError(f"dispatch: the copy-engine path ({what}) supports at most {limit} "
-                         f"ranks, the mesh axis has {num_ranks}")
-    if path == "fused" and not copy_engine:
+    if layout == SOURCE_SLOTS and num_ranks > limit:  # a rank bit per destination, either path
+        raise ValueError(f"dispatch: the source_slots layout supports at most {limit} ranks, "
+                         f"the mesh axis has {num_ranks}")
+    if path == "copy" and num_ranks > limit:
+        raise ValueError(f"dispatch: the copy-engine path (dispatch_path 'copy') supports at "
+                         f"most {limit} ranks, the mesh axis has {num_ranks}")
+    if path == "fused" and layout != SOURCE_SLOTS:
         expert_major = layout == EXPERT_MAJOR
         _check_sources("dispatch", "fused dispatch (dispatch_path 'pull' has no such limit)",
                        num_topk if expert_major else num_ranks, expert_major)

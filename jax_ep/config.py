@@ -53,8 +53,9 @@ DEFAULT_BLOCKS = 64
 PUSH_COMBINE_MIN_BLOCKS = 64
 # Where the pull dispatch reads the sources' x in place (the same windows), it is rank_major's
 # default dispatch at this many CTAs or fewer: with few SMs the receivers' loads keep NVLink
-# busier than the senders' stores (benchmarks/RESULTS.md).
-PULL_DISPATCH_MAX_BLOCKS = 32
+# busier than the senders' stores (2×H100, DeepSeek-V3 shapes: BF16 245.7 µs against the
+# fused 272.8 with 24 CTAs, 246.0 against 242.2 with 32; benchmarks/RESULTS.md).
+PULL_DISPATCH_MAX_BLOCKS = 24
 
 # Every JAX_EP_* variable that changes what jax_ep does, read in this module only.
 ENVIRONMENT = {
@@ -165,7 +166,7 @@ def default_blocks(layout, operation="dispatch", *, path=None, num_ranks=2) -> i
     rank_major's rows through HBM (2×H200: combine 355 -> 289 µs with 132 CTAs instead of 64).
     Everything else 64 (the expert_major dispatch 297 µs with 64, 309 with 132; rank_major's
     227 and 235; 24 CTAs: 260 / 266 µs)."""
-    if path == "copy" or (layout == SOURCE_SLOTS and path != "fused"):
+    if path == "copy":
         return copy_engine_blocks(num_ranks)
     if layout == EXPERT_MAJOR and operation != "dispatch":
         return _multiprocessors() or DEFAULT_BLOCKS
@@ -189,9 +190,10 @@ def default_config(num_ranks, num_topk, num_experts, layout, operation="dispatch
     CTAs); pull for expert_major, the copy engines for source_slots. ``num_blocks``:
     ``default_blocks`` of the operation's path."""
     del num_topk, num_experts  # one answer so far on every measured shape
-    dispatch = "copy" if layout == SOURCE_SLOTS else "fused"
-    rank_major = "pull" if _reads_in_place() else "push"
-    combine = {RANK_MAJOR: rank_major, SOURCE_SLOTS: "copy"}.get(layout, "pull")
+    in_place = _reads_in_place()
+    dispatch = "copy" if layout == SOURCE_SLOTS and not in_place else "fused"
+    combine = {RANK_MAJOR: "pull" if in_place else "push",
+               SOURCE_SLOTS: "pull" if in_place else "copy"}.get(layout, "pull")
     path = dispatch if operation == "dispatch" else combine
     return Config(dispatch_path=dispatch, combine_path=combine,
                   num_blocks=default_blocks(layout, operation, path=path, num_ranks=num_ranks),

@@ -288,7 +288,7 @@ def test_the_default_dispatch_pulls_in_place_with_few_blocks(monkeypatch):
     assert cfg.resolve(few, layout="rank_major", **SHAPE).dispatch_path == "pull"
     # other layouts, an explicit path and the variable stand
     assert cfg.dispatch_path(few, layout="expert_major", **SHAPE) == "fused"
-    assert cfg.dispatch_path(few, layout="source_slots", **SHAPE) == "copy"
+    assert cfg.dispatch_path(few, layout="source_slots", **SHAPE) == "fused"  # SMs, in place
     assert cfg.dispatch_path(jax_ep.Config(dispatch_path="fused", num_blocks=8),
                              layout="rank_major", **SHAPE) == "fused"
     monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")
@@ -299,3 +299,16 @@ def test_the_default_dispatch_pulls_in_place_with_few_blocks(monkeypatch):
     # without the windows the pull would stage x first: fused at any count
     monkeypatch.setattr(cfg, "_reads_in_place", lambda: False)
     assert cfg.dispatch_path(few, layout="rank_major", **SHAPE) == "fused"
+
+
+def test_source_slots_moves_its_rows_by_the_sms_where_they_land_in_place(monkeypatch):
+    monkeypatch.setattr(cfg, "_reads_in_place", lambda: True)
+    assert cfg.resolve(None, layout="source_slots", **SHAPE) == _full("fused", "pull", 64)
+    combine = cfg.resolve(None, layout="source_slots", operation="combine", **SHAPE)
+    assert combine == _full("fused", "pull", 64)
+    # the copy engines where asked for, with their own CTA count
+    copy = cfg.resolve(jax_ep.Config(dispatch_path="copy"), layout="source_slots", **SHAPE)
+    assert copy.num_blocks == cfg.copy_engine_blocks(2)
+    monkeypatch.setattr(cfg, "_reads_in_place", lambda: False)
+    slots = cfg.resolve(None, layout="source_slots", **SHAPE)
+    assert slots == _full("copy", "copy", cfg.copy_engine_blocks(2))
