@@ -34,10 +34,10 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--skip-baselines", action="store_true")
-    p.add_argument("--modes", default="pull,fused,copy,slots",
-                   help="dispatch modes to time (JAX_EP_DISPATCH values, and slots: the "
-                   "source_slots layout, its combine in every --combine-modes; slots-fused: "
-                   "source_slots by the SMs), comma-separated")
+    p.add_argument("--modes", default="pull,fused,copy,slots,slots-fused",
+                   help="dispatch modes to time (JAX_EP_DISPATCH values; slots: the "
+                   "source_slots layout by its copy engines, slots-fused: by the SMs, either "
+                   "with its combine in every --combine-modes), comma-separated")
     p.add_argument("--combine-modes", default="push,pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
     p.add_argument("--baselines-only", action="store_true",
@@ -233,7 +233,7 @@ def main():
         record(f"jax_ep combine BF16 [{mode}]", combine, *combine_inputs, chained=1)
     em_inputs = dispatch_for_combine("expert_major", em_capacity)(x, idx_d, w)
     record("jax_ep combine BF16 expert_major [pull]", combine, *em_inputs, chained=1)
-    if "slots" in modes:
+    if "slots" in modes or "slots-fused" in modes:
         slots_inputs = dispatch_for_combine("source_slots", R * T)(x, idx_d, w)
         for mode in args.combine_modes.split(","):
             if mode == "push":  # rank_major's path only (source_slots would take its copy)

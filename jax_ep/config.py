@@ -85,10 +85,11 @@ class Config:
         and, in the same kernel, the receivers move complete chunks out; at most 16
         destinations per token), ``"pull"`` (receivers load rows from the senders' buffers:
         no such limit) or ``"copy"`` (the copy engines send every token to every peer; at most
-        32 ranks). The source_slots layout moves its rows by the copy engines (its default)
-        or, with ``"fused"``, by the SMs, which store each row at its fixed place in every
-        destination as soon as the call starts (no count exchange in front).
-    combine_path: ``"pull"`` (the token owners load the expert ranks' staged rows),
+        32 ranks). The source_slots layout moves its rows with ``"fused"`` by the SMs, which
+        store each row at its fixed place in every destination as soon as the call starts
+        (no count exchange in front), or by the copy engines (``"copy"``).
+    combine_path: ``"pull"`` (the token owners load the expert ranks' rows, in place where
+        the XLA windows are open, else staged),
         ``"copy"`` (rank_major and source_slots: the expert ranks' copy engines send each
         owner its rows) or ``"push"`` (rank_major: the expert ranks store each owner's rows
         into its buffer, and the owner sums them as they arrive, in one kernel); expert_major
@@ -182,13 +183,16 @@ def _reads_in_place() -> bool:
 
 def default_config(num_ranks, num_topk, num_experts, layout, operation="dispatch") -> Config:
     """The measured defaults for a call's shape (benchmarks/RESULTS.md). On two GPUs at
-    DeepSeek-V3 shapes the fused dispatch wins in every layout but source_slots, which exists
-    for its copy engines: fused BF16 227.7 µs against 237.2 for the copy engines (2×H200) and
-    270.8 against 654 for expert_major. The combine: for rank_major the pull where it reads
-    the peers' y in place (``_reads_in_place``), else the push (242 µs against the staged
-    pull's 258, 2×H100; ``combine_path`` falls back to pull below ``PUSH_COMBINE_MIN_BLOCKS``
-    CTAs); pull for expert_major, the copy engines for source_slots. ``num_blocks``:
-    ``default_blocks`` of the operation's path."""
+    DeepSeek-V3 shapes the fused dispatch wins at 64 CTAs in every layout (2×H100: rank_major
+    BF16 225.7 µs against 241.9 for the copy engines; expert_major 322.4 against 522.9;
+    source_slots by the SMs 220.3 against 256.1), source_slots' only where the XLA windows
+    are open (``_reads_in_place``: its rows land straight in the outputs), else its copy
+    engines; ``dispatch_path`` also picks the pull at few CTAs. The combine: the pull where
+    it reads the peers' y in place (rank_major 213.3 µs against the push's 260.8,
+    source_slots 210.6 against 245.8 by copy engines), else for rank_major the push (242 µs
+    against the staged pull's 258; ``combine_path`` falls back to pull below
+    ``PUSH_COMBINE_MIN_BLOCKS`` CTAs) and for source_slots the copy engines; expert_major
+    always pulls. ``num_blocks``: ``default_blocks`` of the operation's path."""
     del num_topk, num_experts  # one answer so far on every measured shape
     in_place = _reads_in_place()
     dispatch = "copy" if layout == SOURCE_SLOTS and not in_place else "fused"
@@ -293,7 +297,7 @@ def combine_path(config: Config | None, *, num_ranks, num_topk, num_experts, lay
         if path == "push" and num_blocks(config, layout=layout, operation="combine", path=path,
                                          num_ranks=num_ranks) < PUSH_COMBINE_MIN_BLOCKS:
             path = "pull"
-    if path == "push":  # rank_major's path (source_slots takes the copy engines)
+    if path == "push":  # rank_major's path only (others take their default)
         return path if layout == RANK_MAJOR else default_config(
             num_ranks, num_topk, num_experts, layout).combine_path
     return "pull" if layout == EXPERT_MAJOR or num_ranks > MAX_COPY_RANKS else path
