@@ -14,6 +14,9 @@ namespace {
 constexpr int kIdsPerRound = 8;
 // Control::block_counter slot of the SM path's stores (the last block raises pushed[]).
 constexpr int kCounterSlotsPush = 6;
+// Warps of each block that write the rows' metadata while the others store (SM path, output
+// published): two of them cover a 2-rank DeepSeek-V3 output's 8192 rows in two rounds at 64 CTAs.
+constexpr int kMetadataWarps = 2;
 
 int resident_blocks(int wanted) {
   int device = 0, sms = 0;
@@ -67,13 +70,19 @@ __global__ void __launch_bounds__(kThreads) slots_stage(DispatchArgs a) {
 // row me*T + t of every peer holding one of its experts, and of this PE's own output where one
 // is here (the local copy then runs beside the NVLink stores instead of after them); the last
 // block then raises pushed[me] at each peer.
-__device__ void push_slot_rows(const DispatchArgs& a, uint64_t call) {
+// Each destination's output (where it published one) or landing area, for push_slot_rows.
+struct SlotTargets {
+  char* rows[kMaxCopyRanks];
+  char* scales[kMaxCopyRanks];
+};
+
+// Fills the block's targets (threads < R); the caller syncs the block before using them.
+__device__ void load_slot_targets(const DispatchArgs& a, SlotTargets& targets) {
   const PeerContext& ctx = a.ctx;
-  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, L = a.num_experts / R;
-  const int lane = threadIdx.x % 32;
-  Control* mine = control_of(ctx, me);
-  __shared__ char* rows[kMaxCopyRanks];
-  __shared__ char* scales[kMaxCopyRanks];
+  const int R = ctx.num_ranks;
+  const Control* mine = control_of(ctx, ctx.rank);
+  char** rows = targets.rows;
+  char** scales = targets.scales;
   if (threadIdx.x < R) {  // each destination's output (published) or landing area
     const int r = threadIdx.x, pe = pe_of(ctx, r);
     const uint64_t x = __ldcg(&mine->xla_out_x[pe]);
@@ -87,7 +96,15 @@ __device__ void push_slot_rows(const DispatchArgs& a, uint64_t call) {
     scales[r] = x != 0 ? (sc != 0 ? xla_address(ctx, pe, sc) : nullptr)
                        : region<char>(ctx, r, a.plan.scales);
   }
-  __syncthreads();
+}
+
+__device__ void push_slot_rows(const DispatchArgs& a, const SlotTargets& targets, uint64_t call) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, L = a.num_experts / R;
+  const int lane = threadIdx.x % 32;
+  Control* mine = control_of(ctx, me);
+  char* const* rows = targets.rows;
+  char* const* scales = targets.scales;
   uint32_t* cursor = &mine->work_cursor[kCursorDispatch];
   for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
     const uint32_t mask = rank_mask(a, t, L);
@@ -151,26 +168,16 @@ __device__ bool write_row_metadata(const DispatchArgs& a, int i, int s, int t) {
   return used;
 }
 
-// kSMs: the SM path, which first stores this PE's rows at the peers (push_slot_rows); a peer's
-// rows are then in place (this PE published its output) or in the landing area once the
-// peer's pushed flag has come.
+// Warps `warp` of `warps` walk the output rows, 32 at a time (lane q resolves the q-th one's
+// metadata), in the order they land: this PE's own block first (x holds it), then me + 1, ...,
+// each in token order as the chunks arrive. Each row gets its metadata and, unless it is
+// already in place, its data or zeros. Returns one past the last used row this lane saw.
 template <bool kSMs>
-__global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
-  wait_previous_kernel();
+__device__ int gather_slot_rows(const DispatchArgs& a, uint64_t call, int warp, int warps) {
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchGather, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchGather, kWaited);
-  if (kSMs) push_slot_rows(a, call);
   const Control* mine = control_of(ctx, ctx.rank);
   const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, rows = R * T;
-  const int L = a.num_experts / R;
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  const int warps = gridDim.x * kWarps;
-  // Warp w takes positions w, w + warps, ..., 32 at a time (lane q resolves the q-th one's
-  // metadata), so that the grid walks the rows in the order they land: this PE's own block
-  // first (x holds it), then me + 1, ..., each in token order as the chunks arrive.
+  const int lane = threadIdx.x % 32;
   int last_used = 0;
   for (int j0 = warp; j0 < rows; j0 += 32 * warps) {
     const int j = j0 + lane * warps;
@@ -220,8 +227,47 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
                        a.scale_row_bytes, lane, 32);
     }
   }
+  return last_used;
+}
+
+// kSMs: the SM path, which stores this PE's rows at the peers (push_slot_rows). Where this PE
+// published its output, the peers' rows land in place and the gather has only metadata (and
+// zero rows) to write: kMetadataWarps warps of each block write it first, beside the other
+// warps' stores, then join them (the metadata pass after the stores cost ~25 µs of 205).
+// Else a peer's rows are in the landing area once its pushed flag has come, so every warp
+// stores first (no block holds back this PE's flag while waiting for a peer's).
+template <bool kSMs>
+__global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
+  wait_previous_kernel();
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchGather, kEnter);
+  wait_all_ready(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchGather, kWaited);
+  const Control* mine = control_of(ctx, ctx.rank);
+  const int L = a.num_experts / ctx.num_ranks;
+  const int warp_in_block = threadIdx.x / 32;
+  int last_used = 0;
+  if (kSMs) {
+    __shared__ SlotTargets targets;
+    load_slot_targets(a, targets);
+    __syncthreads();
+    if (a.direct_out) {
+      if (warp_in_block < kMetadataWarps)
+        last_used = gather_slot_rows<kSMs>(a, call, blockIdx.x * kMetadataWarps + warp_in_block,
+                                           gridDim.x * kMetadataWarps);
+      push_slot_rows(a, targets, call);
+    } else {
+      push_slot_rows(a, targets, call);
+      last_used = gather_slot_rows<kSMs>(a, call, blockIdx.x * kWarps + warp_in_block,
+                                         gridDim.x * kWarps);
+    }
+  } else {
+    last_used = gather_slot_rows<kSMs>(a, call, blockIdx.x * kWarps + warp_in_block,
+                                       gridDim.x * kWarps);
+  }
   last_used = __reduce_max_sync(0xffffffffu, last_used);
-  if (lane == 0 && last_used > 0) atomicMax(a.num_received, last_used);
+  if (threadIdx.x % 32 == 0 && last_used > 0) atomicMax(a.num_received, last_used);
   profile_end(ctx, kProfDispatchGather);
   if (!last_block(ctx, 1)) return;
   for (int l = threadIdx.x; l < L; l += kThreads)
