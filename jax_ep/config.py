@@ -51,11 +51,6 @@ DEFAULT_BLOCKS = 64
 # pull's 258 with 64 CTAs and 238 against 255 with 128, but 343 against 280 with 24
 # (benchmarks/RESULTS.md).
 PUSH_COMBINE_MIN_BLOCKS = 64
-# Where the pull dispatch reads the sources' x in place (the same windows), it is rank_major's
-# default dispatch at this many CTAs or fewer: with few SMs the receivers' loads keep NVLink
-# busier than the senders' stores (2×H100, DeepSeek-V3 shapes: BF16 245.7 µs against the
-# fused 272.8 with 24 CTAs, 246.0 against 242.2 with 32; benchmarks/RESULTS.md).
-PULL_DISPATCH_MAX_BLOCKS = 24
 
 # Every JAX_EP_* variable that changes what jax_ep does, read in this module only.
 ENVIRONMENT = {
@@ -183,11 +178,12 @@ def _reads_in_place() -> bool:
 
 def default_config(num_ranks, num_topk, num_experts, layout, operation="dispatch") -> Config:
     """The measured defaults for a call's shape (benchmarks/RESULTS.md). On two GPUs at
-    DeepSeek-V3 shapes the fused dispatch wins at 64 CTAs in every layout (2×H100: rank_major
-    BF16 225.7 µs against 241.9 for the copy engines; expert_major 322.4 against 522.9;
-    source_slots by the SMs 220.3 against 256.1), source_slots' only where the XLA windows
-    are open (``_reads_in_place``: its rows land straight in the outputs), else its copy
-    engines; ``dispatch_path`` also picks the pull at few CTAs. The combine: the pull where
+    DeepSeek-V3 shapes the fused dispatch wins in every layout (2×H100: rank_major BF16
+    225.7 µs against 241.9 for the copy engines; expert_major 322.4 against 522.9;
+    source_slots by the SMs 220.3 against 256.1); where the XLA windows are open rank_major's
+    is the lean push, which wins at 24 CTAs too (222.9 against the pull's 243.1),
+    source_slots' only there (``_reads_in_place``: its rows land straight in the outputs),
+    else its copy engines. The combine: the pull where
     it reads the peers' y in place (rank_major 213.3 µs against the push's 260.8,
     source_slots 210.6 against 245.8 by copy engines), else for rank_major the push (242 µs
     against the staged pull's 258; ``combine_path`` falls back to pull below
@@ -266,8 +262,7 @@ def _number(name, default, kind):
 def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, layout) -> str:
     """The call's value, else the process's, else ``JAX_EP_DISPATCH`` (fused | pull | copy |
     auto; auto: the copy engines for rank_major where a peer is expected to need >= 85 % of
-    the tokens, else fused), else the default: for rank_major the pull where it reads the
-    sources' x in place and gets at most ``PULL_DISPATCH_MAX_BLOCKS`` CTAs, else fused."""
+    the tokens, else fused), else the default (``default_config``)."""
     path = _field(config, "dispatch_path")
     path = path or _override("JAX_EP_DISPATCH", DISPATCH_PATHS + ("auto",))
     if path == "auto":
@@ -275,10 +270,6 @@ def dispatch_path(config: Config | None, *, num_ranks, num_topk, num_experts, la
         return "copy" if pays else "fused"
     if path is None:
         path = default_config(num_ranks, num_topk, num_experts, layout).dispatch_path
-        if (path == "fused" and layout == RANK_MAJOR and _reads_in_place()
-                and num_blocks(config, layout=layout, path=path, num_ranks=num_ranks)
-                <= PULL_DISPATCH_MAX_BLOCKS):
-            path = "pull"
     return path
 
 

@@ -174,16 +174,23 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                    (expert_major ? " (the rank_major layout needs far less)" : ""));
   // source_slots by the SMs uses the copy engines' landing areas where it cannot store in place
   const bool landing = copy_engine || source_slots;
+  // rank_major's push is the lean push wherever the XLA windows are open (a job-wide state, so
+  // every PE runs the same protocol)
+  const bool lean = push && !expert_major && !source_slots && R <= kMaxStageRanks &&
+                    t != nullptr && t->xla_windows != nullptr;
   RegionPlan plan = landing ? plan_dispatch_copy(R, T, K, static_cast<int>(num_experts),
                                                      expert_major, size_t(H) * elem,
                                                      scale_row)
-                                : plan_dispatch(R, T, K, static_cast<int>(num_experts),
-                                                expert_major, size_t(H) * elem, scale_row);
+                    : lean  ? plan_dispatch_lean(R, T, K, static_cast<int>(num_experts),
+                                                 static_cast<int>(capacity), size_t(H) * elem,
+                                                 scale_row)
+                            : plan_dispatch(R, T, K, static_cast<int>(num_experts),
+                                            expert_major, size_t(H) * elem, scale_row);
   PushPlan push_plan =
       plan_dispatch_push(R, T, K, static_cast<int>(num_experts), expert_major,
                          static_cast<int>(capacity), size_t(H) * elem, scale_row);
   DispatchArgs a{};
-  const size_t needed = landing ? plan.end
+  const size_t needed = landing || lean ? plan.end
                                     : dispatch_bytes(R, T, K, static_cast<int>(num_experts),
                                                      expert_major, static_cast<int>(capacity),
                                                      size_t(H) * elem, scale_row, push);
@@ -192,6 +199,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.plan = plan;
   a.push = push_plan;
   a.fused = push;
+  a.lean = lean;
   a.copy_engine = copy_engine;
   a.source_slots = source_slots;
   a.copy_chunk_bytes = size_t(std::max<int64_t>(tuning.copy_chunk_bytes, 1));

@@ -75,6 +75,20 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch_copy(int num_ranks, int num_t
   return p;
 }
 
+// The lean push (rank_major by the SMs, the XLA windows open): the pull plan's control
+// regions, and a landing area where the sources store the rows of a destination whose output
+// is not published, at their output rows: rows [capacity], then scales [capacity] (FP8).
+JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch_lean(int num_ranks, int num_tokens,
+                                                        int num_topk, int num_experts,
+                                                        int capacity, size_t x_row_bytes,
+                                                        size_t scale_row_bytes) {
+  RegionPlan p = plan_dispatch(num_ranks, num_tokens, num_topk, num_experts, false, 0, 0);
+  p.rows = p.end;
+  p.scales = align_up(p.rows + x_row_bytes * capacity, kRegionAlign);
+  p.end = align_up(p.scales + scale_row_bytes * capacity, kRegionAlign);
+  return p;
+}
+
 // Copy-engine combine (rank_major): an expert rank stages, for every owner s, the rows of s's
 // tokens from y (contiguous there, but from a start only the device knows) at a fixed place:
 // staged [s][T] records; its copy engines send the whole slot to s's landing area at [r][T].
@@ -247,6 +261,9 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
       copy_engine ? plan_dispatch_copy(num_ranks, num_tokens, num_topk, num_experts,
                                        expert_major, x_row, scale_row).end
                   : 0,
+      !expert_major ? plan_dispatch_lean(num_ranks, num_tokens, num_topk, num_experts, capacity,
+                                         x_row, scale_row).end
+                    : 0,
       copy_engine && !expert_major ? plan_combine_copy(num_ranks, num_tokens, y_row).end : 0,
       copy_engine && !expert_major ? plan_combine_slots(num_ranks, num_tokens, y_row).end : 0,
       combine_bytes(capacity, y_row),

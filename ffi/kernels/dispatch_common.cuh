@@ -39,7 +39,8 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   char* rows = region<char>(ctx, ctx.rank, a.plan.rows);
   char* scales = region<char>(ctx, ctx.rank, a.plan.scales);
   const size_t stride = row_stride(a.x_row_bytes), scale_stride = row_stride(a.scale_row_bytes);
-  const bool stage_rows = !a.copy_engine && !a.in_place;  // the copy engines move the rows
+  // the copy engines or the lean push's sources move the rows
+  const bool stage_rows = !a.copy_engine && !a.in_place && !a.lean;
   for (int t = warp; t < T && stage_rows; t += warps) {
     copy_row(rows + t * stride, static_cast<const char*>(a.x) + t * a.x_row_bytes, a.x_row_bytes,
              lane, 32);
@@ -63,8 +64,14 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
                                reinterpret_cast<uint64_t>(a.topk_idx),
                                reinterpret_cast<uint64_t>(a.topk_weights)}
                    : XlaInputs{0, 0, 0, 0};
-    for (int p = 0; p < ctx.num_ranks; ++p)  // before ready: its release orders these
-      control_of(ctx, p)->xla_in[me] = inputs;
+    for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
+      Control* peer = control_of(ctx, p);
+      peer->xla_in[me] = inputs;
+      if (a.lean) {  // where the lean push's sources store this PE's rows
+        peer->xla_out_x[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
+        peer->xla_out_scales[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
+      }
+    }
     signal_all(ctx, Flag::kReady, call);
     profile_mark(ctx, kProfDispatchStage, kRetired);
   }
@@ -435,7 +442,8 @@ __device__ __forceinline__ int destination_row(const DispatchArgs& a, const Gath
 }
 
 // Counts of the output; the last block then releases the peers and closes the call.
-// kPull: the pull gather, which may be the copy-engine path's (the push kernel never is).
+// kPull: the pull gather, which may be the copy-engine path's, or the lean push (the fused
+// push kernel never is).
 template <bool kExpertMajor, bool kPull = false>
 __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
                                 int counter, int profile_slot) {
@@ -478,6 +486,11 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
       *a.num_dropped = max(total - C, 0);
     }
     if (kPull && a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
+    if (kPull && a.lean) {  // every source's rows are here (in place, they landed unseen)
+      const Control* mine = control_of(ctx, ctx.rank);
+      for (int s = 0; s < ctx.num_ranks; ++s)
+        wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);
+    }
     finish_call(ctx, call);
     // Peers read this PE's inputs where XLA keeps them: the call (and with it XLA's hold on
     // them) ends only once every peer is done with them.

@@ -245,6 +245,7 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
     copy_chunking(a.num_tokens, a.x_row_bytes, a.copy_chunk_bytes, &a.copy_chunk_rows,
                   &a.copy_chunks);
   if (a.source_slots) return launch_dispatch_slots(a, stream);
+  if (a.lean) return launch_dispatch_lean(a, stream);
   const size_t tables = dispatch_table_bytes(R, E, a.expert_major);
   if (a.fused) return launch_dispatch_fused(a, tables, stream);
   return a.expert_major ? launch_pull<true>(a, tables, stream) : launch_pull<false>(a, tables, stream);

@@ -79,6 +79,11 @@ struct DispatchArgs {
   // Fused rank_major with out_x (and out_scales) inside this PE's mapped XLA allocation: the
   // peers store their rows there (Control::xla_out_x) instead of into the push region.
   bool direct_out;
+  // The fused rank_major path where the XLA windows are open (kernels/dispatch_lean.cu): the
+  // pull stage (lists, counts, ids; no rows), then every source stores its rows into their
+  // final rows at each destination (plan_dispatch_lean: its landing area where the output is
+  // not published).
+  bool lean;
   // The pull path (not the copy engines) with x, scales, topk_idx and topk_weights inside this
   // PE's mapped XLA allocation: the peers read them there (Control::xla_in) instead of from a
   // staged copy, and the call ends once every peer is done reading.
@@ -169,6 +174,7 @@ inline size_t dispatch_table_bytes(int num_ranks, int num_experts, bool expert_m
 int max_block_shared_memory();
 // The source_slots layout (slots_dispatch.cu): always the copy engines' transfers.
 cudaError_t launch_dispatch_slots(const DispatchArgs& args, cudaStream_t stream);
+cudaError_t launch_dispatch_lean(const DispatchArgs& args, cudaStream_t stream);
 // The copy-engine dispatch's transfers (guard, then x to every peer's landing area).
 cudaError_t enqueue_dispatch_copies(const DispatchArgs& a, cudaStream_t stream);
 void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence);

@@ -83,8 +83,9 @@ struct Control {
   // (x, scales, top-k ids, top-k weights), in its own address space, x 0 when it staged them
   // (written before ready[s]).
   XlaInputs xla_in[kMaxRanks];
-  // The source_slots dispatch by the SMs: pushed[s] = e: PE s has stored every row of its call
-  // e that this PE receives (into this PE's output or its landing area).
+  // The source_slots dispatch by the SMs and rank_major's lean push: pushed[s] = e: PE s has
+  // stored every row of its call e that this PE receives (into this PE's output or its
+  // landing area).
   uint64_t pushed[kMaxRanks];
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first

@@ -1,0 +1,196 @@
+// The lean push: rank_major's dispatch by the SMs wherever the XLA windows are open. The pull
+// stage lists each destination's tokens and publishes the counts and ids (no rows); then one
+// kernel in which every source stores its rows straight to their final row in each
+// destination's output (where the destination published it, else its landing area) with no
+// per-row record, fence or arrival counter, while kMetadataWarps warps of each block write
+// this PE's rows' metadata from the sources' lists and ids. One pushed flag per source tells
+// a destination that its rows are all there (docs/design.md, section 4.1).
+#include "kernels/dispatch_common.cuh"
+
+namespace jax_ep {
+namespace {
+
+// Control::block_counter slot of the stores (the last block raises pushed[]).
+constexpr int kCounterLeanPush = 7;
+// Warps of each block that write the metadata before joining the stores: two cover a 2-rank
+// DeepSeek-V3 output's ~8200 rows in two rounds at 64 CTAs.
+constexpr int kMetadataWarps = 2;
+// Ids (and weights) a lane loads together for one row: one round trip per group of them.
+constexpr int kIdsPerRound = 8;
+
+// Lane q's row i (from source s, position `position` in its list for this PE): the source's
+// token, ids and weights (over NVLink for a peer), loaded in groups, become the row's local
+// ids and weights and the handle's entries.
+__device__ void write_row_metadata(const DispatchArgs& a, int i, int s, int position) {
+  const PeerContext& ctx = a.ctx;
+  const int K = a.num_topk, E = a.num_experts, L = E / ctx.num_ranks, me = ctx.rank;
+  const int t = __ldcg(region<int32_t>(ctx, s, a.plan.lists) + size_t(me) * a.plan.list_len +
+                       position);
+  const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
+  const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
+  int32_t* out_ids = a.out_topk_idx + size_t(i) * K;
+  float* out_weights = a.out_topk_weights + size_t(i) * K;
+  for (int k0 = 0; k0 < K; k0 += kIdsPerRound) {
+    int32_t e[kIdsPerRound];
+    float w[kIdsPerRound];
+#pragma unroll
+    for (int u = 0; u < kIdsPerRound; ++u) {
+      e[u] = k0 + u < K ? __ldcg(ids + k0 + u) : -1;
+      w[u] = k0 + u < K ? __ldcg(weights + k0 + u) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kIdsPerRound; ++u) {
+      if (k0 + u >= K) break;
+      const bool here = valid_expert(e[u], E) && e[u] / L == me;
+      out_ids[k0 + u] = here ? e[u] % L : -1;
+      out_weights[k0 + u] = here ? w[u] : 0.f;
+      if (here) atomicAdd(&a.tokens_per_expert[e[u] % L], 1);
+    }
+  }
+  a.src_rank[i] = s;
+  a.src_token[i] = t;
+  a.src_k[i] = -1;
+}
+
+// Warps `warp` of `warps` take this PE's output rows 32 at a time, lane q the q-th row's
+// metadata; rows past the received ones get zeros.
+__device__ void write_metadata(const DispatchArgs& a, const GatherTables& tb, int warp,
+                               int warps) {
+  const int R = a.ctx.num_ranks, L = a.num_experts / R, C = a.capacity, K = a.num_topk;
+  const int lane = threadIdx.x % 32;
+  for (int j0 = warp * 32; j0 < C; j0 += warps * 32) {
+    const int i = j0 + lane;
+    bool unused = false;
+    if (i < C) {
+      int position = 0, local = 0;
+      const int s = source_of_row<false>(tb, i, R, L, &position, &local);
+      unused = s < 0;
+      if (!unused) write_row_metadata(a, i, s, position);
+    }
+    for (uint32_t left = __ballot_sync(0xffffffffu, unused); left != 0; left &= left - 1)
+      write_unused_row(a, j0 + __ffs(left) - 1, K, lane);
+  }
+}
+
+// Each destination's output as mapped here (published before ready) or its landing area;
+// this PE's own output directly.
+__device__ void load_targets(const DispatchArgs& a, char** rows, char** scales) {
+  const PeerContext& ctx = a.ctx;
+  const Control* mine = control_of(ctx, ctx.rank);
+  if (threadIdx.x >= ctx.num_ranks) return;
+  const int r = threadIdx.x, pe = pe_of(ctx, r);
+  if (r == ctx.rank) {
+    rows[r] = static_cast<char*>(a.out_x);
+    scales[r] = reinterpret_cast<char*>(a.out_scales);
+    return;
+  }
+  const uint64_t x = __ldcg(&mine->xla_out_x[pe]);
+  const uint64_t sc = __ldcg(&mine->xla_out_scales[pe]);
+  if (x != 0 && !xla_mapped(ctx, pe)) {  // published, not mapped here
+    report_timeout(ctx, "dispatch", "a peer's output outside the mapped XLA allocations", r, 0,
+                   0);
+    trap_after_report();
+  }
+  rows[r] = x != 0 ? xla_address(ctx, pe, x) : region<char>(ctx, r, a.plan.rows);
+  scales[r] = x != 0 ? (sc != 0 ? xla_address(ctx, pe, sc) : nullptr)
+                     : region<char>(ctx, r, a.plan.scales);
+}
+
+// Warps claim this PE's tokens; lane r turns the token's place in r's list into its row there
+// (the handle's send_slot; -1 past the capacity) and the warp stores the row into every
+// destination holding one of its experts.
+__device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* const* rows,
+                          char* const* scales) {
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks, T = a.num_tokens, C = a.capacity;
+  const int lane = threadIdx.x % 32;
+  uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
+  for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
+    int row = -1;
+    if (lane < R) {
+      const int rank_in_list = a.send_slot[size_t(t) * R + lane];
+      row = rank_in_list >= 0 ? tb.my_offset_at[lane] + rank_in_list : -1;
+      if (row >= C) row = -1;  // dropped: counted by the destination
+      a.send_slot[size_t(t) * R + lane] = row;
+    }
+    const char* x = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
+    const char* x_scales = reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes;
+    for (uint32_t left = __ballot_sync(0xffffffffu, row >= 0); left != 0; left &= left - 1) {
+      const int r = __ffs(left) - 1;
+      const size_t i = size_t(__shfl_sync(0xffffffffu, row, r));
+      copy_row(rows[r] + i * a.x_row_bytes, x, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr)
+        copy_row(scales[r] + i * a.scale_row_bytes, x_scales, a.scale_row_bytes, lane, 32);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
+  wait_previous_kernel();
+  const PeerContext& ctx = a.ctx;
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchGather, kEnter);
+  wait_all_ready(ctx, call, "dispatch");
+  profile_mark(ctx, kProfDispatchGather, kWaited);
+  const int R = ctx.num_ranks, me = ctx.rank;
+  __shared__ int32_t tables[2 * kMaxStageRanks + 1];
+  __shared__ char* rows[kMaxStageRanks];
+  __shared__ char* scales[kMaxStageRanks];
+  GatherTables tb;
+  build_tables<false>(a, region<int32_t>(ctx, me, a.plan.matrix), tables, tb);
+  load_targets(a, rows, scales);
+  __syncthreads();
+  const int warp_in_block = threadIdx.x / 32;
+  Control* mine = control_of(ctx, me);
+  // Where this PE published its output the peers' rows land in place: the metadata first, on
+  // a few warps, beside the others' stores. Else every warp stores first, so that no block
+  // holds back this PE's pushed flag while waiting for a peer's.
+  if (a.direct_out && warp_in_block < kMetadataWarps)
+    write_metadata(a, tb, blockIdx.x * kMetadataWarps + warp_in_block,
+                   gridDim.x * kMetadataWarps);
+  push_rows(a, tb, rows, scales);
+  if (last_block_on(&mine->block_counter[kCounterLeanPush]) && threadIdx.x == 0) {
+    const int pe = pe_of(ctx, me);
+    for (int r = 0; r < R; ++r) store_release(&control_of(ctx, r)->pushed[pe], call);
+  }
+  if (!a.direct_out) {
+    write_metadata(a, tb, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps);
+    // the peers' rows from the landing area, once each source's flag has come
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * kWarps + warp_in_block, warps = gridDim.x * kWarps;
+    for (int s = 0; s < R; ++s) {
+      if (s == me) continue;
+      const int begin = min(tb.src_offset[s], a.capacity);
+      const int end = min(tb.src_offset[s + 1], a.capacity);
+      if (begin >= end) continue;
+      if (lane == 0)
+        wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);
+      __syncwarp();
+      for (int i = begin + warp; i < end; i += warps) {
+        // L1 may hold the area's previous call: the peer wrote around it
+        copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
+                       region<char>(ctx, me, a.plan.rows) + size_t(i) * a.x_row_bytes,
+                       a.x_row_bytes, lane, 32);
+        if (a.scales != nullptr)
+          copy_row<true>(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
+                         region<char>(ctx, me, a.plan.scales) + size_t(i) * a.scale_row_bytes,
+                         a.scale_row_bytes, lane, 32);
+      }
+    }
+  }
+  profile_end(ctx, kProfDispatchGather);
+  finish_dispatch<false, true>(a, tb, call, 1, kProfDispatchGather);
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch_lean(const DispatchArgs& a, cudaStream_t stream) {
+  cudaError_t status = launch_stage<false, true>(a, stream);
+  if (status != cudaSuccess) return status;
+  // every block resident: a block waiting for a peer's rows must not keep this PE's own
+  // stores from a CTA slot
+  return launch_after_previous(dispatch_lean, std::min(a.num_blocks, multiprocessors()),
+                               kThreads, 0, stream, a);
+}
+
+}  // namespace jax_ep
