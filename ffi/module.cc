@@ -17,6 +17,7 @@
 #include "kernels/buffer_layout.h"
 #include "runtime/diagnostics.h"
 #include "runtime/host_times.h"
+#include "runtime/host_mailbox.h"
 #include "runtime/runtime.h"
 #include "transport/copy_engine.h"
 
@@ -192,6 +193,9 @@ NB_MODULE(_C, m) {
     return nb::make_tuple(fd, base, size);
   });
   m.def("open_xla_windows", &jax_ep::open_xla_windows);
+  m.def("open_host_mailbox", &jax_ep::open_host_mailbox, nb::arg("name"), nb::arg("num_pes"));
+  m.def("unlink_host_mailbox", &jax_ep::unlink_host_mailbox, nb::arg("name"));
+  m.def("close_host_mailbox", &jax_ep::close_host_mailbox);
   m.def("buffer_bytes", [] {
     const jax_ep::Transport* t = jax_ep::transport();
     return t ? t->bytes : size_t(0);

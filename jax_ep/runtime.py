@@ -407,6 +407,28 @@ def _open_xla_windows(module, client, rank, world, generation, post, nodes,
                  for r in range(world))
     if opened and not agreed:  # a peer could not: close ours too, nobody reads unstaged
         module.open_xla_windows([-1] * world, [0] * world, [0] * world)
+    if agreed:
+        _open_host_mailbox(module, client, rank, world, f"{prefix}/mailbox",
+                           "/" + posts[0][24:].decode() + "-mailbox", wait_ms)
+    return agreed
+
+
+def _open_host_mailbox(module, client, rank, world, prefix, name, wait_ms) -> bool:
+    """The host mailbox (shared memory of the processes on one host) through which the
+    source_slots copy-engine dispatch exchanges its outputs' addresses per call. All or
+    nothing, like the windows: a process whose peers have none would wait for their posts."""
+    try:
+        module.open_host_mailbox(name, world)
+        ok = True
+    except RuntimeError:
+        ok = False
+    client.key_value_set_bytes(f"{prefix}/{rank}", b"1" if ok else b"0")
+    agreed = all(client.blocking_key_value_get_bytes(f"{prefix}/{r}", wait_ms) == b"1"
+                 for r in range(world))
+    if ok:
+        module.unlink_host_mailbox(name)  # every process has it mapped: no name left behind
+        if not agreed:
+            module.close_host_mailbox()
     return agreed
 
 

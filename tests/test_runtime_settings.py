@@ -223,8 +223,9 @@ class FakeWindows:
     """The extension's open_xla_windows: records, for each call, which pipe each descriptor
     reaches (its inode) with the bases and sizes; refuses to map when told."""
 
-    def __init__(self, refuse=False):
-        self.refuse, self.calls = refuse, []
+    def __init__(self, refuse=False, refuse_mailbox=False):
+        self.refuse, self.refuse_mailbox, self.calls = refuse, refuse_mailbox, []
+        self.mailbox = []  # the host mailbox's calls, in order
 
     def open_xla_windows(self, fds, bases, sizes):
         if self.refuse and any(fd >= 0 for fd in fds):
@@ -232,14 +233,27 @@ class FakeWindows:
         self.calls.append(([os.fstat(fd).st_ino if fd >= 0 else None for fd in fds],
                            list(bases), list(sizes)))
 
+    def open_host_mailbox(self, name, num_pes):
+        if self.refuse_mailbox:
+            raise RuntimeError("jax_ep host mailbox: shm_open: Permission denied")
+        self.mailbox.append(("open", name, num_pes))
 
-def _open_windows_on_every_rank(exportable, nodes=None, refuse=(), timeout_s=5.0):
+    def unlink_host_mailbox(self, name):
+        self.mailbox.append(("unlink", name))
+
+    def close_host_mailbox(self):
+        self.mailbox.append(("close",))
+
+
+def _open_windows_on_every_rank(exportable, nodes=None, refuse=(), timeout_s=5.0,
+                                refuse_mailbox=()):
     """Runs _open_xla_windows on a thread per rank; rank r exports a pipe's write end (or
     nothing where exportable[r] is false). Returns the results, the fake extensions and the
     inode each rank exported."""
     store, world = FakeBytesStore(), len(exportable)
     nodes = nodes or [0] * world
-    modules = [FakeWindows(refuse=r in refuse) for r in range(world)]
+    modules = [FakeWindows(refuse=r in refuse, refuse_mailbox=r in refuse_mailbox)
+               for r in range(world)]
     pipes = [os.pipe() for _ in range(world)]
     results = [None] * world
 
@@ -266,6 +280,23 @@ def test_xla_windows_pass_every_descriptor_to_the_processes_of_its_node():
     assert results == [True] * 3
     for module in modules:  # each rank maps every rank's own allocation (its pipe)
         assert module.calls == [(inodes, [4096, 8192, 12288], [1 << 30] * 3)]
+
+
+def test_open_windows_open_one_host_mailbox_and_leave_no_name():
+    results, modules, _ = _open_windows_on_every_rank([True] * 3)
+    assert results == [True] * 3
+    names = {m.mailbox[0][1] for m in modules}
+    assert len(names) == 1 and next(iter(names)).startswith("/")
+    for module in modules:  # opened for every PE of the job, then unlinked, kept mapped
+        assert module.mailbox == [("open", *names, 3), ("unlink", *names)]
+
+
+def test_a_mailbox_one_process_cannot_open_is_closed_everywhere():
+    results, modules, _ = _open_windows_on_every_rank([True] * 3, refuse_mailbox=(1,))
+    assert results == [True] * 3  # the windows stay open; the exchange is not used
+    assert modules[1].mailbox == []
+    for r in (0, 2):
+        assert [c[0] for c in modules[r].mailbox] == ["open", "unlink", "close"]
 
 
 def test_xla_windows_stay_within_a_node():

@@ -1,6 +1,7 @@
 // Typed-FFI handlers of the intranode normal mode: jax_ep_dispatch, jax_ep_cached_dispatch,
 // jax_ep_combine. They validate shapes, check the symmetric buffer is large enough, fill the
-// kernels' argument structs and launch; nothing here waits for the device.
+// kernels' argument structs and launch; nothing here waits for the device (the source_slots
+// copy-engine dispatch waits for its peers' hosts: exchange_outputs).
 #include <algorithm>
 #include <string>
 #include <string_view>
@@ -10,6 +11,7 @@
 #include "kernels/buffer_layout.h"
 #include "kernels/intranode.h"
 #include "runtime/diagnostics.h"
+#include "runtime/host_mailbox.h"
 #include "runtime/runtime.h"
 
 namespace jax_ep {
@@ -53,6 +55,55 @@ bool in_xla_window(const void* p, size_t bytes) {
   const uint64_t at = reinterpret_cast<uint64_t>(p);
   return t != nullptr && t->xla_windows != nullptr && t->xla_size > 0 && at >= t->xla_base &&
          at + bytes <= t->xla_base + t->xla_size;
+}
+
+// The peers' outputs as mapped here, per rank of the group (DispatchArgs::peer_out_x).
+struct PeerOutputs {
+  std::vector<void*> x, scales;
+};
+
+// source_slots by the copy engines where the XLA windows are open: the hosts exchange the
+// call's output addresses (runtime/host_mailbox.h), so that each source's copy engines land
+// its rows straight in its peers' outputs. Not while the stream is captured into a graph (a
+// replay would not exchange; every PE's capture status is alike: the same program and
+// settings). Sets a.direct_out and the peers' destinations.
+ffi::Error exchange_outputs(DispatchArgs& a, bool has_scales, double timeout_s,
+                            cudaStream_t stream, PeerOutputs* outs) {
+  const Transport* t = transport();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (t == nullptr || t->xla_windows == nullptr || !host_mailbox_open() ||
+      cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone)
+    return ffi::Error::Success();
+  const PeerContext& ctx = a.ctx;
+  const int R = ctx.num_ranks;
+  const size_t rows = size_t(R) * a.num_tokens;
+  a.direct_out = in_xla_window(a.out_x, rows * a.x_row_bytes) &&
+                 (!has_scales || in_xla_window(a.out_scales, rows * a.scale_row_bytes));
+  const HostPost mine = {a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0,
+                         a.direct_out && has_scales ? reinterpret_cast<uint64_t>(a.out_scales)
+                                                    : 0};
+  std::vector<int> peers;
+  for (int r = 0; r < R; ++r) peers.push_back(pe_of(ctx, r));
+  std::vector<HostPost> theirs;
+  const std::string why = exchange_on_host(pe_of(ctx, ctx.rank), peers, mine, &theirs, timeout_s);
+  if (!why.empty()) return ffi::Error(ffi::ErrorCode::kInternal, "jax_ep dispatch: " + why);
+  outs->x.assign(R, nullptr);
+  outs->scales.assign(R, nullptr);
+  for (int r = 0; r < R; ++r) {
+    if (r == ctx.rank || theirs[r][0] == 0) continue;
+    outs->x[r] = xla_window_address(peers[r], theirs[r][0], rows * a.x_row_bytes);
+    outs->scales[r] =
+        has_scales ? xla_window_address(peers[r], theirs[r][1], rows * a.scale_row_bytes)
+                   : nullptr;
+    if (outs->x[r] == nullptr || (has_scales && outs->scales[r] == nullptr))
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        "jax_ep dispatch: PE " + std::to_string(peers[r]) +
+                            "'s output lies outside its XLA allocation as mapped here");
+  }
+  a.peer_out_x = outs->x.data();
+  a.peer_out_scales = outs->scales.data();
+  return ffi::Error::Success();
 }
 
 size_t element_bytes(ffi::DataType type) {
@@ -227,6 +278,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const size_t rows = size_t(a.capacity);
   a.direct_out = push && !expert_major && in_xla_window(a.out_x, rows * a.x_row_bytes) &&
                  (!has_scales || in_xla_window(a.out_scales, rows * a.scale_row_bytes));
+  PeerOutputs peer_outputs;
+  if (source_slots && copy_engine)
+    if (auto err = exchange_outputs(a, has_scales, tuning.timeout_s, stream, &peer_outputs);
+        err.failure())
+      return err;
   // The pull path lets the peers read this PE's inputs where XLA keeps them.
   const size_t pairs_bytes = size_t(T) * size_t(K) * sizeof(int32_t);
   a.in_place = !push && !copy_engine && in_xla_window(a.x, size_t(T) * a.x_row_bytes) &&

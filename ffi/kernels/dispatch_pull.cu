@@ -197,16 +197,27 @@ void add_dispatch_transfers(const DispatchArgs& a, CopySequence& sequence) {
   const int R = ctx.num_ranks, T = a.num_tokens;
   for (int c = 0; c < a.copy_chunks; ++c) {
     const int first = c * a.copy_chunk_rows, rows = std::min(a.copy_chunk_rows, T - first);
+    // the landing row of a source_slots token is its output row too
     const size_t landing = size_t(ctx.rank) * T + first;
-    const CopyPiece pieces[2] = {
+    CopyPiece pieces[2] = {
         {a.plan.rows + landing * a.x_row_bytes,
          static_cast<const char*>(a.x) + size_t(first) * a.x_row_bytes, rows * a.x_row_bytes},
         {a.plan.scales + landing * a.scale_row_bytes,
          reinterpret_cast<const char*>(a.scales) + size_t(first) * a.scale_row_bytes,
          a.scales != nullptr ? rows * a.scale_row_bytes : 0},
     };
-    for (int step = 1; step < R; ++step)
-      sequence.add_transfer((ctx.rank + step) % R, c, /*after_kernel=*/-1, pieces, 2);
+    for (int step = 1; step < R; ++step) {
+      const int peer = (ctx.rank + step) % R;
+      const bool into_output = a.peer_out_x != nullptr && a.peer_out_x[peer] != nullptr;
+      pieces[0].dst = into_output
+                          ? static_cast<char*>(a.peer_out_x[peer]) + landing * a.x_row_bytes
+                          : nullptr;
+      pieces[1].dst = into_output && a.scales != nullptr
+                          ? static_cast<char*>(a.peer_out_scales[peer]) +
+                                landing * a.scale_row_bytes
+                          : nullptr;
+      sequence.add_transfer(peer, c, /*after_kernel=*/-1, pieces, 2);
+    }
   }
 }
 

@@ -76,9 +76,15 @@ struct DispatchArgs {
   size_t copy_chunk_bytes;
   // The source_slots layout: row s*T + t is source s's token t (copy_engine is set too).
   bool source_slots;
-  // Fused rank_major with out_x (and out_scales) inside this PE's mapped XLA allocation: the
-  // peers store their rows there (Control::xla_out_x) instead of into the push region.
+  // Fused rank_major and source_slots with out_x (and out_scales) inside this PE's mapped XLA
+  // allocation: the peers store their rows there (Control::xla_out_x; source_slots by the
+  // copy engines: through the host mailbox) instead of into the push region or landing area.
   bool direct_out;
+  // source_slots by the copy engines: peer r's out_x and out_scales as mapped here (host
+  // arrays [R], never read by the kernels), nullptr where its landing area takes the rows;
+  // null arrays where the call has no exchange (the XLA windows are closed).
+  void* const* peer_out_x;
+  void* const* peer_out_scales;
   // The pull path (not the copy engines) with x, scales, topk_idx and topk_weights inside this
   // PE's mapped XLA allocation: the peers read them there (Control::xla_in) instead of from a
   // staged copy, and the call ends once every peer is done reading.

@@ -1,7 +1,9 @@
 // Dispatch in the source_slots layout: row s*T + t of the output holds source s's token t.
-// Every source's copy engines land all of its rows in its peers' landing areas
-// (add_dispatch_transfers), so the CTAs only publish the routing, copy rows locally into
-// their fixed places and write each row's metadata: no per-destination scan, no token lists.
+// Every source's copy engines land all of its rows in its peers' outputs, whose addresses the
+// hosts exchange per call (runtime/host_mailbox.h), or, where a peer's output is outside XLA's
+// mapped allocation or the windows are closed, in its landing area (add_dispatch_transfers),
+// so the CTAs only publish the routing, copy rows locally into their fixed places and write
+// each row's metadata: no per-destination scan, no token lists.
 // By the SMs (path "fused"): a row's place needs no peer's counts, so each source stores its
 // rows into every destination as soon as the call starts: straight into the destination's
 // output where it published one (the XLA windows), else into its landing area.
@@ -194,12 +196,15 @@ __device__ int gather_slot_rows(const DispatchArgs& a, uint64_t call, int warp, 
       if (i < 0) break;  // past the last row, and so are the later lanes' positions
       char* out_row = static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes;
       char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes;
+      const int s = i / T, t = i % T;
       if (!(used >> q & 1)) {  // no expert of this token here: a zero row
+        // the copy engines land a peer's whole slot in place: zero after them
+        if (!kSMs && a.direct_out && s != me)
+          wait_landed(ctx, s, t / a.copy_chunk_rows, lane, "dispatch");
         zero_row(out_row, a.x_row_bytes, lane, 32);
         if (a.scales != nullptr) zero_row(out_scales, a.scale_row_bytes, lane, 32);
         continue;
       }
-      const int s = i / T, t = i % T;
       if (kSMs && s == me) continue;  // the push stored it
       if (s == me) {
         copy_row(out_row, static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes,
@@ -216,6 +221,7 @@ __device__ int gather_slot_rows(const DispatchArgs& a, uint64_t call, int warp, 
           wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);
         __syncwarp();
       } else {
+        if (a.direct_out) continue;  // the peer's copy engine lands it here
         wait_landed(ctx, s, t / a.copy_chunk_rows, lane, "dispatch");
       }
       // L1 may hold the area's previous call: the copy engine (or the peer) wrote around it
@@ -295,7 +301,8 @@ cudaError_t launch_dispatch_slots(const DispatchArgs& a, cudaStream_t stream) {
     return launch_after_previous(slots_gather<true>, resident_blocks(a.num_blocks), kThreads, 0,
                                  stream, a);
   }
-  cudaError_t status = copy_engine_guard(a.ctx, /*combine=*/false, stream);
+  cudaError_t status =
+      copy_engine_guard(a.ctx, /*combine=*/false, stream, /*into_outputs=*/a.peer_out_x != nullptr);
   if (status != cudaSuccess) return status;
   CopySequence sequence;
   add_dispatch_transfers(a, sequence);

@@ -86,6 +86,10 @@ struct Control {
   // The source_slots dispatch by the SMs: pushed[s] = e: PE s has stored every row of its call
   // e that this PE receives (into this PE's output or its landing area).
   uint64_t pushed[kMaxRanks];
+  // The source_slots dispatch by the copy engines into the peers' outputs: in_call[s] = e: PE
+  // s has entered its call e, so its stream is past every kernel before it and the XLA
+  // outputs of that call are free to write.
+  uint64_t in_call[kMaxRanks];
   // Phase timestamps (globaltimer ns) read by the benchmarks, one row per handler call (ring):
   // [call][kernel][0] first block entered, [1] last block done waiting for peers, [2] first
   // block finished, [3] last block finished, [4] retired: the last block past its closing

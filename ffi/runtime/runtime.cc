@@ -3,6 +3,7 @@
 
 #include "runtime/control.h"
 #include "runtime/diagnostics.h"
+#include "runtime/host_mailbox.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -36,6 +37,7 @@ cudaEvent_t g_copy_fork = nullptr, g_copy_join = nullptr;
 // XLA's allocations of this node's PEs (open_xla_windows): the device array the kernels read,
 // and the peers' mappings to close at finalize.
 XlaWindow* g_xla_windows_device = nullptr;
+std::vector<XlaWindow> g_xla_windows_host;  // the same table, for xla_window_address
 std::vector<std::pair<CUdeviceptr, size_t>> g_xla_opened;  // (address, bytes)
 
 [[noreturn]] void fail(const std::string& message) {
@@ -164,6 +166,7 @@ void close_xla_windows() {
     }
   }
   g_xla_opened.clear();
+  g_xla_windows_host.clear();
   cudaFree(g_xla_windows_device);
   g_xla_windows_device = nullptr;
   g_transport.xla_windows = nullptr;
@@ -342,6 +345,7 @@ void finalize() {
   cudaFree(g_peers_device);
   cudaFree(g_ll_peers_device);
   close_xla_windows();
+  close_host_mailbox();
   destroy_copy_engine_stream();
   g_host_peers.clear();
   g_node_of.clear();
@@ -445,8 +449,17 @@ void open_xla_windows(const std::vector<int>& fds, const std::vector<uint64_t>& 
     throw;
   }
   g_transport.xla_windows = g_xla_windows_device;
+  g_xla_windows_host = windows;
   g_transport.xla_base = windows[me].remote;
   g_transport.xla_size = windows[me].size;
+}
+
+void* xla_window_address(int pe, uint64_t address, size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (pe < 0 || pe >= static_cast<int>(g_xla_windows_host.size())) return nullptr;
+  const XlaWindow& w = g_xla_windows_host[pe];
+  if (w.size == 0 || address < w.remote || address + bytes > w.remote + w.size) return nullptr;
+  return reinterpret_cast<void*>(w.mapped + (address - w.remote));
 }
 
 }  // namespace jax_ep

@@ -77,5 +77,8 @@ int export_xla_window(uint64_t ptr, uint64_t* base, uint64_t* size);
 // the descriptors.
 void open_xla_windows(const std::vector<int>& fds, const std::vector<uint64_t>& bases,
                       const std::vector<uint64_t>& sizes);
+// PE pe's XLA address `address` (in its own address space) as mapped here, for the host's
+// copy-engine transfers; nullptr where [address, address + bytes) is outside its window.
+void* xla_window_address(int pe, uint64_t address, size_t bytes);
 
 }  // namespace jax_ep

@@ -41,9 +41,20 @@ class HostTimer : public ScopedHostTimer {
 // Every peer has finished the previous call (it no longer reads what lands in its buffer, and
 // it has cleared its landed flags), so this call's transfers may start. The combine's reduce
 // claims tokens from a work cursor reset here: its stage kernels may run alongside it.
-__global__ void wait_peers_finished(PeerContext ctx, bool combine) {
-  enter_call(ctx, current_call(ctx), combine ? "combine" : "dispatch");
-  if (combine && threadIdx.x == 0) control_of(ctx, ctx.rank)->work_cursor[kCursorCombine] = 0;
+// into_outputs: then this PE tells its peers it has entered the call and waits until each
+// of them has (their outputs of this call are free to write).
+__global__ void wait_peers_finished(PeerContext ctx, bool combine, bool into_outputs) {
+  const uint64_t call = current_call(ctx);
+  const char* op = combine ? "combine" : "dispatch";
+  enter_call(ctx, call, op);
+  if (threadIdx.x != 0) return;
+  if (combine) control_of(ctx, ctx.rank)->work_cursor[kCursorCombine] = 0;
+  if (!into_outputs) return;
+  const int me = pe_of(ctx, ctx.rank);
+  for (int r = 0; r < ctx.num_ranks; ++r) store_release(&control_of(ctx, r)->in_call[me], call);
+  Control* mine = control_of(ctx, ctx.rank);
+  for (int s = 0; s < ctx.num_ranks; ++s)
+    wait_flag(ctx, &mine->in_call[pe_of(ctx, s)], call, op, "entered the call", s);
 }
 
 // Runs after a chunk's transfers (a one-thread kernel node: a graph launch costs ~0.2 µs of
@@ -57,7 +68,7 @@ __global__ void raise_landed_flag(uint64_t* flag) {
 // Where a piece lands: the peer's buffer.
 void* piece_destination(const Transport& t, const CopySequence::Transfer& x,
                         const CopyPiece& p) {
-  return static_cast<char*>(t.host_peers[x.peer]) + p.dst_offset;
+  return p.dst != nullptr ? p.dst : static_cast<char*>(t.host_peers[x.peer]) + p.dst_offset;
 }
 
 cudaStream_t graph_stream(const Transport& t) { return t.copy_stream; }
@@ -86,8 +97,8 @@ cudaKernelNodeParams kernel_node_params(const CopySequence::Kernel& kernel,
   return p;
 }
 
-// What fixes a graph's nodes and edges; the pieces' sources and the kernels' arguments may
-// change (set in place, see GraphCache::update).
+// What fixes a graph's nodes and edges; the pieces' sources, their destinations in the
+// peers' outputs and the kernels' arguments may change (set in place, see GraphCache::update).
 using GraphShape = std::vector<unsigned char>;
 
 template <typename T>
@@ -109,8 +120,9 @@ GraphShape shape_of(const CopySequence& seq) {
     put(shape, x.chunk);
     put(shape, x.after_kernel);
     put(shape, x.num_pieces);
-    for (int i = 0; i < x.num_pieces; ++i) {
-      put(shape, x.pieces[i].dst_offset);
+    for (int i = 0; i < x.num_pieces; ++i) {  // a destination set per call is not shape
+      put(shape, x.pieces[i].dst != nullptr);
+      put(shape, x.pieces[i].dst != nullptr ? size_t(0) : x.pieces[i].dst_offset);
       put(shape, x.pieces[i].bytes);
     }
   }
@@ -124,6 +136,7 @@ struct CachedGraph {
   std::vector<cudaGraphNode_t> kernel_nodes, piece_nodes;  // in the sequence's order
   std::vector<std::vector<unsigned char>> kernel_args;  // what the nodes hold now
   std::vector<const void*> piece_sources;
+  std::vector<void*> piece_destinations;  // the per-call ones (CopyPiece::dst), else nullptr
   unsigned long long last_used = 0;
 
   // Whether the nodes hold `seq`'s sources and arguments (the shape being the same).
@@ -133,7 +146,8 @@ struct CachedGraph {
     size_t n = 0;
     for (const CopySequence::Transfer& x : seq.transfers())
       for (int i = 0; i < x.num_pieces; ++i, ++n)
-        if (piece_sources[n] != x.pieces[i].src) return false;
+        if (piece_sources[n] != x.pieces[i].src || piece_destinations[n] != x.pieces[i].dst)
+          return false;
     return true;
   }
 };
@@ -241,6 +255,7 @@ class GraphCache {
         pieces.push_back(node);
         g.piece_nodes.push_back(node);
         g.piece_sources.push_back(piece.src);
+        g.piece_destinations.push_back(piece.dst);
       }
       if (status != cudaSuccess) break;
       if (!pieces.empty()) chain = pieces;
@@ -268,12 +283,13 @@ class GraphCache {
       g.piece_nodes.clear();
       g.kernel_args.clear();
       g.piece_sources.clear();
+      g.piece_destinations.clear();
     }
     return status;
   }
 
-  // Same shape, new sources or kernel arguments: set the parameters of the nodes that differ,
-  // in place (the destinations are fixed by the shape).
+  // Same shape, new sources, per-call destinations or kernel arguments: set the parameters of
+  // the nodes that differ, in place (the other destinations are fixed by the shape).
   static cudaError_t update(const Transport& t, const CopySequence& seq, CachedGraph& g) {
     cudaError_t status = cudaSuccess;
     for (size_t k = 0; k < seq.kernels().size() && status == cudaSuccess; ++k) {
@@ -288,11 +304,14 @@ class GraphCache {
     for (const CopySequence::Transfer& x : seq.transfers()) {
       for (int i = 0; i < x.num_pieces && status == cudaSuccess; ++i, ++n) {
         const CopyPiece& piece = x.pieces[i];
-        if (g.piece_sources[n] == piece.src) continue;
+        if (g.piece_sources[n] == piece.src && g.piece_destinations[n] == piece.dst) continue;
         status = cudaGraphExecMemcpyNodeSetParams1D(
             g.exec, g.piece_nodes[n], piece_destination(t, x, piece), piece.src, piece.bytes,
             cudaMemcpyDeviceToDevice);
-        if (status == cudaSuccess) g.piece_sources[n] = piece.src;
+        if (status == cudaSuccess) {
+          g.piece_sources[n] = piece.src;
+          g.piece_destinations[n] = piece.dst;
+        }
       }
     }
     return status;
@@ -348,9 +367,10 @@ std::vector<CopyHostTime> copy_engine_host_times(bool reset) {
 
 void release_copy_engine_graphs() { graph_cache().clear(); }
 
-cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
+cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream,
+                              bool into_outputs) {
   HostTimer timer(kHostGuard);
-  wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine);
+  wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine, into_outputs);
   return cudaGetLastError();
 }
 

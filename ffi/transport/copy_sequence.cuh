@@ -18,9 +18,10 @@ namespace jax_ep {
 // call's copy sequence, then the caller's kernels, which wait for the landed flags, and a join
 // (the caller's stream waits for the transfers, so their sources outlive them).
 struct CopyPiece {
-  size_t dst_offset;  // in the peer's symmetric buffer
+  size_t dst_offset;  // in the peer's symmetric buffer, where dst is nullptr
   const void* src;
   size_t bytes;
+  void* dst = nullptr;  // else here: a peer's XLA output as mapped here (set per call)
 };
 // One call's copy-engine work: kernels that run one after another (the combine's stage of
 // each chunk), and transfers, each a chunk's pieces to one peer followed by the chunk's landed
@@ -71,8 +72,11 @@ class CopySequence {
 // A call's chunks: ~chunk_bytes (> 0) of rows of row_bytes per transfer.
 void copy_chunking(int num_tokens, size_t row_bytes, size_t chunk_bytes, int* chunk_rows,
                    int* chunks);
-// combine: also resets the combine's work cursor for the reduce that follows.
-cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream);
+// combine: also resets the combine's work cursor for the reduce that follows. into_outputs:
+// the transfers write into the peers' XLA outputs, so every peer must have entered this call
+// too (Control::in_call).
+cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream,
+                              bool into_outputs = false);
 // Starts the sequence after the caller's stream's work so far; the caller's next kernels may
 // run alongside it.
 cudaError_t copy_engine_run(const PeerContext& ctx, const CopySequence& sequence,
