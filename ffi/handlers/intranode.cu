@@ -75,13 +75,7 @@ int blocks_or_default(int64_t num_blocks) {
 // each) are resident.
 int copy_engine_blocks(int64_t num_blocks) {
   constexpr int kFreeSms = 2;
-  static const int sms = [] {
-    int device = 0, n = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-    return n > 0 ? n : 1;
-  }();
-  return std::min(blocks_or_default(num_blocks), std::max(sms - kFreeSms, 1));
+  return std::min(blocks_or_default(num_blocks), std::max(multiprocessors() - kFreeSms, 1));
 }
 
 ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,

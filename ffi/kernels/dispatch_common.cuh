@@ -517,16 +517,6 @@ __device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, i
   if (lane == 0) a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
 }
 
-int multiprocessors() {
-  static const int count = [] {
-    int device = 0, n = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-    return n > 0 ? n : 1;
-  }();
-  return count;
-}
-
 // The stage kernel: spread over a co-resident grid when it can (rank_major: R <= 32;
 // expert_major: E ints of shared memory and kStageCounts / E CTAs).
 template <bool kExpertMajor, bool kPull>

@@ -15,38 +15,17 @@ constexpr int kCounterLeanPush = 7;
 // Warps of each block that write the metadata before joining the stores: two cover a 2-rank
 // DeepSeek-V3 output's ~8200 rows in two rounds at 64 CTAs.
 constexpr int kMetadataWarps = 2;
-// Ids (and weights) a lane loads together for one row: one round trip per group of them.
-constexpr int kIdsPerRound = 8;
 
 // Lane q's row i (from source s, position `position` in its list for this PE): the source's
-// token, ids and weights (over NVLink for a peer), loaded in groups, become the row's local
-// ids and weights and the handle's entries.
+// token, then its ids and weights (over NVLink for a peer) become the row's local ids and
+// weights and the handle's entries.
 __device__ void write_row_metadata(const DispatchArgs& a, int i, int s, int position) {
   const PeerContext& ctx = a.ctx;
-  const int K = a.num_topk, E = a.num_experts, L = E / ctx.num_ranks, me = ctx.rank;
-  const int t = __ldcg(region<int32_t>(ctx, s, a.plan.lists) + size_t(me) * a.plan.list_len +
-                       position);
-  const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
-  const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
-  int32_t* out_ids = a.out_topk_idx + size_t(i) * K;
-  float* out_weights = a.out_topk_weights + size_t(i) * K;
-  for (int k0 = 0; k0 < K; k0 += kIdsPerRound) {
-    int32_t e[kIdsPerRound];
-    float w[kIdsPerRound];
-#pragma unroll
-    for (int u = 0; u < kIdsPerRound; ++u) {
-      e[u] = k0 + u < K ? __ldcg(ids + k0 + u) : -1;
-      w[u] = k0 + u < K ? __ldcg(weights + k0 + u) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kIdsPerRound; ++u) {
-      if (k0 + u >= K) break;
-      const bool here = valid_expert(e[u], E) && e[u] / L == me;
-      out_ids[k0 + u] = here ? e[u] % L : -1;
-      out_weights[k0 + u] = here ? w[u] : 0.f;
-      if (here) atomicAdd(&a.tokens_per_expert[e[u] % L], 1);
-    }
-  }
+  const int K = a.num_topk;
+  const int t = __ldcg(region<int32_t>(ctx, s, a.plan.lists) +
+                       size_t(ctx.rank) * a.plan.list_len + position);
+  write_local_ids(a, i, region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K,
+                  region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K);
   a.src_rank[i] = s;
   a.src_token[i] = t;
   a.src_k[i] = -1;

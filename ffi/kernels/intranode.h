@@ -158,6 +158,39 @@ __device__ __forceinline__ uint32_t rank_mask(const DispatchArgs& a, int t, int 
   return mask;
 }
 
+// Output row i's local ids and weights from its source's K ids and weights (over NVLink for a
+// peer), loaded in groups of kIdsPerRound per round trip, counted into tokens_per_expert.
+// Returns whether one of them is an expert of this PE (the row is used).
+constexpr int kIdsPerRound = 8;
+__device__ __forceinline__ bool write_local_ids(const DispatchArgs& a, int i, const int32_t* ids,
+                                                const float* weights) {
+  const int K = a.num_topk, E = a.num_experts, L = E / a.ctx.num_ranks, me = a.ctx.rank;
+  int32_t* out_ids = a.out_topk_idx + size_t(i) * K;
+  float* out_weights = a.out_topk_weights + size_t(i) * K;
+  bool used = false;
+  for (int k0 = 0; k0 < K; k0 += kIdsPerRound) {
+    int32_t e[kIdsPerRound];
+    float w[kIdsPerRound];
+#pragma unroll
+    for (int u = 0; u < kIdsPerRound; ++u) {
+      e[u] = k0 + u < K ? __ldcg(ids + k0 + u) : -1;
+      w[u] = k0 + u < K ? __ldcg(weights + k0 + u) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kIdsPerRound; ++u) {
+      if (k0 + u >= K) break;
+      const bool here = valid_expert(e[u], E) && e[u] / L == me;
+      out_ids[k0 + u] = here ? e[u] % L : -1;
+      out_weights[k0 + u] = here ? w[u] : 0.f;
+      if (here) {
+        used = true;
+        atomicAdd(&a.tokens_per_expert[e[u] % L], 1);
+      }
+    }
+  }
+  return used;
+}
+
 cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 // The fused push dispatch (dispatch_fused.cu), given the bytes of its offset tables.
 cudaError_t launch_dispatch_fused(const DispatchArgs& args, size_t tables, cudaStream_t stream);

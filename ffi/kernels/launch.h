@@ -5,6 +5,17 @@
 
 namespace jax_ep {
 
+// The GPU's SM count (queried once; 1 if the query fails).
+inline int multiprocessors() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    return n > 0 ? n : 1;
+  }();
+  return count;
+}
+
 // Kernels are launched to start while the kernel before them drains (programmatic stream
 // serialization; each such kernel waits in wait_previous_kernel before reading anything):
 // 2-4 µs less per normal-mode call on 2×H200 (benchmarks/RESULTS.md). Not while the stream

@@ -5,25 +5,18 @@
 // By the SMs (path "fused"): a row's place needs no peer's counts, so each source stores its
 // rows into every destination as soon as the call starts: straight into the destination's
 // output where it published one (the XLA windows), else into its landing area.
+#include <algorithm>
+
 #include "kernels/intranode.h"
 
 namespace jax_ep {
 namespace {
 
-// Ids (and weights) a lane loads together for one row: one round trip per group of them.
-constexpr int kIdsPerRound = 8;
 // Control::block_counter slot of the SM path's stores (the last block raises pushed[]).
 constexpr int kCounterSlotsPush = 6;
 // Warps of each block that write the rows' metadata while the others store (SM path, output
 // published): two of them cover a 2-rank DeepSeek-V3 output's 8192 rows in two rounds at 64 CTAs.
 constexpr int kMetadataWarps = 2;
-
-int resident_blocks(int wanted) {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms > 0 && sms < wanted ? sms : wanted;
-}
 
 // Publishes this PE's ids and weights (the receivers read them for their rows' metadata),
 // writes send_slot (token t is row me*T + t at every rank holding one of its experts) and
@@ -131,37 +124,15 @@ __device__ void push_slot_rows(const DispatchArgs& a, const SlotTargets& targets
   }
 }
 
-// One lane's row i (source s, token t): the source's ids and weights (over NVLink for a peer),
-// loaded in groups before any store, become the row's local ids and weights and the handle's
-// entries. Returns whether one of the token's experts is here (the row is used).
+// One lane's row i (source s, token t): the source's ids and weights (over NVLink for a peer)
+// become the row's local ids and weights and the handle's entries. Returns whether one of the
+// token's experts is here (the row is used).
 __device__ bool write_row_metadata(const DispatchArgs& a, int i, int s, int t) {
   const PeerContext& ctx = a.ctx;
-  const int K = a.num_topk, E = a.num_experts, L = E / ctx.num_ranks, me = ctx.rank;
-  const int32_t* ids = region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K;
-  const float* weights = region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K;
-  int32_t* out_ids = a.out_topk_idx + size_t(i) * K;
-  float* out_weights = a.out_topk_weights + size_t(i) * K;
-  bool used = false;
-  for (int k0 = 0; k0 < K; k0 += kIdsPerRound) {
-    int32_t e[kIdsPerRound];
-    float w[kIdsPerRound];
-#pragma unroll
-    for (int u = 0; u < kIdsPerRound; ++u) {
-      e[u] = k0 + u < K ? __ldcg(ids + k0 + u) : -1;
-      w[u] = k0 + u < K ? __ldcg(weights + k0 + u) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kIdsPerRound; ++u) {
-      if (k0 + u >= K) break;
-      const bool here = valid_expert(e[u], E) && e[u] / L == me;
-      out_ids[k0 + u] = here ? e[u] % L : -1;
-      out_weights[k0 + u] = here ? w[u] : 0.f;
-      if (here) {
-        used = true;
-        atomicAdd(&a.tokens_per_expert[e[u] % L], 1);
-      }
-    }
-  }
+  const int K = a.num_topk;
+  const bool used =
+      write_local_ids(a, i, region<int32_t>(ctx, s, a.plan.meta_ids) + size_t(t) * K,
+                      region<float>(ctx, s, a.plan.meta_weights) + size_t(t) * K);
   a.src_rank[i] = used ? s : -1;
   a.src_token[i] = used ? t : -1;
   a.src_k[i] = -1;
@@ -292,7 +263,7 @@ cudaError_t launch_dispatch_slots(const DispatchArgs& a, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
     // every block resident: a block waiting for a peer's rows must not keep this PE's own
     // pushes from a CTA slot
-    return launch_after_previous(slots_gather<true>, resident_blocks(a.num_blocks), kThreads, 0,
+    return launch_after_previous(slots_gather<true>, std::min(a.num_blocks, multiprocessors()), kThreads, 0,
                                  stream, a);
   }
   cudaError_t status = copy_engine_guard(a.ctx, /*combine=*/false, stream);
