@@ -35,6 +35,17 @@ def test_push_dispatch_rows_and_records_are_covered():
                 dtype=jnp.bfloat16) >= need
 
 
+def test_lean_push_landing_area_and_its_lists_are_covered():
+    # The lean push (rank_major where the XLA windows are open) lands a destination's C rows
+    # and their FP8 scales unpadded beside the pull stage's lists (R x T) and staged ids and
+    # weights (T x K each), for any capacity.
+    R, T, H, K, E = 2, 100, 256, 8, 16
+    for C in (50, 200, 400):
+        need = C * (H + 4 * (H // 128)) + 4 * R * T + 8 * T * K
+        assert hint(num_tokens=T, hidden=H, num_topk=K, num_experts=E, num_ranks=R, capacity=C,
+                    dtype=jnp.bfloat16, fp8=True) >= need, C
+
+
 def test_cached_dispatch_of_all_tokens_is_covered():
     # Combine's backward stages the source's T rows, which exceeds C rows when C < T.
     R, T, H, K, E, C = 2, 4096, 1024, 2, 4, 16
