@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads) stage_rows(CachedDispatchArgs a) {
 
 __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = enter_cached_gather(ctx);
+  const uint64_t call = enter_after_ready(ctx, kProfCachedGather, "cached_dispatch");
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   for (int i = warp; i < a.capacity; i += gridDim.x * kWarps) {
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) gather_rows(CachedDispatchArgs a) {
 template <int kSources>
 __global__ void __launch_bounds__(kThreads) gather_pairs(CachedDispatchArgs a) {
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = enter_cached_gather(ctx);
+  const uint64_t call = enter_after_ready(ctx, kProfCachedGather, "cached_dispatch");
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps, R = ctx.num_ranks, K = a.num_topk;

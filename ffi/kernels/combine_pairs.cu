@@ -187,7 +187,7 @@ cudaError_t launch_pairs_typed(const CombineArgs& a, size_t row_bytes, cudaStrea
 template <typename T, int kVector, int kPairs>
 __global__ void __launch_bounds__(kThreads) combine_backward_pairs(CachedDispatchArgs a) {
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = enter_cached_gather(ctx);
+  const uint64_t call = enter_after_ready(ctx, kProfCachedGather, "cached_dispatch");
   const RegionPlan plan = plan_combine(a.num_tokens, a.row_bytes);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps, R = ctx.num_ranks, K = a.num_topk;

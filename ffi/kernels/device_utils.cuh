@@ -55,15 +55,17 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
-// The start of the cached dispatch's gather kernels (and the combine's backward): after the
-// previous kernel (launched to overlap its drain), once every peer has staged its rows;
+// The start of a kernel that runs once every peer has staged its data of the call (the
+// dispatch's data kernels, the cached dispatch's gathers, the combine's backward): after the
+// previous kernel (launched to overlap its drain), its phases stamped in profile row `slot`;
 // returns the call number.
-__device__ __forceinline__ uint64_t enter_cached_gather(const PeerContext& ctx) {
+__device__ __forceinline__ uint64_t enter_after_ready(const PeerContext& ctx, int slot,
+                                                      const char* op) {
   wait_previous_kernel();
   const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfCachedGather, kEnter);
-  wait_all_ready(ctx, call, "cached_dispatch");
-  profile_mark(ctx, kProfCachedGather, kWaited);
+  profile_mark(ctx, slot, kEnter);
+  wait_all_ready(ctx, call, op);
+  profile_mark(ctx, slot, kWaited);
   return call;
 }
 

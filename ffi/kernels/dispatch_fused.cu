@@ -377,12 +377,8 @@ struct ExpertMajorPush {
 
 template <bool kExpertMajor, int kSources>
 __global__ void __launch_bounds__(kThreads) dispatch_fused(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchFused, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchFused, kWaited);
+  const uint64_t call = enter_after_ready(ctx, kProfDispatchFused, "dispatch");
   extern __shared__ int32_t tables[];
   GatherTables tb;
   build_tables<kExpertMajor>(a, region<int32_t>(ctx, ctx.rank, a.push.matrix), tables, tb);

@@ -105,12 +105,8 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
-  wait_previous_kernel();
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchGather, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchGather, kWaited);
+  const uint64_t call = enter_after_ready(ctx, kProfDispatchGather, "dispatch");
   const int R = ctx.num_ranks, me = ctx.rank;
   __shared__ int32_t tables[2 * kMaxStageRanks + 1];
   __shared__ char* rows[kMaxStageRanks];

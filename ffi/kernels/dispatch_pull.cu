@@ -16,12 +16,8 @@ __device__ __forceinline__ T* shfl_pointer(T* p, int r) {
 
 template <bool kExpertMajor>
 __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
-  wait_previous_kernel();  // launched to overlap the previous kernel's drain
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchGather, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchGather, kWaited);
+  const uint64_t call = enter_after_ready(ctx, kProfDispatchGather, "dispatch");
   const int R = ctx.num_ranks, me = ctx.rank, T = a.num_tokens, K = a.num_topk;
   const int E = a.num_experts, L = E / R, C = a.capacity;
   extern __shared__ int32_t tables[];

@@ -209,12 +209,8 @@ __device__ int gather_slot_rows(const DispatchArgs& a, uint64_t call, int warp, 
 // stores first (no block holds back this PE's flag while waiting for a peer's).
 template <bool kSMs>
 __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
-  wait_previous_kernel();
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = current_call(ctx);
-  profile_mark(ctx, kProfDispatchGather, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchGather, kWaited);
+  const uint64_t call = enter_after_ready(ctx, kProfDispatchGather, "dispatch");
   const Control* mine = control_of(ctx, ctx.rank);
   const int L = a.num_experts / ctx.num_ranks;
   const int warp_in_block = threadIdx.x / 32;
