@@ -58,7 +58,7 @@ __device__ __forceinline__ void push_row(const CombineArgs& a, const CombinePush
   if (lane == 0) region<float>(ctx, owner, plan.weights)[slot] = a.weights[i];
   __syncwarp();
   if (lane == 0) {
-    __threadfence_system();
+    fence_acq_rel_system();
     atomicAdd_system(&control_of(ctx, owner)->arrivals[t / per_chunk], 1u);
   }
 }

@@ -89,25 +89,32 @@ __device__ __forceinline__ void reset_cursor(const PeerContext& ctx, WorkCursor 
 // that the region has been read, and every load has returned once the stores it feeds are
 // issued) leaves it out rather than wait for its output stores to drain; the kernel's end
 // makes those visible to the next kernel.
-__device__ inline bool last_block_on(unsigned* counter, bool fence_writes = true) {
+// reads_blocks: the last block goes on to load what the other blocks wrote (not only to
+// signal, whose system fence orders their writes before its flags).
+__device__ inline bool last_block_on(unsigned* counter, bool fence_writes = true,
+                                     bool reads_blocks = false) {
   __shared__ bool is_last;
   allow_next_kernel();  // this block has no more work but the closing fences
   // The barrier orders the block's writes before thread 0's fence, which is cumulative: one
-  // system-scope fence per block, not one per thread (each costs microseconds under load).
+  // system-scope fence per block, not one per thread (each takes ~1.6 µs on an H100, idle or
+  // not: benchmarks/signal_probe.cu).
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (fence_writes) __threadfence_system();
+    if (fence_writes) fence_acq_rel_system();
     unsigned arrived = atomicAdd(counter, 1u);
     is_last = arrived == gridDim.x - 1;
-    if (is_last) *counter = 0;
+    if (is_last) {
+      *counter = 0;
+      if (reads_blocks) fence_acq_rel_gpu();  // their writes before the last block's loads
+    }
   }
   __syncthreads();
   return is_last;
 }
 
 // last_block_on the normal-mode counter `slot`.
-__device__ inline bool last_block(const PeerContext& ctx, int slot) {
-  return last_block_on(&control_of(ctx, ctx.rank)->block_counter[slot]);
+__device__ inline bool last_block(const PeerContext& ctx, int slot, bool reads_blocks = false) {
+  return last_block_on(&control_of(ctx, ctx.rank)->block_counter[slot], true, reads_blocks);
 }
 
 // A load for copy_row: cached, or (kFromPeer) bypassing L1, for data another PE wrote.

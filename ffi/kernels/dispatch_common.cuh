@@ -110,10 +110,10 @@ __device__ void grid_barrier(const PeerContext& ctx) {
   if (threadIdx.x == 0) {
     volatile unsigned* generation = &control->stage_generation;
     const unsigned seen = *generation;
-    __threadfence();
+    fence_acq_rel_gpu();
     if (atomicAdd(&control->stage_arrived, 1u) == gridDim.x - 1) {
       control->stage_arrived = 0;
-      __threadfence();
+      fence_acq_rel_gpu();
       atomicAdd(&control->stage_generation, 1u);
     } else {
       const uint64_t start = global_timer_ns();
@@ -125,7 +125,7 @@ __device__ void grid_barrier(const PeerContext& ctx) {
         }
       }
     }
-    __threadfence();
+    fence_acq_rel_gpu();
   }
   __syncthreads();
 }
@@ -157,19 +157,21 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   if (threadIdx.x < R) control->stage_counts[blockIdx.x * R + threadIdx.x] = counts[threadIdx.x];
   grid_barrier(ctx);
 
-  // counts[w] <- tokens for w in the CTAs before this one; the last CTA publishes the totals
-  if (threadIdx.x < R) {
+  // counts[w] <- tokens for w in the CTAs before this one; the last CTA publishes the totals.
+  // Warp w sums destination w's counts, a lane a CTA: one round of loads, not one per CTA.
+  for (int w = warp; w < R; w += kWarps) {
     int before = 0, total = 0;
-    for (int b = 0; b < int(gridDim.x); ++b) {
-      const int n = __ldcg(&control->stage_counts[b * R + threadIdx.x]);  // other CTAs' writes
+    for (int b = lane; b < int(gridDim.x); b += 32) {
+      const int n = __ldcg(&control->stage_counts[b * R + w]);  // other CTAs' writes
       if (b < int(blockIdx.x)) before += n;
       total += n;
     }
-    counts[threadIdx.x] = before;
-    if (blockIdx.x == gridDim.x - 1) {
+    before = __reduce_add_sync(0xffffffffu, before);
+    total = __reduce_add_sync(0xffffffffu, total);
+    if (lane == 0) counts[w] = before;
+    if (blockIdx.x == gridDim.x - 1 && lane < R) {
       const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
-      for (int p = 0; p < R; ++p)
-        region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * R + threadIdx.x] = total;
+      region<int32_t>(ctx, lane, matrix)[size_t(ctx.rank) * R + w] = total;
     }
   }
   __syncthreads();
@@ -459,7 +461,7 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
   }
   // The last block: its threads share the per-expert work (one thread walking L = 256 experts,
   // a dependent L2 round trip each, held the call's end ~14 us on one H100), thread 0 closes.
-  if (!last_block(ctx, counter)) return;
+  if (!last_block(ctx, counter, /*reads_blocks=*/true)) return;
   __shared__ int totals[2];  // expert_major: received, dropped
   if (threadIdx.x == 0) totals[0] = totals[1] = 0;
   __syncthreads();
@@ -487,6 +489,7 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
     }
     if (kPull && a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
     if (kPull && a.lean) {  // every source's rows are here (in place, they landed unseen)
+      if (a.direct_out) signal_all(ctx, Flag::kPushed, call);  // this PE's rows are out
       const Control* mine = control_of(ctx, ctx.rank);
       for (int s = 0; s < ctx.num_ranks; ++s)
         wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);

@@ -159,7 +159,7 @@ __device__ __forceinline__ void store_token(const DispatchArgs& a, int t, char* 
     broadcast_row(scales, reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes,
                   a.scale_row_bytes, lane);
   __syncwarp();
-  if (lane == 0) __threadfence_system();
+  if (lane == 0) fence_acq_rel_system();
 }
 
 template <int kSources>

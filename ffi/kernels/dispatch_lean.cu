@@ -124,11 +124,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
     write_metadata(a, tb, blockIdx.x * kMetadataWarps + warp_in_block,
                    gridDim.x * kMetadataWarps);
   push_rows(a, tb, rows, scales);
-  if (last_block_on(&mine->block_counter[kCounterLeanPush]) && threadIdx.x == 0) {
-    const int pe = pe_of(ctx, me);
-    for (int r = 0; r < R; ++r) store_release(&control_of(ctx, r)->pushed[pe], call);
-  }
+  // In place, nothing is left after the stores: the call's closing block raises pushed[] (one
+  // block counter and one fence per block fewer). Else the landing areas are copied out after
+  // every source's flag, so the flag goes out first.
   if (!a.direct_out) {
+    if (last_block_on(&mine->block_counter[kCounterLeanPush]) && threadIdx.x == 0)
+      signal_all(ctx, Flag::kPushed, call);
     write_metadata(a, tb, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps);
     // the peers' rows from the landing area, once each source's flag has come
     const int lane = threadIdx.x % 32;

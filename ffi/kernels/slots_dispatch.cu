@@ -119,8 +119,7 @@ __device__ void push_slot_rows(const DispatchArgs& a, const SlotTargets& targets
     }
   }
   if (last_block_on(&mine->block_counter[kCounterSlotsPush]) && threadIdx.x == 0) {
-    const int pe = pe_of(ctx, me);
-    for (int r = 0; r < R; ++r) store_release(&control_of(ctx, r)->pushed[pe], call);
+    signal_all(ctx, Flag::kPushed, call);
   }
 }
 
@@ -236,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
   last_used = __reduce_max_sync(0xffffffffu, last_used);
   if (threadIdx.x % 32 == 0 && last_used > 0) atomicMax(a.num_received, last_used);
   profile_end(ctx, kProfDispatchGather);
-  if (!last_block(ctx, 1)) return;
+  if (!last_block(ctx, 1, /*reads_blocks=*/true)) return;
   for (int l = threadIdx.x; l < L; l += kThreads)
     a.group_sizes[l] = __ldcg(a.tokens_per_expert + l);
   if (threadIdx.x == 0) {

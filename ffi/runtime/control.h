@@ -112,7 +112,7 @@ struct Control {
 };
 enum WorkCursor { kCursorDispatch = 0, kCursorCombine = 1 };
 
-enum class Flag { kReady, kDone };
+enum class Flag { kReady, kDone, kPushed };
 
 constexpr size_t kRegionAlign = 256;
 
