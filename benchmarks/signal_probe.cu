@@ -3,20 +3,10 @@
 // repetitions. One process, both GPUs, CUDA peer access.
 //
 //   nvcc -O3 -arch=sm_90 benchmarks/signal_probe.cu -o build/signal_probe && build/signal_probe
-#include <cuda_runtime.h>
-
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 
-#define CHECK(x)                                                                            \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "probe_common.cuh"
 
 namespace {
 
