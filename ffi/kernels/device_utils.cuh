@@ -80,27 +80,35 @@ __device__ __forceinline__ void reset_cursor(const PeerContext& ctx, WorkCursor 
   if (blockIdx.x == 0 && threadIdx.x == 0) control_of(ctx, ctx.rank)->work_cursor[which] = 0;
 }
 
+// What each block's arrival at a last-block counter orders before it.
+//  kGpu: its writes, at GPU scope. The closing block then releases them at system scope
+//    (signal_all, finish_call, a release store) before any flag another PE acts on: the
+//    fence is cumulative, so one system fence there carries every block's writes, their
+//    stores into peers included (a system fence takes ~1.6 µs wherever it runs; a GPU one
+//    ~0.4: benchmarks/signal_probe.cu).
+//  kSystem: at system scope in every block, where something other than this GPU's SMs reads
+//    them next (puts through NVSHMEM's proxy).
+//  kNone: nothing (the low-latency receives: their signal says only that the region has been
+//    read, and every load has returned once the stores it feeds are issued; the kernel's end
+//    makes those stores visible to the next kernel).
+enum class BlockFence { kNone, kGpu, kSystem };
+
 // True in exactly one block: the last to arrive at `counter` (an arrival counter in this PE's
-// control block), after every block's writes are visible system-wide; the last block resets it,
-// with no fence: only a later kernel of this PE uses the counter again, and the kernel boundary
-// orders the reset before it (a fence there sat on every kernel's critical path).
-// fence_writes: the system fence before the arrival. A block whose writes need not reach
-// another PE before the last block's signal (the low-latency receives: their signal says only
-// that the region has been read, and every load has returned once the stores it feeds are
-// issued) leaves it out rather than wait for its output stores to drain; the kernel's end
-// makes those visible to the next kernel.
-// reads_blocks: the last block goes on to load what the other blocks wrote (not only to
-// signal, whose system fence orders their writes before its flags).
-__device__ inline bool last_block_on(unsigned* counter, bool fence_writes = true,
+// control block), after every block's writes are ordered before its arrival (`fence`); the
+// last block resets it, with no fence: only a later kernel of this PE uses the counter again,
+// and the kernel boundary orders the reset before it (a fence there sat on every kernel's
+// critical path). reads_blocks: the last block goes on to load what the other blocks wrote
+// (not only to signal).
+__device__ inline bool last_block_on(unsigned* counter, BlockFence fence = BlockFence::kGpu,
                                      bool reads_blocks = false) {
   __shared__ bool is_last;
   allow_next_kernel();  // this block has no more work but the closing fences
   // The barrier orders the block's writes before thread 0's fence, which is cumulative: one
-  // system-scope fence per block, not one per thread (each takes ~1.6 µs on an H100, idle or
-  // not: benchmarks/signal_probe.cu).
+  // fence per block, not one per thread.
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (fence_writes) fence_acq_rel_system();
+    if (fence == BlockFence::kSystem) fence_acq_rel_system();
+    if (fence == BlockFence::kGpu) fence_acq_rel_gpu();
     unsigned arrived = atomicAdd(counter, 1u);
     is_last = arrived == gridDim.x - 1;
     if (is_last) {
@@ -114,7 +122,8 @@ __device__ inline bool last_block_on(unsigned* counter, bool fence_writes = true
 
 // last_block_on the normal-mode counter `slot`.
 __device__ inline bool last_block(const PeerContext& ctx, int slot, bool reads_blocks = false) {
-  return last_block_on(&control_of(ctx, ctx.rank)->block_counter[slot], true, reads_blocks);
+  return last_block_on(&control_of(ctx, ctx.rank)->block_counter[slot], BlockFence::kGpu,
+                       reads_blocks);
 }
 
 // A load for copy_row: cached, or (kFromPeer) bypassing L1, for data another PE wrote.

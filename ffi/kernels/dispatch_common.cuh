@@ -488,13 +488,18 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
       *a.num_dropped = max(total - C, 0);
     }
     if (kPull && a.copy_engine) close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
-    if (kPull && a.lean) {  // every source's rows are here (in place, they landed unseen)
-      if (a.direct_out) signal_all(ctx, Flag::kPushed, call);  // this PE's rows are out
+    if (kPull && a.lean) {
+      // Every block has arrived, so this PE's accesses of the call are over: one fence
+      // releases its rows (pushed, where its output is published) and its done; then, before
+      // the kernel ends, every source's rows here (in place, they landed unseen).
+      if (a.direct_out) signal_all(ctx, Flag::kPushed, call);
+      finish_call(ctx, call, /*fenced=*/a.direct_out);
       const Control* mine = control_of(ctx, ctx.rank);
       for (int s = 0; s < ctx.num_ranks; ++s)
         wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);
+    } else {
+      finish_call(ctx, call);
     }
-    finish_call(ctx, call);
     // Peers read this PE's inputs where XLA keeps them: the call (and with it XLA's hold on
     // them) ends only once every peer is done with them.
     if (kPull && a.in_place) {

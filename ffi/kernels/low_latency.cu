@@ -59,15 +59,19 @@ __device__ __forceinline__ uint64_t read_call(const int32_t* call) {
 }
 
 // last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
-// signal (consumed) only says that the region has been read. puts: the block's puts are
-// completed first (so the last block's signals follow every put of the call).
+// signal (consumed) only says that the region has been read (else the sends' GPU-scope
+// arrival, their last block's release stores carrying every block's NVLink stores). puts: the
+// block's puts are completed first (so the last block's signals follow every put of the call).
 __device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true,
                                      bool puts = false) {
   if (puts) {
     __syncthreads();
     if (threadIdx.x == 0) quiet_puts();
   }
-  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot], fence_writes);
+  return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot],
+                       !fence_writes ? BlockFence::kNone
+                       : puts        ? BlockFence::kSystem  // a proxy may read what they staged
+                                     : BlockFence::kGpu);
 }
 
 // Flags of every peer in one round of loads: each lane of the calling warp loads its own
@@ -995,7 +999,9 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   piece = piece < kPieceQuantum ? kPieceQuantum : piece > kPiece ? kPiece : piece;
   const size_t pieces = (a.row_bytes + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
-  const size_t u_begin = (size_t(blockIdx.x) * kWarps + warp) * per_warp;
+  // runs dealt block by block (warp w of every block before warp w + 1 of any): every block
+  // gets some of the owners' units that cross NVLink, not only the first blocks
+  const size_t u_begin = (size_t(warp) * gridDim.x + blockIdx.x) * per_warp;
   const size_t u_end = min(units, u_begin + per_warp);
   size_t current = ~size_t(0);
   GateEntry g{-1, 0.f};

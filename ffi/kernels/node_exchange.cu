@@ -57,7 +57,8 @@ __device__ void enter_exchange(const PeerContext& ctx, uint64_t call, const char
 __device__ bool quiet_and_last(const PeerContext& ctx) {
   __syncthreads();
   if (threadIdx.x == 0) quiet_puts();
-  return last_block_on(&control_of(ctx, ctx.rank)->block_counter[kCounterNodeSend]);
+  return last_block_on(&control_of(ctx, ctx.rank)->block_counter[kCounterNodeSend],
+                       BlockFence::kSystem);
 }
 
 __device__ void raise_ready(const PeerContext& ctx, uint64_t call) {

@@ -239,13 +239,16 @@ __global__ void __launch_bounds__(kThreads) slots_gather(DispatchArgs a) {
   for (int l = threadIdx.x; l < L; l += kThreads)
     a.group_sizes[l] = __ldcg(a.tokens_per_expert + l);
   if (threadIdx.x == 0) {
-    if (kSMs) {  // every peer's rows are here (in place, they landed unseen)
+    if (kSMs) {
+      // this PE's accesses of the call are over (every block has arrived): done goes out
+      // first, then every peer's rows here (in place, they landed unseen) before the end
+      finish_call(ctx, call);
       for (int s = 0; s < ctx.num_ranks; ++s)
         wait_flag(ctx, &mine->pushed[pe_of(ctx, s)], call, "dispatch", "rows pushed", s);
     } else {
       close_copy_engine_call(ctx, a.copy_chunks, "dispatch");
+      finish_call(ctx, call);
     }
-    finish_call(ctx, call);
     profile_mark(ctx, kProfDispatchGather, kRetired);
   }
 }

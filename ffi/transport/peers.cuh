@@ -230,10 +230,12 @@ __device__ inline void wait_all_ready(const PeerContext& ctx, uint64_t epoch, co
 
 // Called by one thread: set this PE's flag of the given kind on every peer of the group
 // (ready, pushed) or on every PE of its node (done: see enter_call; a group never leaves a
-// node). One fence releases every flag: the stores after it go out side by side.
-__device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t epoch) {
+// node). One fence releases every flag: the stores after it go out side by side. fenced: the
+// caller's last signal_all fenced everything this one releases (two flags, one fence).
+__device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t epoch,
+                                  bool fenced = false) {
   const int me = pe_of(ctx, ctx.rank);
-  fence_acq_rel_system();
+  if (!fenced) fence_acq_rel_system();
   if (flag != Flag::kDone) {
     for (int p = 0; p < ctx.num_ranks; ++p) {
       Control* peer = control_of(ctx, p);
@@ -249,8 +251,8 @@ __device__ inline void signal_all(const PeerContext& ctx, Flag flag, uint64_t ep
 
 // One thread of the call's last kernel, once every access of call `call` is over: the peers
 // may go on (done), and this PE counts the call as completed (its epoch).
-__device__ inline void finish_call(const PeerContext& ctx, uint64_t call) {
-  signal_all(ctx, Flag::kDone, call);
+__device__ inline void finish_call(const PeerContext& ctx, uint64_t call, bool fenced = false) {
+  signal_all(ctx, Flag::kDone, call, fenced);
   control_of(ctx, ctx.rank)->epoch = call;
 }
 
