@@ -31,6 +31,7 @@ JAX_EP_HOST_DEVICE inline size_t row_stride(size_t row_bytes) { return align_up(
 
 struct RegionPlan {
   size_t matrix = 0, lists = 0, meta_ids = 0, meta_weights = 0, rows = 0, scales = 0;
+  size_t positions = 0;  // the lean push only
   size_t end = 0;  // bytes needed
   size_t list_len = 0;
 };
@@ -76,14 +77,18 @@ JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch_copy(int num_ranks, int num_t
 }
 
 // The lean push (rank_major by the SMs, the XLA windows open): the pull plan's control
-// regions, and a landing area where the sources store the rows of a destination whose output
-// is not published, at their output rows: rows [capacity], then scales [capacity] (FP8).
+// regions; positions [T][R] int32, each token's place in every destination's list (the stage
+// writes them; the push turns them into the handle's send_slot, and the warps pushing a
+// token's other pieces still read them); and a landing area where the sources store the rows
+// of a destination whose output is not published, at their output rows: rows [capacity],
+// then scales [capacity] (FP8).
 JAX_EP_HOST_DEVICE inline RegionPlan plan_dispatch_lean(int num_ranks, int num_tokens,
                                                         int num_topk, int num_experts,
                                                         int capacity, size_t x_row_bytes,
                                                         size_t scale_row_bytes) {
   RegionPlan p = plan_dispatch(num_ranks, num_tokens, num_topk, num_experts, false, 0, 0);
-  p.rows = p.end;
+  p.positions = p.end;
+  p.rows = align_up(p.positions + sizeof(int32_t) * num_tokens * num_ranks, kRegionAlign);
   p.scales = align_up(p.rows + x_row_bytes * capacity, kRegionAlign);
   p.end = align_up(p.scales + scale_row_bytes * capacity, kRegionAlign);
   return p;

@@ -176,6 +176,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   }
   __syncthreads();
   const uint32_t below_lane = (1u << lane) - 1;
+  // the lean push reads the places while it writes send_slot (a token's pieces, other warps)
+  int32_t* positions =
+      kPull && a.lean ? region<int32_t>(ctx, ctx.rank, a.plan.positions) : a.send_slot;
   for (int base = begin; base < end; base += kThreads) {
     const int t = base + threadIdx.x;
     const uint32_t mask = t < end ? rank_mask(a, t, L) : 0u;
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
         if (kPull)
           region<int32_t>(ctx, ctx.rank, a.plan.lists)[size_t(w) * a.plan.list_len + slot] = t;
       }
-      if (t < end) a.send_slot[size_t(t) * R + w] = slot;
+      if (t < end) positions[size_t(t) * R + w] = slot;
     }
     __syncthreads();
     if (threadIdx.x < R)  // this round's tokens come before the next round's

@@ -75,30 +75,41 @@ __device__ void load_targets(const DispatchArgs& a, char** rows, char** scales) 
                      : region<char>(ctx, r, a.plan.scales);
 }
 
-// Warps claim this PE's tokens; lane r turns the token's place in r's list into its row there
-// (the handle's send_slot; -1 past the capacity) and the warp stores the row into every
-// destination holding one of its experts.
+// Bytes of a row one warp stores as one work item: one round of copy_row's loads in flight.
+// Whole rows (14 KB in BF16 at DeepSeek-V3 shapes) made ~4 items per warp, so the last items
+// claimed kept a few warps storing for tens of µs after the others had finished.
+constexpr size_t kPieceBytes = 8192;
+
+// Warps claim pieces of this PE's tokens (token-major, so that a token's pieces go out
+// together); lane r turns the token's place in r's list into its row there (the piece-0 warp
+// writes it to the handle's send_slot; -1 past the capacity) and the warp stores the piece
+// into every destination holding one of the token's experts.
 __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* const* rows,
                           char* const* scales) {
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, T = a.num_tokens, C = a.capacity;
   const int lane = threadIdx.x % 32;
+  const int pieces = int((a.x_row_bytes + kPieceBytes - 1) / kPieceBytes);
+  const int32_t* positions = region<int32_t>(ctx, ctx.rank, a.plan.positions);
   uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
-  for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
+  for (int item = claim_item(cursor, lane); item < T * pieces; item = claim_item(cursor, lane)) {
+    const int t = item / pieces, piece = item % pieces;
     int row = -1;
     if (lane < R) {
-      const int rank_in_list = a.send_slot[size_t(t) * R + lane];
+      const int rank_in_list = positions[size_t(t) * R + lane];
       row = rank_in_list >= 0 ? tb.my_offset_at[lane] + rank_in_list : -1;
       if (row >= C) row = -1;  // dropped: counted by the destination
-      a.send_slot[size_t(t) * R + lane] = row;
+      if (piece == 0) a.send_slot[size_t(t) * R + lane] = row;
     }
-    const char* x = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
+    const size_t begin = size_t(piece) * kPieceBytes;
+    const size_t bytes = a.x_row_bytes - begin < kPieceBytes ? a.x_row_bytes - begin : kPieceBytes;
+    const char* x = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes + begin;
     const char* x_scales = reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes;
     for (uint32_t left = __ballot_sync(0xffffffffu, row >= 0); left != 0; left &= left - 1) {
       const int r = __ffs(left) - 1;
       const size_t i = size_t(__shfl_sync(0xffffffffu, row, r));
-      copy_row(rows[r] + i * a.x_row_bytes, x, a.x_row_bytes, lane, 32);
-      if (a.scales != nullptr)
+      copy_row(rows[r] + i * a.x_row_bytes + begin, x, bytes, lane, 32);
+      if (a.scales != nullptr && piece == 0)
         copy_row(scales[r] + i * a.scale_row_bytes, x_scales, a.scale_row_bytes, lane, 32);
     }
   }
