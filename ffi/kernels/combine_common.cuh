@@ -67,14 +67,11 @@ __device__ __forceinline__ void store_vector(T* row, int c, const T (&src)[kVect
 // each lane loads kUnroll chunks of every source before adding, so about 16 loads per lane are
 // in flight (over NVLink that latency, not bandwidth, bounds a warp). kBypassL1: the rows may
 // have been written during this kernel (by a copy engine).
-template <int kSources>
-constexpr int kSumUnroll = kSources >= 16 ? 1 : 16 / kSources;
-
 template <typename T, int kVector, int kSources, bool kBypassL1>
 __device__ __forceinline__ void weighted_sum(const T* (&rows)[kSources],
                                              const float (&weights)[kSources], T* out,
                                              int chunks, int lane) {
-  constexpr int kUnroll = kSumUnroll<kSources>;
+  constexpr int kUnroll = kSources >= 16 ? 1 : 16 / kSources;
   for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
     T values[kUnroll][kSources][kVector];
 #pragma unroll
@@ -177,15 +174,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   const size_t stride = row_stride(row_bytes);
   const int lane = threadIdx.x % 32;
   const int chunks = H / kVector;
-  // Pieces of tokens claimed from the combine work counter (SMs whose loads return faster take
-  // more), a piece one round of weighted_sum's loads: whole rows made ~4 items per warp, so
-  // the last ones claimed kept a few warps reading for tens of µs after the others were done.
-  constexpr int kPieceChunks = 32 * kSumUnroll<kSources>;
-  const int pieces = (chunks + kPieceChunks - 1) / kPieceChunks;
+  // Tokens claimed from the combine work counter: SMs whose loads return faster take more.
   uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorCombine];
-  for (int item = claim_item(cursor, lane); item < a.num_tokens * pieces;
-       item = claim_item(cursor, lane)) {
-    const int t = item / pieces, first = item % pieces * kPieceChunks;
+  for (int t = claim_item(cursor, lane); t < a.num_tokens; t = claim_item(cursor, lane)) {
     // Compile-time indices only, so that these stay in registers.
     const T* rows[kSources];
     float weights[kSources];
@@ -221,12 +212,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
         rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
       }
     }
-#pragma unroll
-    for (int j = 0; j < kSources; ++j)
-      if (rows[j] != nullptr) rows[j] += size_t(first) * kVector;
-    weighted_sum<T, kVector, kSources, kCopy>(
-        rows, weights, static_cast<T*>(a.out) + size_t(t) * H + size_t(first) * kVector,
-        min(kPieceChunks, chunks - first), lane);
+    weighted_sum<T, kVector, kSources, kCopy>(rows, weights,
+                                              static_cast<T*>(a.out) + size_t(t) * H, chunks,
+                                              lane);
   }
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
