@@ -148,8 +148,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   __shared__ int warp_counts[kWarps][kMaxStageRanks];
   if (threadIdx.x < kMaxStageRanks) counts[threadIdx.x] = 0;
   __syncthreads();
+  uint32_t first_mask = 0;  // this thread's first token's (the only one where T <= grid * 512)
   for (int t = begin + threadIdx.x; t < end; t += kThreads) {
     const uint32_t mask = rank_mask(a, t, L);
+    if (t < begin + kThreads) first_mask = mask;
     for (int w = 0; w < R; ++w)
       if (mask >> w & 1) atomicAdd(&counts[w], 1);
   }
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
       kPull && a.lean ? region<int32_t>(ctx, ctx.rank, a.plan.positions) : a.send_slot;
   for (int base = begin; base < end; base += kThreads) {
     const int t = base + threadIdx.x;
-    const uint32_t mask = t < end ? rank_mask(a, t, L) : 0u;
+    const uint32_t mask = t >= end ? 0u : base == begin ? first_mask : rank_mask(a, t, L);
     for (int w = 0; w < R; ++w) {  // this round's tokens per warp and destination
       const uint32_t hits = __ballot_sync(0xffffffffu, mask >> w & 1);
       if (lane == 0) warp_counts[warp][w] = __popc(hits);
