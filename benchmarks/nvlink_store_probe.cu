@@ -11,7 +11,9 @@
 //   tma_copy     bulk loads global -> shared and bulk stores shared -> peer, S stages a pipeline
 //   copy_engine  cudaMemcpyAsync to the peer's address (no SM)
 // and the fused dispatch's pattern (row_push): 14 KB rows, a warp each, to consecutive or
-// scattered rows of the peer, with or without a local copy of each row.
+// scattered rows of the peer, with or without a local copy of each row; the pull combine's
+// (row_pull): 14 KB rows read from the peer, a warp each, alone or summed with a local row,
+// and the copy engine reading the peer.
 // Then the latency a copy-engine low-latency send would add (docs/design.md 6.3): per call,
 // to the peer, its records (0.95 MB: 128 FP8 tokens of hidden 7168), its pair headers (8 KB)
 // and its counts (256 B) by three cudaMemcpyAsync on a stream of their own, then a
@@ -174,6 +176,41 @@ __global__ void row_push(const char* src, char* dst, char* own, int rows, size_t
   }
 }
 
+// The pull combine's pattern: one warp per row, rows claimed from a counter, the row read
+// from the peer (its symmetric buffer, over NVLink) and, with `own`, summed with this PE's row
+// of the same index, into a local output row; kInFlight 16-byte loads per lane before the
+// stores, as the combine's weighted sum keeps them.
+__global__ void row_pull(const char* peer_src, const char* own, char* out, int rows,
+                         size_t row_bytes, unsigned* counter) {
+  constexpr int kInFlight = 8;
+  const int lane = threadIdx.x % 32;
+  const size_t n = row_bytes / 16;
+  for (;;) {
+    unsigned claimed = 0;
+    if (lane == 0) claimed = atomicAdd(counter, 1u);
+    const int r = int(__shfl_sync(0xffffffffu, claimed, 0));
+    if (r >= rows) break;
+    const int4* far = reinterpret_cast<const int4*>(peer_src + size_t(r) * row_bytes);
+    const int4* near =
+        own != nullptr ? reinterpret_cast<const int4*>(own + size_t(r) * row_bytes) : nullptr;
+    int4* to = reinterpret_cast<int4*>(out + size_t(r) * row_bytes);
+    for (size_t i = lane; i < n; i += 32 * kInFlight) {
+      int4 v[kInFlight], w[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n) {
+          v[u] = __ldcg(far + i + u * 32);
+          w[u] = near != nullptr ? near[i + u * 32] : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (i + u * 32 < n)
+          to[i + u * 32] = make_int4(v[u].x + w[u].x, v[u].y + w[u].y, v[u].z + w[u].z,
+                                     v[u].w + w[u].w);
+    }
+  }
+}
+
 struct Timer {
   cudaEvent_t a, b;
   Timer() {
@@ -303,6 +340,32 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpyAsync(remote, local, bytes, cudaMemcpyDeviceToDevice, 0));
   }, bytes, iters);
   if (me == 0) std::printf("copy engine (cudaMemcpyAsync to the peer's address): %.1f GB/s\n", ce);
+  // Reads: the pull combine's side of the link. Every PE reads the peer's source rows while
+  // the peer reads its own (all directions busy); GB/s read from the peer per direction.
+  const char* peer_source = static_cast<const char*>(nvshmem_ptr(local, peer));
+  char* pulled = nullptr;
+  CHECK(cudaMalloc(&pulled, bytes));
+  if (me == 0)
+    std::printf("rows pulled from the peer, a warp each, claimed from a counter (the pull "
+                "combine's pattern); GB/s read from the peer per direction\n| CTAs | peer row "
+                "only | peer row + own row summed |\n|---:|---:|---:|\n");
+  for (int g : {24, 64, sms}) {
+    double rate[2];
+    for (int v = 0; v < 2; ++v)
+      rate[v] = measure([&] {
+        CHECK(cudaMemsetAsync(counter, 0, sizeof(unsigned), 0));
+        row_pull<<<g, kThreads>>>(peer_source, v == 1 ? own : nullptr, pulled, rows, row_bytes,
+                                  counter);
+      }, size_t(rows) * row_bytes, iters);
+    if (me == 0) std::printf("| %d | %.1f | %.1f |\n", g, rate[0], rate[1]);
+  }
+  const double ce_read = measure([&] {
+    CHECK(cudaMemcpyAsync(pulled, peer_source, bytes, cudaMemcpyDeviceToDevice, 0));
+  }, bytes, iters);
+  if (me == 0)
+    std::printf("copy engine reading the peer (cudaMemcpyAsync from its address): %.1f GB/s\n",
+                ce_read);
+  CHECK(cudaFree(pulled));
   cudaStream_t side;
   int lowest = 0, highest = 0;
   CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
