@@ -256,6 +256,30 @@ def test_fp8_dispatch_matches_reference(layout, dispatch_mode):
     assert_trees_equal(*both(fn, x, idx, w))
 
 
+@pytest.mark.parametrize("H,fp8", [(7168, False), (7168, True), (2100, False)])
+def test_wide_rows_match_reference(H, fp8):
+    """Rows wider than one work item of the SM pushes (kPieceBytes, 4 KB): DeepSeek-V3's
+    14 KB BF16 rows (four pieces, the last 2 KB), its 7 KB FP8 rows (two, the scales with the
+    first) and 4200-byte rows (two, not 16-byte aligned), at the default dispatch."""
+    R = num_ranks()
+    T, K, E = 64, 8, 4 * R
+    rng = np.random.default_rng(H + fp8)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
+    if fp8:
+        def fn(backend, x, idx, w):
+            return jax_ep.dispatch(jax_ep.quantize_fp8(x), idx, w, num_experts=E,
+                                   axis_name=AXIS, backend=backend)
+
+        assert_trees_equal(*both(fn, x, idx, w))
+        return
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    C = jax_ep.default_capacity(T, R, K, 4, "rank_major", 1)
+    y = np.asarray(jnp.asarray(rng.standard_normal((R, C, H)), jnp.bfloat16))
+    row_w = rng.random((R, C)).astype(np.float32)
+    g = np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), jnp.bfloat16))
+    _check_dispatch_combine(x, idx, w, y, row_w, g, jnp.bfloat16, num_experts=E)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_copy_dispatch_in_many_chunks_matches_reference(fp8, monkeypatch):
     """The copy-engine paths with ~40 transfers per peer, the last one partial, in one cached
