@@ -143,6 +143,13 @@ __global__ void tma_store(char* dst, size_t bytes, uint32_t chunk, int pipes) {
   bulk_wait_all();
 }
 
+// The next row for the calling warp from `counter`; every lane gets it.
+__device__ __forceinline__ int claim_row(unsigned* counter, int lane) {
+  unsigned claimed = 0;
+  if (lane == 0) claimed = atomicAdd(counter, 1u);
+  return int(__shfl_sync(0xffffffffu, claimed, 0));
+}
+
 // The fused dispatch's pattern: one warp per row of row_bytes (a token's row), rows claimed
 // from a counter, row r read from src and stored to the peer's row r, or to row r * 7919 mod
 // rows (consecutive claims land far apart) with `scatter`; with `own`, also stored to a local
@@ -152,11 +159,7 @@ __global__ void row_push(const char* src, char* dst, char* own, int rows, size_t
   constexpr int kInFlight = 8;
   const int lane = threadIdx.x % 32;
   const size_t n = row_bytes / 16;
-  for (;;) {
-    unsigned claimed = 0;
-    if (lane == 0) claimed = atomicAdd(counter, 1u);
-    const int r = int(__shfl_sync(0xffffffffu, claimed, 0));
-    if (r >= rows) break;
+  for (int r = claim_row(counter, lane); r < rows; r = claim_row(counter, lane)) {
     const int d = scatter ? int(size_t(r) * 7919 % size_t(rows)) : r;
     const int4* from = reinterpret_cast<const int4*>(src + size_t(r) * row_bytes);
     int4* to = reinterpret_cast<int4*>(dst + size_t(d) * row_bytes);
@@ -185,11 +188,7 @@ __global__ void row_pull(const char* peer_src, const char* own, char* out, int r
   constexpr int kInFlight = 8;
   const int lane = threadIdx.x % 32;
   const size_t n = row_bytes / 16;
-  for (;;) {
-    unsigned claimed = 0;
-    if (lane == 0) claimed = atomicAdd(counter, 1u);
-    const int r = int(__shfl_sync(0xffffffffu, claimed, 0));
-    if (r >= rows) break;
+  for (int r = claim_row(counter, lane); r < rows; r = claim_row(counter, lane)) {
     const int4* far = reinterpret_cast<const int4*>(peer_src + size_t(r) * row_bytes);
     const int4* near =
         own != nullptr ? reinterpret_cast<const int4*>(own + size_t(r) * row_bytes) : nullptr;
