@@ -10,7 +10,9 @@ figure: bytes of the rank-deduplicated tokens a rank receives (its own ones incl
 that time. Baselines: ``jax.lax.ragged_all_to_all`` (deduplicated rows) and a capacity-padded
 ``jax.lax.all_to_all``. XLA refuses ragged_all_to_all across processes ("fallback to NCCL is
 not allowed"), so under the launcher that row comes from ``--baselines-only``, a second run
-in one process over all local GPUs with the same routing.
+in one process over all local GPUs with the same routing. ``--independent-rows``: a matmul
+that needs nothing from the dispatch, timed alone and in the same call as the default
+dispatch, so that any overlap XLA makes of the two shows.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def parse_args():
                    "with its combine in every --combine-modes), comma-separated")
     p.add_argument("--combine-modes", default="push,pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
+    p.add_argument("--independent-rows", type=int, default=1024,
+                   help="rows M of an independent matmul ([M, H] @ [H, H]) timed alone and in "
+                        "the same call as the default dispatch: what XLA overlaps; 0: off")
     p.add_argument("--baselines-only", action="store_true",
                    help="only the JAX baselines, in one process over all local GPUs")
     p.add_argument("--cpu-devices", type=int, default=4, help="fake devices for CPU runs")
@@ -227,6 +232,23 @@ def main():
             record("jax_ep dispatch BF16, new x every call [copy]", dispatch, x, idx_d, w,
                    chained=0)
     os.environ.pop("JAX_EP_DISPATCH", None)
+    if args.independent_rows > 0:
+        # Work that needs nothing from the dispatch, in the same call (as a layer's next
+        # projection beside its tokens' dispatch): whatever overlaps shows as less than the
+        # two rows alone. It depends on the chain (through w), so no call's copy is merged.
+        M = min(args.independent_rows, T)
+        weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
+
+        def independent(x, w, weight):
+            a = x[:M] + (w[0, 0] * 0).astype(x.dtype)
+            return jnp.sum(jnp.dot(a, weight, preferred_element_type=jnp.float32))
+
+        record("jax.numpy independent matmul alone",
+               lambda x, idx, w, weight: independent(x, w, weight), x, idx_d, w, weight,
+               chained=2, nbytes=0, marker=None)
+        record("jax_ep dispatch BF16 + independent matmul, one call",
+               lambda x, idx, w, weight: dispatch(x, idx, w) + independent(x, w, weight),
+               x, idx_d, w, weight, chained=2, nbytes=0)
     combine_inputs = dispatch_for_combine()(x, idx_d, w)
     for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
         os.environ["JAX_EP_COMBINE"] = mode
