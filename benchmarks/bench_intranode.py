@@ -12,7 +12,8 @@ that time. Baselines: ``jax.lax.ragged_all_to_all`` (deduplicated rows) and a ca
 not allowed"), so under the launcher that row comes from ``--baselines-only``, a second run
 in one process over all local GPUs with the same routing. ``--independent-rows``: a matmul
 that needs nothing from the dispatch, timed alone and in the same call as the default
-dispatch, so that any overlap XLA makes of the two shows.
+dispatch, so that any overlap XLA makes of the two shows; on a GPU also with the dispatch on a
+second stream (``compute_on("gpu_stream:1")``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,14 @@ from timing import (  # noqa: E402
 )
 
 AXIS = "ep"
+
+
+def on_second_stream(f):
+    """f as XLA runs it on a second GPU stream (an async call beside the main stream's
+    work), so that work it does not depend on can run at the same time."""
+    from jax.experimental.compute_on import compute_on
+
+    return compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(f)
 
 
 def routing(R, T, E, K, kind, seed=0):
@@ -249,6 +258,10 @@ def main():
         record("jax_ep dispatch BF16 + independent matmul, one call",
                lambda x, idx, w, weight: dispatch(x, idx, w) + independent(x, w, weight),
                x, idx_d, w, weight, chained=2, nbytes=0)
+        if jax.default_backend() == "gpu":  # XLA runs the dispatch on a stream of its own
+            record("jax_ep dispatch BF16 on a second stream + independent matmul, one call",
+                   lambda x, idx, w, weight: on_second_stream(dispatch)(x, idx, w)
+                   + independent(x, w, weight), x, idx_d, w, weight, chained=2, nbytes=0)
     combine_inputs = dispatch_for_combine()(x, idx_d, w)
     for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
         os.environ["JAX_EP_COMBINE"] = mode

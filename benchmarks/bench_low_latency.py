@@ -108,6 +108,16 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         s, pending = jax.lax.optimization_barrier((s, pending))
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
 
+    def dispatch_second_stream(x, idx, weight):  # the send on a stream of XLA's own beside it
+        from jax.experimental.compute_on import compute_on
+
+        send = compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(
+            lambda x, idx: jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll))
+        pending = send(x, idx)
+        s = matmul(x, idx, weight)
+        s, pending = jax.lax.optimization_barrier((s, pending))
+        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
+
     def dispatch_fp8_split(x, idx):  # the two halves back to back: the split's own cost
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0]
@@ -145,6 +155,9 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             print(f"combine alone FAILED: {type(e).__name__}: {str(e)[:400]}")
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
+    if jax.default_backend() == "gpu":
+        record("send FP8 on a second stream, matmul beside it -> receive",
+               dispatch_second_stream, x, idx_d, weight, chained=0)
 
 
 def main():
