@@ -12,7 +12,9 @@ runs the latter in one process only: under the launcher take it from ``--baselin
 second run without the launcher over all local GPUs, as the device script does).
 The overlap row runs dispatch-send, an independent matmul, dispatch-receive: compare it with
 the sum of the two alone (the matmul depends on the chained argument, so XLA cannot hoist it
-out of the loop). The combine-alone row reuses one dispatch's handle for every call.
+out of the loop); on a GPU a second row runs the send on a second XLA stream
+(``compute_on("gpu_stream:1")``) beside the matmul. The combine-alone row reuses one
+dispatch's handle for every call.
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
 
