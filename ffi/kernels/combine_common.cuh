@@ -176,7 +176,8 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   const int chunks = H / kVector;
   // Tokens claimed from the combine work counter: SMs whose loads return faster take more.
   uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorCombine];
-  for (int t = claim_item(cursor, lane); t < a.num_tokens; t = claim_item(cursor, lane)) {
+  for (int t = claim_take(claim_issue(cursor, lane)); t < a.num_tokens;) {
+    const uint32_t ahead = claim_issue(cursor, lane);
     // Compile-time indices only, so that these stay in registers.
     const T* rows[kSources];
     float weights[kSources];
@@ -215,6 +216,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
     weighted_sum<T, kVector, kSources, kCopy>(rows, weights,
                                               static_cast<T*>(a.out) + size_t(t) * H, chunks,
                                               lane);
+    t = claim_take(ahead);
   }
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {

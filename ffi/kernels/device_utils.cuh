@@ -76,6 +76,19 @@ __device__ __forceinline__ int claim_item(uint32_t* cursor, int lane) {
   return static_cast<int>(__shfl_sync(0xffffffffu, item, 0));
 }
 
+// The same in two halves, so that a warp claims its next item while it works on the current
+// one (the fetch-and-add's round trip off each item's critical path):
+//   for (int item = claim_take(claim_issue(c, lane)); item < n;) {
+//     const uint32_t ahead = claim_issue(c, lane);  ...item...;  item = claim_take(ahead);
+//   }
+// Every warp claims one item past its last: the cursor overshoots by a warp count.
+__device__ __forceinline__ uint32_t claim_issue(uint32_t* cursor, int lane) {
+  return lane == 0 ? atomicAdd(cursor, 1u) : 0u;
+}
+__device__ __forceinline__ int claim_take(uint32_t issued) {
+  return static_cast<int>(__shfl_sync(0xffffffffu, issued, 0));
+}
+
 __device__ __forceinline__ void reset_cursor(const PeerContext& ctx, WorkCursor which) {
   if (blockIdx.x == 0 && threadIdx.x == 0) control_of(ctx, ctx.rank)->work_cursor[which] = 0;
 }

@@ -93,7 +93,8 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
   const int pieces = int((a.x_row_bytes + kPieceBytes - 1) / kPieceBytes);
   const int32_t* positions = region<int32_t>(ctx, ctx.rank, a.plan.positions);
   uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
-  for (int item = claim_item(cursor, lane); item < T * pieces; item = claim_item(cursor, lane)) {
+  for (int item = claim_take(claim_issue(cursor, lane)); item < T * pieces;) {
+    const uint32_t ahead = claim_issue(cursor, lane);
     const int t = item / pieces, piece = item % pieces;
     int row = -1;
     if (lane < R) {
@@ -113,6 +114,7 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
       if (a.scales != nullptr && piece == 0)
         copy_row(scales[r] + i * a.scale_row_bytes, x_scales, a.scale_row_bytes, lane, 32);
     }
+    item = claim_take(ahead);
   }
 }
 
