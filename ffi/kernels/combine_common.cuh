@@ -67,11 +67,14 @@ __device__ __forceinline__ void store_vector(T* row, int c, const T (&src)[kVect
 // each lane loads kUnroll chunks of every source before adding, so about 16 loads per lane are
 // in flight (over NVLink that latency, not bandwidth, bounds a warp). kBypassL1: the rows may
 // have been written during this kernel (by a copy engine).
+template <int kSources>
+constexpr int kSumUnroll = kSources >= 16 ? 1 : 16 / kSources;
+
 template <typename T, int kVector, int kSources, bool kBypassL1>
 __device__ __forceinline__ void weighted_sum(const T* (&rows)[kSources],
                                              const float (&weights)[kSources], T* out,
                                              int chunks, int lane) {
-  constexpr int kUnroll = kSources >= 16 ? 1 : 16 / kSources;
+  constexpr int kUnroll = kSumUnroll<kSources>;
   for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
     T values[kUnroll][kSources][kVector];
 #pragma unroll
@@ -174,10 +177,15 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   const size_t stride = row_stride(row_bytes);
   const int lane = threadIdx.x % 32;
   const int chunks = H / kVector;
-  // Tokens claimed from the combine work counter: SMs whose loads return faster take more.
+  // Pieces of tokens (two rounds of weighted_sum's loads each) claimed from the combine work
+  // counter, one ahead: SMs whose loads return faster take more, and the last pieces end
+  // soon after the others (whole 14 KB rows left ~4 items per warp).
+  constexpr int kPieceChunks = 2 * 32 * kSumUnroll<kSources>;
+  const int pieces = (chunks + kPieceChunks - 1) / kPieceChunks;
   uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorCombine];
-  for (int t = claim_take(claim_issue(cursor, lane)); t < a.num_tokens;) {
+  for (int item = claim_take(claim_issue(cursor, lane)); item < a.num_tokens * pieces;) {
     const uint32_t ahead = claim_issue(cursor, lane);
+    const int t = item / pieces, first = item % pieces * kPieceChunks;
     // Compile-time indices only, so that these stay in registers.
     const T* rows[kSources];
     float weights[kSources];
@@ -213,10 +221,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
         rows[j] = reinterpret_cast<const T*>(region<char>(ctx, r, plan.rows) + slot * stride);
       }
     }
-    weighted_sum<T, kVector, kSources, kCopy>(rows, weights,
-                                              static_cast<T*>(a.out) + size_t(t) * H, chunks,
-                                              lane);
-    t = claim_take(ahead);
+#pragma unroll
+    for (int j = 0; j < kSources; ++j)
+      if (rows[j] != nullptr) rows[j] += size_t(first) * kVector;
+    weighted_sum<T, kVector, kSources, kCopy>(
+        rows, weights, static_cast<T*>(a.out) + size_t(t) * H + size_t(first) * kVector,
+        min(kPieceChunks, chunks - first), lane);
+    item = claim_take(ahead);
   }
   profile_end(ctx, kProfCombineReduce);
   if (last_block(ctx, 5) && threadIdx.x == 0) {
