@@ -77,8 +77,8 @@ __device__ void load_targets(const DispatchArgs& a, char** rows, char** scales) 
 
 // Bytes of a row one warp stores as one work item (half a round of copy_row's loads). Whole
 // rows (14 KB in BF16 at DeepSeek-V3 shapes) made ~4 items per warp, so the last ones claimed
-// kept a few warps storing long after the others had finished: 4 KB pieces took 5 µs off a
-// BF16 call and 2 off an FP8 one on 2×H100, 8 KB ones 3 and 1 (docs/design.md 4.1).
+// kept a few warps storing long after the others had finished: 4 KB pieces took 5 µs of GPU
+// time off a BF16 call and 2 off an FP8 one on 2×H100, 8 KB ones 3 and 1 (docs/design.md 4.1).
 constexpr size_t kPieceBytes = 4096;
 
 // Warps claim pieces of this PE's tokens (token-major, so that a token's pieces go out
