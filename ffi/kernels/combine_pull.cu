@@ -7,15 +7,15 @@
 namespace jax_ep {
 namespace {
 
-// Stages the rows that peers will read: rows whose token lives on another PE. Rows of this
-// PE's own tokens stay where they are; the reduce reads them straight from y. Unstaged (y in
-// this PE's XLA allocation, mapped at the peers): one block only publishes where y and the
-// weights are.
+// Stages the rows that peers will read (y outside the XLA windows): rows whose token lives on
+// another PE. Rows of this PE's own tokens stay where they are; the reduce reads them straight
+// from y. Unstaged calls (y in this PE's XLA allocation, mapped at the peers) have no stage
+// kernel: the reduce kernel opens them (open_unstaged_combine).
 __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t row_bytes) {
   const uint64_t call = enter_combine_stage(a);
   const PeerContext& ctx = a.ctx;
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
-  const int used = a.unstaged ? 0 : min(*a.num_received, a.capacity);
+  const int used = min(*a.num_received, a.capacity);
   const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
   char* rows = region<char>(ctx, ctx.rank, plan.rows);
   for (int i = warp; i < used; i += gridDim.x * kWarps) {
@@ -32,8 +32,8 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
     const int me = pe_of(ctx, ctx.rank);
     for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
       Control* peer = control_of(ctx, p);
-      peer->xla_rows[me] = a.unstaged ? reinterpret_cast<uint64_t>(a.y) : 0;
-      peer->xla_weights[me] = a.unstaged ? reinterpret_cast<uint64_t>(a.weights) : 0;
+      peer->xla_rows[me] = 0;
+      peer->xla_weights[me] = 0;
     }
     signal_all(ctx, Flag::kReady, call);
     profile_mark(ctx, kProfCombineStage, kRetired);
@@ -47,9 +47,11 @@ cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
   if (args.copy_engine) return launch_combine_copy(args, stream);
   if (args.push) return launch_combine_push(args, stream);
   const size_t row_bytes = element_size(args.dtype) * size_t(args.hidden);
-  cudaError_t status = launch_after_previous(combine_stage, args.unstaged ? 1 : args.num_blocks,
-                                             kThreads, 0, stream, args, row_bytes);
-  if (status != cudaSuccess) return status;
+  if (!args.unstaged) {  // the unstaged call opens in the reduce kernel (open_unstaged_combine)
+    const cudaError_t status =
+        launch_after_previous(combine_stage, args.num_blocks, kThreads, 0, stream, args, row_bytes);
+    if (status != cudaSuccess) return status;
+  }
   return for_element_type(args.dtype, [&](auto element) {
     return launch_reduce_rows<decltype(element), false>(args, row_bytes, stream);
   });
