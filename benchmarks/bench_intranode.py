@@ -11,9 +11,9 @@ that time. Baselines: ``jax.lax.ragged_all_to_all`` (deduplicated rows) and a ca
 ``jax.lax.all_to_all``. XLA refuses ragged_all_to_all across processes ("fallback to NCCL is
 not allowed"), so under the launcher that row comes from ``--baselines-only``, a second run
 in one process over all local GPUs with the same routing. ``--independent-rows``: a matmul
-that needs nothing from the dispatch, timed alone and in the same call as the default
-dispatch, so that any overlap XLA makes of the two shows; on a GPU also with the dispatch on a
-second stream (``compute_on("gpu_stream:1")``).
+that needs nothing from the dispatch or the combine, timed alone and in the same call as the
+default dispatch and combine, so that any overlap XLA makes of them shows; on a GPU also with
+the dispatch and the combine on a second stream (``jax_ep.Config(stream=1)``).
 """
 
 from __future__ import annotations
@@ -89,14 +89,6 @@ from timing import (  # noqa: E402
 )
 
 AXIS = "ep"
-
-
-def on_second_stream(f):
-    """f as XLA runs it on a second GPU stream (an async call beside the main stream's
-    work), so that work it does not depend on can run at the same time."""
-    from jax.experimental.compute_on import compute_on
-
-    return compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(f)
 
 
 def routing(R, T, E, K, kind, seed=0):
@@ -193,10 +185,10 @@ def main():
         return jax_ep.get_dispatch_layout(idx, E, axis_name=AXIS,
                                           backend=backend).num_tokens_per_rank[0]
 
-    def dispatch(x, idx, w, fp8=False, layout="rank_major", cap=capacity):
+    def dispatch(x, idx, w, fp8=False, layout="rank_major", cap=capacity, config=None):
         xin = jax_ep.quantize_fp8(x) if fp8 else x
         out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, capacity=cap,
-                              layout=layout, backend=backend)
+                              layout=layout, backend=backend, config=config)
         return out.num_received.astype(jnp.float32)
 
     def dispatch_for_combine(layout="rank_major", cap=capacity):
@@ -210,8 +202,9 @@ def main():
 
         return run
 
-    def combine(y, row_weights, handle):
-        out = jax_ep.combine(y, jax.tree.map(lambda a: a[0], handle), weights=row_weights[0])
+    def combine(y, row_weights, handle, config=None):
+        out = jax_ep.combine(y, jax.tree.map(lambda a: a[0], handle), weights=row_weights[0],
+                             config=config)
         return out[0, 0].astype(jnp.float32)
 
     def quantize(x, w):
@@ -241,31 +234,46 @@ def main():
             record("jax_ep dispatch BF16, new x every call [copy]", dispatch, x, idx_d, w,
                    chained=0)
     os.environ.pop("JAX_EP_DISPATCH", None)
-    if args.independent_rows > 0:
-        # Work that needs nothing from the dispatch, in the same call (as a layer's next
-        # projection beside its tokens' dispatch): whatever overlaps shows as less than the
-        # two rows alone. It depends on the chain (through w), so no call's copy is merged.
-        M = min(args.independent_rows, T)
-        weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
+    on_gpu = jax.default_backend() == "gpu"
+    side = jax_ep.Config(stream=1)  # XLA runs the calls on a stream of their own
+    M = min(args.independent_rows, T)
+    weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
 
-        def independent(x, w, weight):
-            a = x[:M] + (w[0, 0] * 0).astype(x.dtype)
-            return jnp.sum(jnp.dot(a, weight, preferred_element_type=jnp.float32))
+    def independent(x, chained, weight):
+        # Work that needs nothing from the dispatch or the combine, in the same call (as a
+        # layer's next projection beside its tokens' dispatch): whatever overlaps shows as
+        # less than the rows alone. It depends on the chained operand, so no call's copy is
+        # merged.
+        a = x[:M] + (chained.reshape(-1)[0] * 0).astype(x.dtype)
+        return jnp.sum(jnp.dot(a, weight, preferred_element_type=jnp.float32))
 
+    if M > 0:
         record("jax.numpy independent matmul alone",
                lambda x, idx, w, weight: independent(x, w, weight), x, idx_d, w, weight,
                chained=2, nbytes=0, marker=None)
         record("jax_ep dispatch BF16 + independent matmul, one call",
                lambda x, idx, w, weight: dispatch(x, idx, w) + independent(x, w, weight),
                x, idx_d, w, weight, chained=2, nbytes=0)
-        if jax.default_backend() == "gpu":  # XLA runs the dispatch on a stream of its own
-            record("jax_ep dispatch BF16 on a second stream + independent matmul, one call",
-                   lambda x, idx, w, weight: on_second_stream(dispatch)(x, idx, w)
+        if on_gpu:
+            record("jax_ep dispatch BF16 on stream 1 + independent matmul, one call",
+                   lambda x, idx, w, weight: dispatch(x, idx, w, config=side)
                    + independent(x, w, weight), x, idx_d, w, weight, chained=2, nbytes=0)
     combine_inputs = dispatch_for_combine()(x, idx_d, w)
     for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
         os.environ["JAX_EP_COMBINE"] = mode
         record(f"jax_ep combine BF16 [{mode}]", combine, *combine_inputs, chained=1)
+    os.environ.pop("JAX_EP_COMBINE", None)
+    if M > 0:
+        def combine_beside(y, row_weights, handle, x, weight, config=None):
+            return (combine(y, row_weights, handle, config)
+                    + independent(x, row_weights, weight))
+
+        record("jax_ep combine BF16 + independent matmul, one call", combine_beside,
+               *combine_inputs, x, weight, chained=1, nbytes=0)
+        if on_gpu:
+            record("jax_ep combine BF16 on stream 1 + independent matmul, one call",
+                   partial(combine_beside, config=side), *combine_inputs, x, weight,
+                   chained=1, nbytes=0)
     em_inputs = dispatch_for_combine("expert_major", em_capacity)(x, idx_d, w)
     record("jax_ep combine BF16 expert_major [pull]", combine, *em_inputs, chained=1)
     if "slots" in modes or "slots-fused" in modes:

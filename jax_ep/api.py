@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep import config as _config
 from jax_ep import fp8 as _fp8
 from jax_ep import reference as _reference
 from jax_ep._mesh import axis_stride
@@ -82,6 +83,18 @@ def _check_config(config):
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a jax_ep.Config or None, got {type(config).__name__}")
     return config
+
+
+def _on_stream(tuning, fn):
+    """fn as XLA runs it: inline on the program's stream, or with ``Config.stream`` n >= 1 as
+    an async call on XLA's GPU stream n, so that independent work runs beside it."""
+    n = _config.stream(tuning)
+    if n == 0:
+        return fn
+    from jax.experimental.compute_on import compute_on
+
+    return compute_on(compute_type=f"gpu_stream:{n}",
+                      out_memory_spaces=jax.memory.Space.Device)(fn)
 
 
 def _static_int(name, value):
@@ -294,7 +307,9 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config, x, x_scales, topk_idx, topk_weights):
-    return _backend_module(config.backend).dispatch(x, x_scales, topk_idx, topk_weights, config)
+    backend = _backend_module(config.backend)
+    return _on_stream(config.tuning, functools.partial(backend.dispatch, config=config))(
+        x, x_scales, topk_idx, topk_weights)
 
 
 def _dispatch_fwd(config, x, x_scales, topk_idx, topk_weights):
@@ -304,12 +319,12 @@ def _dispatch_fwd(config, x, x_scales, topk_idx, topk_weights):
 
 def _dispatch_bwd(config, residuals, g):
     handle, recv_topk_idx = residuals
-    backend = _backend_module(config.backend)
+    combine = _on_stream(config.tuning, _backend_module(config.backend).combine)
     # d x: every received row's gradient summed back onto its token (a combine).
     if g.x.dtype == jnp.float8_e4m3fn:
         dx = None  # quantised input: no gradient flows to FP8 data or its scales
     else:
-        dx = backend.combine(g.x, None, handle)
+        dx = combine(g.x, None, handle)
     # d topk_weights: one received entry per (token, k); route it back with a combine of
     # float32 columns (all other contributions are exactly zero).
     g_w = g.topk_weights.astype(jnp.float32)
@@ -318,7 +333,7 @@ def _dispatch_bwd(config, residuals, g):
         g_rows = jnp.where(columns, g_w[:, None], 0.0)
     else:
         g_rows = jnp.where(recv_topk_idx >= 0, g_w, 0.0)
-    d_weights = backend.combine(g_rows, None, handle)
+    d_weights = combine(g_rows, None, handle)
     return dx, None, None, d_weights
 
 
@@ -362,7 +377,8 @@ def combine(y, handle: DispatchHandle, weights=None, config=None):
 
 @jax.custom_vjp
 def _combine(y, weights, handle):
-    return _backend_module(handle.config.backend).combine(y, weights, handle)
+    combine = _backend_module(handle.config.backend).combine
+    return _on_stream(handle.config.tuning, combine)(y, weights, handle)
 
 
 def _combine_fwd(y, weights, handle):
@@ -373,8 +389,9 @@ def _combine_bwd(residuals, g):
     y, weights, handle = residuals
     # Each row's gradient is its token's output gradient (a dispatch along the same handle),
     # times the row's weight; the weight's is that gradient's dot product with the row.
-    backend = _backend_module(handle.config.backend)
-    dy, d_weights = backend.combine_backward(g.astype(y.dtype), y, weights, handle)
+    backward = _backend_module(handle.config.backend).combine_backward
+    dy, d_weights = _on_stream(handle.config.tuning, backward)(
+        g.astype(y.dtype), y, weights, handle)
     return dy, d_weights, None
 
 

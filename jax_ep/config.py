@@ -92,6 +92,17 @@ class Config:
     num_blocks: CTAs of each communication kernel, the SMs it may take (>= 1).
     copy_chunk_mb: MB of rows per copy-engine transfer (every rank must use the same).
     timeout_s: how long a kernel waits for a peer before it traps, naming the peer.
+    stream: the XLA GPU stream the dispatch and the combine (and their backward passes) run
+        on: 0, the program's main stream (the default), or n >= 1, an async call on XLA's
+        stream n (``jax.experimental.compute_on``, ``"gpu_stream:n"``), so that work of the
+        same program that needs nothing from the call runs beside it on the SMs the call
+        leaves free (2×H100, DeepSeek-V3 shapes: a dispatch and an independent matmul of
+        207 and 185 µs take 388 µs together on one stream, 291 with the dispatch on stream 1;
+        benchmarks/RESULTS.md). The calls of one process share one symmetric workspace, so
+        calls XLA may run at the same time must be on the same stream (a handle keeps its
+        dispatch's stream for the combine and the backward passes). The reference backend's
+        calls go on that stream too; the low-latency calls take no stream (their split
+        send/receive is their overlap).
     """
 
     dispatch_path: str | None = None
@@ -99,6 +110,7 @@ class Config:
     num_blocks: int | None = None
     copy_chunk_mb: float | None = None
     timeout_s: float | None = None
+    stream: int | None = None
 
     def __post_init__(self):
         if self.dispatch_path is not None and self.dispatch_path not in DISPATCH_PATHS:
@@ -113,6 +125,9 @@ class Config:
             _positive_number(self.copy_chunk_mb, "copy_chunk_mb", integral=False)
         if self.timeout_s is not None:
             _positive_number(self.timeout_s, "timeout_s", integral=False)
+        if self.stream is not None and (isinstance(self.stream, bool)
+                                        or not isinstance(self.stream, int) or self.stream < 0):
+            raise ValueError(f"Config.stream must be an int >= 0 or None, got {self.stream!r}")
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -325,6 +340,12 @@ def copy_chunk_mb(config: Config | None) -> float:
 def timeout_s(config: Config | None) -> float:
     """The call's value, else the process's, else ``JAX_EP_TIMEOUT_S``, else 100."""
     return _positive_field(config, "timeout_s", "JAX_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+
+
+def stream(config: Config | None) -> int:
+    """The call's value, else the process's, else 0 (the program's main stream)."""
+    value = _field(config, "stream")
+    return 0 if value is None else value
 
 
 def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout,

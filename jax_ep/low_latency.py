@@ -56,6 +56,10 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
         raise ValueError(f"FP8 dispatch needs hidden divisible by {_fp8.BLOCK}, got {H}")
     resolved = api._resolve_backend(backend)
     api._check_config(tuning)
+    if tuning is not None and tuning.stream:
+        raise ValueError("Config.stream applies to dispatch and combine; the low-latency "
+                         "calls run on the program's stream (the split send and receive "
+                         "are their overlap)")
     config = LowLatencyConfig(
         num_experts=int(num_experts), num_ranks=R, num_tokens=T, hidden=H,
         num_topk=topk_idx.shape[1], max_tokens_per_rank=int(max_tokens_per_rank),

@@ -33,6 +33,9 @@ def no_overrides(monkeypatch):
     (dict(copy_chunk_mb=0), "copy_chunk_mb"),
     (dict(copy_chunk_mb="8"), "copy_chunk_mb"),
     (dict(timeout_s=-1.0), "timeout_s"),
+    (dict(stream=-1), "stream"),
+    (dict(stream=1.0), "stream"),
+    (dict(stream=True), "stream"),
 ])
 def test_bad_fields_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -220,6 +223,35 @@ def test_the_config_reaches_the_custom_calls_and_the_handle_keeps_it():
     assert first["num_blocks"] == 24 and first["path"] == "pull"  # the dispatch's config
     # its own: the copy engines at their CTA default on 2 ranks
     assert second["num_blocks"] == cfg.copy_engine_blocks(2) == 32 and second["path"] == "copy"
+
+
+def test_a_stream_puts_the_calls_and_their_backward_on_it():
+    from jax_ep import api
+
+    def lowered(tuning):
+        def fn(x, idx):
+            def loss(x):
+                out = api._dispatch(_dispatch_config("rank_major", tuning), x, None, idx,
+                                    jnp.ones(idx.shape, jnp.float32))
+                return jnp.sum(jax_ep.combine(out.x, out.handle).astype(jnp.float32))
+
+            return jax.grad(loss)(x)
+
+        return _lower(fn)
+
+    # dispatch, combine, and in the backward the combine's (a cached dispatch) and the
+    # dispatch's two (combines of the rows' and the weights' gradients): each a call on
+    # stream 2, none inline
+    text = lowered(jax_ep.Config(stream=2))
+    calls = [line for line in text.splitlines() if "func.call @compute_on" in line]
+    assert len(calls) == 5
+    assert all('_xla_stream_annotation = "2", inlineable = "false"' in c for c in calls)
+    assert "_xla_stream_annotation" not in lowered(None)
+    cfg.set_process_config(jax_ep.Config(stream=1))
+    try:
+        assert cfg.stream(None) == 1 and cfg.stream(jax_ep.Config(stream=0)) == 0
+    finally:
+        cfg.set_process_config(None)
 
 
 def test_environment_overrides_apply_when_no_config(monkeypatch):

@@ -182,3 +182,16 @@ def test_layout_needs_a_positive_rank_count():
     with pytest.raises(ValueError, match="num_ranks must be >= 1"):
         jax_ep.get_dispatch_layout(np.zeros((2, 1), np.int32), 4, num_ranks=0,
                                    backend="reference")
+
+
+def test_low_latency_calls_take_no_stream():
+    R, T, H, K = 2, 4, 128, 2
+
+    def fn(x, idx):
+        return jax_ep.low_latency_dispatch(x, idx, num_experts=4, axis_name=AXIS,
+                                           max_tokens_per_rank=T, use_fp8=False,
+                                           backend="reference",
+                                           config=jax_ep.Config(stream=1)).x
+
+    with pytest.raises(ValueError, match="Config.stream applies to dispatch and combine"):
+        run(fn, R, np.ones((R, T, H), np.float32), np.zeros((R, T, K), np.int32))

@@ -427,6 +427,35 @@ def test_repeated_calls_are_bit_identical(dispatch_mode):
     _assert_repeats_identical(fn, R, (x, idx, w), 100)
 
 
+def test_calls_on_a_second_stream_match_reference():
+    """Config(stream=1): two dispatches with nothing between them (one stream keeps them
+    apart), a matmul beside them on the main stream, their combines and the backward of all,
+    against the reference; rows of two pieces."""
+    R = num_ranks()
+    T, H, K, E = 64, 1792, 8, 8 * R
+    rng = np.random.default_rng(11)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
+    m = rng.standard_normal((R, H, 256)).astype(np.float32) / np.sqrt(H)
+    side = jax_ep.Config(stream=1)
+
+    def fn(backend, x, idx, w, m):
+        def loss(x, w):
+            kw = dict(num_experts=E, axis_name=AXIS, backend=backend, config=side)
+            a = jax_ep.dispatch(x, idx, w, **kw)
+            b = jax_ep.dispatch(jnp.sin(x), idx[:, ::-1], w, **kw)
+            beside = jnp.dot(x, m)
+            ya = jax_ep.combine(jnp.tanh(a.x) * jnp.sum(a.topk_weights, 1)[:, None], a.handle)
+            yb = jax_ep.combine(b.x * 2, b.handle)
+            return jnp.sum(ya * yb) + jnp.sum(jnp.cos(beside))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    with jax.default_matmul_precision("float32"):
+        got, want = both(fn, x, idx, w, m)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 def moe_grads(**block):
     """fn(backend, x, router, w_in, w_out): the gradients of a loss of one moe_block (with
     `block`'s arguments) with respect to all four."""
