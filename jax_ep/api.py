@@ -85,11 +85,12 @@ def _check_config(config):
     return config
 
 
-def _on_stream(tuning, fn):
+def _on_stream(config: DispatchConfig, fn):
     """fn as XLA runs it: inline on the program's stream, or with ``Config.stream`` n >= 1 as
-    an async call on XLA's GPU stream n, so that independent work runs beside it."""
-    n = _config.stream(tuning)
-    if n == 0:
+    an async call on XLA's GPU stream n, so that independent work runs beside it. The
+    reference backend stays inline: its XLA collectives cannot run in such a call."""
+    n = _config.stream(config.tuning)
+    if n == 0 or config.backend != "cuda":
         return fn
     from jax.experimental.compute_on import compute_on
 
@@ -308,7 +309,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config, x, x_scales, topk_idx, topk_weights):
     backend = _backend_module(config.backend)
-    return _on_stream(config.tuning, functools.partial(backend.dispatch, config=config))(
+    return _on_stream(config, functools.partial(backend.dispatch, config=config))(
         x, x_scales, topk_idx, topk_weights)
 
 
@@ -319,7 +320,7 @@ def _dispatch_fwd(config, x, x_scales, topk_idx, topk_weights):
 
 def _dispatch_bwd(config, residuals, g):
     handle, recv_topk_idx = residuals
-    combine = _on_stream(config.tuning, _backend_module(config.backend).combine)
+    combine = _on_stream(config, _backend_module(config.backend).combine)
     # d x: every received row's gradient summed back onto its token (a combine).
     if g.x.dtype == jnp.float8_e4m3fn:
         dx = None  # quantised input: no gradient flows to FP8 data or its scales
@@ -378,7 +379,7 @@ def combine(y, handle: DispatchHandle, weights=None, config=None):
 @jax.custom_vjp
 def _combine(y, weights, handle):
     combine = _backend_module(handle.config.backend).combine
-    return _on_stream(handle.config.tuning, combine)(y, weights, handle)
+    return _on_stream(handle.config, combine)(y, weights, handle)
 
 
 def _combine_fwd(y, weights, handle):
@@ -390,7 +391,7 @@ def _combine_bwd(residuals, g):
     # Each row's gradient is its token's output gradient (a dispatch along the same handle),
     # times the row's weight; the weight's is that gradient's dot product with the row.
     backward = _backend_module(handle.config.backend).combine_backward
-    dy, d_weights = _on_stream(handle.config.tuning, backward)(
+    dy, d_weights = _on_stream(handle.config, backward)(
         g.astype(y.dtype), y, weights, handle)
     return dy, d_weights, None
 

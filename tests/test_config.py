@@ -3,6 +3,7 @@ and what reaches the CUDA custom calls (lowered for CUDA on any machine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -228,11 +229,12 @@ def test_the_config_reaches_the_custom_calls_and_the_handle_keeps_it():
 def test_a_stream_puts_the_calls_and_their_backward_on_it():
     from jax_ep import api
 
-    def lowered(tuning):
+    def lowered(tuning, backend="cuda"):
         def fn(x, idx):
             def loss(x):
-                out = api._dispatch(_dispatch_config("rank_major", tuning), x, None, idx,
-                                    jnp.ones(idx.shape, jnp.float32))
+                config = dataclasses.replace(_dispatch_config("rank_major", tuning),
+                                             backend=backend)
+                out = api._dispatch(config, x, None, idx, jnp.ones(idx.shape, jnp.float32))
                 return jnp.sum(jax_ep.combine(out.x, out.handle).astype(jnp.float32))
 
             return jax.grad(loss)(x)
@@ -247,6 +249,8 @@ def test_a_stream_puts_the_calls_and_their_backward_on_it():
     assert len(calls) == 5
     assert all('_xla_stream_annotation = "2", inlineable = "false"' in c for c in calls)
     assert "_xla_stream_annotation" not in lowered(None)
+    # the reference's collectives (all_to_all) cannot run in a stream-annotated call
+    assert "_xla_stream_annotation" not in lowered(jax_ep.Config(stream=2), "reference")
     cfg.set_process_config(jax_ep.Config(stream=1))
     try:
         assert cfg.stream(None) == 1 and cfg.stream(jax_ep.Config(stream=0)) == 0
