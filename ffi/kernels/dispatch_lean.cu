@@ -75,6 +75,12 @@ __device__ void load_targets(const DispatchArgs& a, char** rows, char** scales) 
                      : region<char>(ctx, r, a.plan.scales);
 }
 
+// Bytes of a row one warp stores as one work item (half a round of copy_row's loads). Whole
+// rows (14 KB in BF16 at DeepSeek-V3 shapes) made ~4 items per warp, so the last ones claimed
+// kept a few warps storing long after the others had finished: 4 KB pieces took 5 µs of GPU
+// time off a BF16 call and 2 off an FP8 one on 2×H100, 8 KB ones 3 and 1 (docs/design.md 4.1).
+constexpr size_t kPieceBytes = 4096;
+
 // Warps claim pieces of this PE's tokens (token-major, so that a token's pieces go out
 // together); lane r turns the token's place in r's list into its row there (the piece-0 warp
 // writes it to the handle's send_slot; -1 past the capacity) and the warp stores the piece
@@ -84,11 +90,11 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
   const PeerContext& ctx = a.ctx;
   const int R = ctx.num_ranks, T = a.num_tokens, C = a.capacity;
   const int lane = threadIdx.x % 32;
-  const int pieces = pieces_of(a.x_row_bytes);
+  const int pieces = int((a.x_row_bytes + kPieceBytes - 1) / kPieceBytes);
   const int32_t* positions = region<int32_t>(ctx, ctx.rank, a.plan.positions);
   uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
   for (int item = claim_item(cursor, lane); item < T * pieces; item = claim_item(cursor, lane)) {
-    const auto [t, piece, begin, bytes] = row_piece(item, pieces, a.x_row_bytes);
+    const int t = item / pieces, piece = item % pieces;
     int row = -1;
     if (lane < R) {
       const int rank_in_list = positions[size_t(t) * R + lane];
@@ -96,6 +102,8 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
       if (row >= C) row = -1;  // dropped: counted by the destination
       if (piece == 0) a.send_slot[size_t(t) * R + lane] = row;
     }
+    const size_t begin = size_t(piece) * kPieceBytes;
+    const size_t bytes = a.x_row_bytes - begin < kPieceBytes ? a.x_row_bytes - begin : kPieceBytes;
     const char* x = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes + begin;
     const char* x_scales = reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes;
     for (uint32_t left = __ballot_sync(0xffffffffu, row >= 0); left != 0; left &= left - 1) {

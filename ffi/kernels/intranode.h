@@ -33,28 +33,6 @@ namespace jax_ep {
 // Threads per block of the intranode kernels.
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-// Bytes of a row one warp of an SM push (the lean push, source_slots by the SMs) stores as one
-// work item (half a round of copy_row's loads). Whole rows (14 KB in BF16 at DeepSeek-V3
-// shapes) made ~4 items per warp, so the last ones claimed kept a few warps storing long after
-// the others had finished: 4 KB pieces took 5 µs of GPU time off a BF16 lean push and 2 off an
-// FP8 one on 2×H100, 8 KB ones 3 and 1; source_slots' BF16 push 3 (docs/design.md 4.1).
-constexpr size_t kPieceBytes = 4096;
-
-// Work item `item` of an SM push over rows of `row_bytes`: token `item / pieces` (pieces =
-// pieces_of(row_bytes)), bytes [begin, begin + bytes) of its row.
-struct RowPiece {
-  int token, piece;
-  size_t begin, bytes;
-};
-JAX_EP_HOST_DEVICE inline int pieces_of(size_t row_bytes) {
-  return int((row_bytes + kPieceBytes - 1) / kPieceBytes);
-}
-JAX_EP_HOST_DEVICE inline RowPiece row_piece(int item, int pieces, size_t row_bytes) {
-  const int piece = item % pieces;
-  const size_t begin = size_t(piece) * kPieceBytes;
-  return {item / pieces, piece, begin,
-          row_bytes - begin < kPieceBytes ? row_bytes - begin : kPieceBytes};
-}
 
 struct DispatchArgs {
   PeerContext ctx;

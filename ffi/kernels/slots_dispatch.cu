@@ -99,25 +99,21 @@ __device__ void push_slot_rows(const DispatchArgs& a, const SlotTargets& targets
   char* const* rows = targets.rows;
   char* const* scales = targets.scales;
   uint32_t* cursor = &mine->work_cursor[kCursorDispatch];
-  // work items: kPieceBytes pieces of the tokens' rows, token-major (the lean push's)
-  const int pieces = pieces_of(a.x_row_bytes);
-  for (int item = claim_item(cursor, lane); item < T * pieces; item = claim_item(cursor, lane)) {
-    const auto [t, piece, begin, bytes] = row_piece(item, pieces, a.x_row_bytes);
+  for (int t = claim_item(cursor, lane); t < T; t = claim_item(cursor, lane)) {
     const uint32_t mask = rank_mask(a, t, L);
-    const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes + begin;
+    const char* row = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes;
     const char* row_scales =
         reinterpret_cast<const char*>(a.scales) + size_t(t) * a.scale_row_bytes;
-    const bool with_scales = a.scales != nullptr && piece == 0;
     const size_t i = size_t(me) * T + t;
     for (uint32_t left = mask & ~(1u << me); left != 0; left &= left - 1) {
       const int r = __ffs(left) - 1;
-      copy_row(rows[r] + i * a.x_row_bytes + begin, row, bytes, lane, 32);
-      if (with_scales)
+      copy_row(rows[r] + i * a.x_row_bytes, row, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr)
         copy_row(scales[r] + i * a.scale_row_bytes, row_scales, a.scale_row_bytes, lane, 32);
     }
     if (mask >> me & 1) {
-      copy_row(static_cast<char*>(a.out_x) + i * a.x_row_bytes + begin, row, bytes, lane, 32);
-      if (with_scales)
+      copy_row(static_cast<char*>(a.out_x) + i * a.x_row_bytes, row, a.x_row_bytes, lane, 32);
+      if (a.scales != nullptr)
         copy_row(reinterpret_cast<char*>(a.out_scales) + i * a.scale_row_bytes, row_scales,
                  a.scale_row_bytes, lane, 32);
     }
