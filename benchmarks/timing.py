@@ -181,11 +181,12 @@ def profile_body(body, chained, axis_name, smap, a):
     return kernel_phases(one, *a)
 
 
-def gpu_events(f, *a):
+def gpu_events(f, *a, streams=False):
     """Runs f once (after a warm-up) under the JAX profiler and returns the GPU activity of
     this process's first GPU as sorted (start ns, duration ns, name): every kernel, copy and
-    memset, as CUPTI records it. Nsight Systems cannot write reports on the device machines;
-    this can."""
+    memset, as CUPTI records it; `streams`: (start, duration, name, the trace's line, i.e.
+    the stream it ran on). Nsight Systems cannot write reports on the device machines; this
+    can."""
     import glob
     import os
     import tempfile
@@ -203,8 +204,8 @@ def gpu_events(f, *a):
                     key=lambda p: p.name)
     if not planes:
         return []
-    return sorted((e.start_ns, e.duration_ns, e.name) for line in planes[0].lines
-                  for e in line.events)
+    return sorted((e.start_ns, e.duration_ns, e.name) + ((line.name,) if streams else ())
+                  for line in planes[0].lines for e in line.events)
 
 
 def is_ours(name):
@@ -248,9 +249,9 @@ def call_profile(events, calls, marker=is_ours):
         if starts[c + 1] == len(events):
             break
         cycle.append(events[starts[c + 1]][0] - events[starts[c]][0])
-        mine.append(sum(d for _, d, n in window if marker(n)))
-        other.append(sum(d for _, d, n in window if not marker(n)))
-        for _, d, n in window:
+        mine.append(sum(d for _, d, n, *_ in window if marker(n)))
+        other.append(sum(d for _, d, n, *_ in window if not marker(n)))
+        for _, d, n, *_ in window:
             names[kernel_name(n)] = names.get(kernel_name(n), 0) + d
     if not cycle:
         return None

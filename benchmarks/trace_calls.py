@@ -4,6 +4,10 @@ idle; then a stretch of rank 0's GPU timeline (every kernel, memset and copy).
 
     python -m jax_ep.launch -n 2 benchmarks/trace_calls.py [--rows ll_fp8,dispatch]
 
+Rows `dispatch_beside` and `combine_beside` run the dispatch (or a dispatch and its combine)
+with ``jax_ep.Config(stream=1)`` and an independent matmul on the program's stream; their
+timelines name each activity's stream, so they show whether the matmul ran beside the call.
+
 Nsight Systems cannot write reports on the device machines; the profiler built into jaxlib
 can (benchmarks/timing.py: gpu_events).
 """
@@ -49,9 +53,12 @@ def show(name, events, calls, shown):
     """Prints the per-call profile, then `shown` calls from the middle of the GPU timeline:
     start, idle before, duration, name of every activity."""
     ours = [i for i, e in enumerate(events) if is_ours(e[2])]
+    if not ours and events:
+        print(f"\n=== {name}: no jax_ep kernel among {len(events)} GPU activities")
+        return
     print(f"\n=== {name}: {len(events)} GPU activities, {len(ours)} of them jax_ep kernels")
     if not ours or len(ours) % calls:
-        for _, d, n in events[:60]:
+        for _, d, n, *_ in events[:60]:
             print(f"    {d / 1e3:8.1f} µs  {n[:90]}")
         return
     print_call_profiles([(name, call_profile(events, calls))])
@@ -59,10 +66,11 @@ def show(name, events, calls, shown):
     c0 = max(0, calls // 2 - shown // 2)
     window = events[starts[c0]:starts[min(c0 + shown, calls)]]
     t0, prev_end = window[0][0], window[0][0]
-    print("      start    idle    dur   name")
-    for s, d, n in window:
+    print("      start    idle    dur   name" + ("   [stream]" if len(window[0]) > 3 else ""))
+    for s, d, n, *stream in window:
+        where = f"   [{stream[0]}]" if stream else ""
         print(f"    {(s - t0) / 1e3:7.1f} {(s - prev_end) / 1e3:7.1f} {d / 1e3:6.1f}   "
-              f"{kernel_name(n)}")
+              f"{kernel_name(n)}{where}")
         prev_end = max(prev_end, s + d)
 
 
@@ -117,17 +125,39 @@ def main():
         out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity)
         return out.num_received.astype(jnp.float32)
 
+    side = jax_ep.Config(stream=1)
+
+    def beside(x, w, weight):  # independent work: [1024, H] @ [H, H] on the program's stream
+        a = x[:1024] + (w[0, 0] * 0).astype(x.dtype)
+        return jnp.sum(jnp.dot(a, weight, preferred_element_type=jnp.float32))
+
+    def dispatch_beside(x, idx, w, weight):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
+                              config=side)
+        return out.num_received.astype(jnp.float32) + beside(x, w, weight)
+
+    def combine_beside(x, idx, w, weight):  # the matmul may run beside either call
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
+                              config=side)
+        back = jax_ep.combine(out.x, out.handle)
+        return back[0, 0].astype(jnp.float32) + beside(x, w, weight)
+
     small = inputs(T_ll)
     with_weight = (small[0], small[1], weight)
     bodies = {"ll_fp8": (ll_fp8, small[:3]), "ll_dc": (ll_dc, small[:3]),
               "ll_split": (ll_split, with_weight), "matmul": (matmul, with_weight),
               "dispatch": (dispatch, big[:3]),
-              "dispatch_fp8": (partial(dispatch, fp8=True), big[:3])}
+              "dispatch_fp8": (partial(dispatch, fp8=True), big[:3]),
+              "dispatch_beside": (dispatch_beside, big[:3] + (weight,)),
+              "combine_beside": (combine_beside, big[:3] + (weight,))}
     for name in args.rows.split(","):
-        body, (x, idx, w) = bodies[name]
-        f = jax.jit(smap(looped(body, args.calls, 0), in_specs=(P(AXIS),) * 3))
-        wall = seconds_per_call(f, x, idx, w, calls=args.calls, repeats=5)
-        events = gpu_events(f, x, idx, w)
+        body, operands = bodies[name]
+        # the side-stream rows chain through the gates (w) as bench_intranode does
+        chained = 2 if name.endswith("_beside") else 0
+        f = jax.jit(smap(looped(body, args.calls, chained),
+                         in_specs=(P(AXIS),) * len(operands)))
+        wall = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
+        events = gpu_events(f, *operands, streams=name.endswith("_beside"))
         if jax.process_index() == 0:
             print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace)")
             show(name, events, args.calls, args.show)
