@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 
 import jax
@@ -85,6 +86,23 @@ def _check_config(config):
     return config
 
 
+def stream_calls_supported() -> bool:
+    """Whether this jax wraps a function as a call on another XLA stream (``Config.stream``):
+    ``jax.experimental.compute_on``'s functional form, ``compute_on2`` in jax 0.10,
+    ``compute_on(f, compute_type=, out_memory_spaces=)`` from 0.11."""
+    return _functional_compute_on() is not None
+
+
+def _functional_compute_on():
+    from jax.experimental import compute_on as module
+
+    functional = getattr(module, "compute_on2", None)
+    if functional is None and "out_memory_spaces" in inspect.signature(
+            module.compute_on).parameters:
+        functional = module.compute_on
+    return functional
+
+
 def _on_stream(config: DispatchConfig, fn):
     """fn as XLA runs it: inline on the program's stream, or with ``Config.stream`` n >= 1 as
     an async call on XLA's GPU stream n, so that independent work runs beside it. The
@@ -92,8 +110,11 @@ def _on_stream(config: DispatchConfig, fn):
     n = _config.stream(config.tuning)
     if n == 0 or config.backend != "cuda":
         return fn
-    from jax.experimental.compute_on import compute_on
-
+    compute_on = _functional_compute_on()
+    if compute_on is None:
+        raise NotImplementedError(
+            f"Config.stream needs jax >= 0.10 (jax.experimental.compute_on's functional form); "
+            f"this is jax {jax.__version__}")
     return compute_on(compute_type=f"gpu_stream:{n}",
                       out_memory_spaces=jax.memory.Space.Device)(fn)
 

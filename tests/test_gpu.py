@@ -431,6 +431,8 @@ def test_calls_on_a_second_stream_match_reference():
     """Config(stream=1): two dispatches with nothing between them (one stream keeps them
     apart), a matmul beside them on the main stream, their combines and the backward of all,
     against the reference; rows of two pieces."""
+    if not jax_ep.api.stream_calls_supported():
+        pytest.skip(f"jax {jax.__version__} has no functional compute_on (Config.stream)")
     R = num_ranks()
     T, H, K, E = 64, 1792, 8, 8 * R
     rng = np.random.default_rng(11)
