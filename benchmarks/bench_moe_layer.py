@@ -1,4 +1,4 @@
-"""One MoE layer training step, its expert parallelism done four ways, timed on the same routing.
+"""One MoE layer training step, its expert parallelism done five ways, timed on the same routing.
 
 The step: router (float32) -> top-k softmax gates -> expert parallelism -> SwiGLU experts
 (``jax_ep.experts.swiglu_mlp`` on expert-grouped rows) -> back to the tokens, plus a shared
@@ -12,6 +12,9 @@ weight, one jitted program. The ways:
      ``jax.lax.ragged_all_to_all`` of the rows, sort them by local expert -> experts -> reverse
   d  ``jax.lax.all_to_all`` of per-destination-rank buffers of fixed capacity (a token once per
      rank; overflow dropped and counted) -> b's local sort -> experts -> back
+  e  a with ``jax_ep.Config(stream=1)``: the dispatch, the combine and their backward passes
+     on XLA's stream 1, so the shared expert (and whatever else needs nothing from them) may
+     run beside them (``--ways a,e``; CUDA backend, jax >= 0.10)
 
 Run:
 
@@ -71,6 +74,7 @@ WAYS = {
     "b": "jax_ep rank_major + local sort",
     "c": "ragged_all_to_all + local sort (MaxText)",
     "d": "all_to_all, capacity-padded",
+    "e": "jax_ep expert_major on XLA's stream 1",
 }
 
 
@@ -213,7 +217,7 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     return output.at[dst.reshape(-1)].set(got.reshape(R * N, *operand.shape[1:]), mode="drop")
 
 
-# ----------------------------------------------------------------------------- the four ways
+# ----------------------------------------------------------------------------- the five ways
 #
 # Each runs per device inside shard_map: (s, x [T, H], topk_idx [T, K] global ids, gates
 # [T, K] f32, expert_fn) -> ([T, H] in x's dtype, rows/pairs this rank dropped).
@@ -223,6 +227,15 @@ def routed_a(s: Setup, x, topk_idx, gates, expert_fn):
     out = jax_ep.dispatch(x, topk_idx, gates, num_experts=s.experts, axis_name=s.axis,
                           capacity=s.rows_a, layout="expert_major",
                           expert_alignment=s.alignment, backend=s.backend)
+    y = expert_fn(out.x, out.group_sizes)
+    return jax_ep.combine(y, out.handle, weights=out.topk_weights), out.num_dropped
+
+
+def routed_e(s: Setup, x, topk_idx, gates, expert_fn):
+    out = jax_ep.dispatch(x, topk_idx, gates, num_experts=s.experts, axis_name=s.axis,
+                          capacity=s.rows_a, layout="expert_major",
+                          expert_alignment=s.alignment, backend=s.backend,
+                          config=jax_ep.Config(stream=1))
     y = expert_fn(out.x, out.group_sizes)
     return jax_ep.combine(y, out.handle, weights=out.topk_weights), out.num_dropped
 
@@ -299,7 +312,7 @@ def routed_d(s: Setup, x, topk_idx, gates, expert_fn):
     return out.astype(x.dtype), jnp.sum(in_rank & ~keep) + dropped
 
 
-ROUTED = {"a": routed_a, "b": routed_b, "c": routed_c, "d": routed_d}
+ROUTED = {"a": routed_a, "b": routed_b, "c": routed_c, "d": routed_d, "e": routed_e}
 
 
 # ----------------------------------------------------------------------------- layer and loss
@@ -535,7 +548,7 @@ def parse_args(argv=None):
                    help="experts as per-expert blocks of capacity-factor rows (batched GEMMs) "
                         "or grouped GEMMs over exactly the received rows")
     p.add_argument("--ways", default=None,
-                   help="comma-separated subset of a,b,c,d; default a,b,c,d (c only in one "
+                   help="comma-separated subset of a,b,c,d,e; default a,b,c,d (c only in one "
                         "process: under the launcher a,b,d)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per program (median)")
     p.add_argument("--warmup", type=int, default=2)
@@ -546,7 +559,7 @@ def parse_args(argv=None):
     p.add_argument("--gemm", default="on", choices=["on", "off"],
                    help="also time the expert GEMMs alone")
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"],
-                   help="jax_ep's backend (ways a, b); --single-process and CPU: reference")
+                   help="jax_ep's backend (ways a, b, e); --single-process and CPU: reference")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--single-process", action="store_true",
                    help="one process over all local devices (for way c's ragged_all_to_all)")
@@ -588,7 +601,7 @@ def main(argv=None):
         if module is None:
             print(f"note: jax_ep's CUDA extension cannot load ({why})")
     if args.backend == "cuda" and backend != "cuda":
-        print(f"note: --backend cuda needs one process per GPU (jax_ep.launch); ways a, b use "
+        print(f"note: --backend cuda needs one process per GPU (jax_ep.launch); ways a, b, e use "
               f"the reference backend here ({mode}, {platform})")
     ragged = args.ragged if args.ragged != "auto" else ("emulated" if platform == "cpu"
                                                         else "native")
@@ -640,7 +653,7 @@ def main(argv=None):
     programs = {}
     for way in ways:
         if way not in ROUTED:
-            say(f"unknown way {way!r}: choose from a, b, c, d")
+            say(f"unknown way {way!r}: choose from {', '.join(ROUTED)}")
         elif way == "c" and jax.process_count() > 1:
             say(f"({way}) {WAYS[way]}: skipped: XLA refuses ragged_all_to_all across "
                 "processes; run `python benchmarks/bench_moe_layer.py --single-process "
@@ -674,7 +687,7 @@ def main(argv=None):
     rows, flops = [], _flops(s)
     for way in sorted({w for kind, w in programs if kind == "step"}, key=ways.index):
         name = f"({way}) {WAYS[way]}"
-        row = dict(way=way, name=name, mode=mode, backend=backend if way in "ab" else "xla")
+        row = dict(way=way, name=name, mode=mode, backend=backend if way in "abe" else "xla")
         try:
             program_bytes = (_program_bytes(compiled[("step", way)][0])
                              if isinstance(compiled[("step", way)], tuple) else None)
