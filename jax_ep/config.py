@@ -100,9 +100,11 @@ class Config:
         207 and 185 µs take 388 µs together on one stream, 291 with the dispatch on stream 1;
         benchmarks/RESULTS.md). The calls of one process share one symmetric workspace, so
         calls XLA may run at the same time must be on the same stream (a handle keeps its
-        dispatch's stream for the combine and the backward passes). Needs jax >= 0.10. The
-        reference backend ignores it (its XLA collectives cannot run in such a call); the
-        low-latency calls take no stream (their split send/receive is their overlap).
+        dispatch's stream for the combine and the backward passes; the process's config,
+        ``runtime.initialize(config=Config(stream=1))``, puts every call there). Needs
+        jax >= 0.10. The reference backend ignores it (its XLA collectives cannot run in such
+        a call); the low-latency calls take no stream (their split send/receive is their
+        overlap).
     """
 
     dispatch_path: str | None = None
