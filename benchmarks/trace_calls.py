@@ -4,9 +4,11 @@ idle; then a stretch of rank 0's GPU timeline (every kernel, memset and copy).
 
     python -m jax_ep.launch -n 2 benchmarks/trace_calls.py [--rows ll_fp8,dispatch]
 
-Rows `dispatch_beside` and `combine_beside` run the dispatch (or a dispatch and its combine)
-with ``jax_ep.Config(stream=1)`` and an independent matmul on the program's stream; their
-timelines name each activity's stream, so they show whether the matmul ran beside the call.
+Rows `dispatch_beside` and `combine_beside` run the dispatch (or the combine of one dispatch
+done before) with ``jax_ep.Config(stream=1)`` and an independent matmul on the program's
+stream, as bench_intranode's rows do; their timelines name each activity's stream, so they
+show whether the matmul ran beside the call, and the compiled schedule shows where XLA put
+the call's start and done among the program's work.
 
 Nsight Systems cannot write reports on the device machines; the profiler built into jaxlib
 can (benchmarks/timing.py: gpu_events).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from functools import partial
 
 import jax
@@ -46,6 +49,8 @@ def parse_args():
                    help="rows; dispatch* take JAX_EP_DISPATCH's path (fused by default)")
     p.add_argument("--calls", type=int, default=100, help="chained calls in the traced program")
     p.add_argument("--show", type=int, default=2, help="calls printed (from the middle)")
+    p.add_argument("--show-schedule", type=int, default=40,
+                   help="instructions of the _beside rows' compiled schedule printed")
     return p.parse_args()
 
 
@@ -72,6 +77,23 @@ def show(name, events, calls, shown):
         print(f"    {(s - t0) / 1e3:7.1f} {(s - prev_end) / 1e3:7.1f} {d / 1e3:6.1f}   "
               f"{kernel_name(n)}{where}")
         prev_end = max(prev_end, s + d)
+
+
+def print_schedule(f, operands, limit):
+    """The order XLA's scheduler gave the program's work: the entry computation's async
+    starts and dones, custom calls and GEMMs, as the compiled program lists them. Work on the
+    program's stream overlaps a call on another stream only between its start and its done."""
+    text = f.lower(*operands).compile().as_text()
+    entry = text[text.index("\nENTRY"):].splitlines()[1:]
+    wanted = re.compile(r"-start|-done|custom-call|gemm|cublas|dot\(")
+    shown = [line.strip() for line in entry if wanted.search(line)][:limit]
+    print(f"\n  schedule (the entry's first {len(shown)} starts, dones, custom calls, GEMMs):")
+    for line in shown:
+        name, _, rest = line.partition(" = ")
+        op = re.search(r"\b([a-z][a-z-]*)\(", rest)
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
+        print(f"    {name[:60]:60s} {op.group(1) if op else ''} "
+              f"{target.group(1) if target else ''}")
 
 
 def main():
@@ -136,11 +158,18 @@ def main():
                               config=side)
         return out.num_received.astype(jnp.float32) + beside(x, w, weight)
 
-    def combine_beside(x, idx, w, weight):  # the matmul may run beside either call
+    @jax.jit
+    @partial(smap, in_specs=(P(AXIS),) * 3)
+    def dispatched(x, idx, w):  # the combine's operands, dispatched once outside the timing
         out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
                               config=side)
-        back = jax_ep.combine(out.x, out.handle)
-        return back[0, 0].astype(jnp.float32) + beside(x, w, weight)
+        return out.x, jnp.ones((1, capacity), jnp.float32), jax.tree.map(
+            lambda a: a[None], out.handle)
+
+    def combine_beside(y, row_weights, handle, x, weight):  # as bench_intranode's row
+        back = jax_ep.combine(y, jax.tree.map(lambda a: a[0], handle),
+                              weights=row_weights[0], config=side)
+        return back[0, 0].astype(jnp.float32) + beside(x, row_weights, weight)
 
     small = inputs(T_ll)
     with_weight = (small[0], small[1], weight)
@@ -148,12 +177,14 @@ def main():
               "ll_split": (ll_split, with_weight), "matmul": (matmul, with_weight),
               "dispatch": (dispatch, big[:3]),
               "dispatch_fp8": (partial(dispatch, fp8=True), big[:3]),
-              "dispatch_beside": (dispatch_beside, big[:3] + (weight,)),
-              "combine_beside": (combine_beside, big[:3] + (weight,))}
+              "dispatch_beside": (dispatch_beside, big[:3] + (weight,))}
+    if "combine_beside" in args.rows.split(","):
+        bodies["combine_beside"] = (combine_beside,
+                                    dispatched(*big[:3]) + (big[0], weight))
     for name in args.rows.split(","):
         body, operands = bodies[name]
         # the side-stream rows chain through the gates (w) as bench_intranode does
-        chained = 2 if name.endswith("_beside") else 0
+        chained = {"dispatch_beside": 2, "combine_beside": 1}.get(name, 0)
         f = jax.jit(smap(looped(body, args.calls, chained),
                          in_specs=(P(AXIS),) * len(operands)))
         wall = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
@@ -161,6 +192,8 @@ def main():
         if jax.process_index() == 0:
             print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace)")
             show(name, events, args.calls, args.show)
+            if name.endswith("_beside"):
+                print_schedule(f, operands, args.show_schedule)
 
 
 if __name__ == "__main__":
