@@ -14,48 +14,12 @@ namespace {
 
 // ------------------------------------------------------------------------------ stage
 
-// Pull mode: this PE's ids and weights where the destinations read them (none in place: they
-// read XLA's arrays).
-__device__ void stage_metadata(const DispatchArgs& a) {
-  const int T = a.num_tokens, K = a.num_topk;
-  int32_t* ids = region<int32_t>(a.ctx, a.ctx.rank, a.plan.meta_ids);
-  float* weights = region<float>(a.ctx, a.ctx.rank, a.plan.meta_weights);
-  for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * K && !a.in_place;
-       i += gridDim.x * kThreads) {
-    ids[i] = a.topk_idx[i];
-    weights[i] = a.topk_weights[i];
-  }
-}
-
-// One thread, once every block's stage writes are ordered before it at GPU scope: pull mode's
-// published inputs and (lean push) outputs, then ready[me] at every peer, whose system fence
-// releases all of it.
-__device__ void raise_stage_ready(const DispatchArgs& a, uint64_t call) {
-  const PeerContext& ctx = a.ctx;
-  const int me = pe_of(ctx, ctx.rank);
-  const XlaInputs inputs =
-      a.in_place ? XlaInputs{reinterpret_cast<uint64_t>(a.x), reinterpret_cast<uint64_t>(a.scales),
-                             reinterpret_cast<uint64_t>(a.topk_idx),
-                             reinterpret_cast<uint64_t>(a.topk_weights)}
-                 : XlaInputs{0, 0, 0, 0};
-  for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
-    Control* peer = control_of(ctx, p);
-    peer->xla_in[me] = inputs;
-    if (a.lean) {  // where the lean push's sources store this PE's rows
-      peer->xla_out_x[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
-      peer->xla_out_scales[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
-    }
-  }
-  signal_all(ctx, Flag::kReady, call);
-  profile_mark(ctx, kProfDispatchStage, kRetired);
-}
-
 // The end of every stage kernel: pull mode stages this PE's tokens once (every destination
 // reads the rows it needs) with their ids and weights; then the last block raises ready[me].
 template <bool kPull>
 __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   const PeerContext& ctx = a.ctx;
-  const int T = a.num_tokens;
+  const int T = a.num_tokens, K = a.num_topk;
   if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
     profile_end(ctx, kProfDispatchStage);
     if (last_block(ctx, 0) && threadIdx.x == 0) {
@@ -85,9 +49,32 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
                reinterpret_cast<const char*>(a.scales) + t * a.scale_row_bytes,
                a.scale_row_bytes, lane, 32);
   }
-  stage_metadata(a);
+  int32_t* ids = region<int32_t>(ctx, ctx.rank, a.plan.meta_ids);
+  float* weights = region<float>(ctx, ctx.rank, a.plan.meta_weights);
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * K && !a.in_place;
+       i += gridDim.x * kThreads) {
+    ids[i] = a.topk_idx[i];
+    weights[i] = a.topk_weights[i];
+  }
   profile_end(ctx, kProfDispatchStage);
-  if (last_block(ctx, 0) && threadIdx.x == 0) raise_stage_ready(a, call);
+  if (last_block(ctx, 0) && threadIdx.x == 0) {
+    const int me = pe_of(ctx, ctx.rank);
+    const XlaInputs inputs =
+        a.in_place ? XlaInputs{reinterpret_cast<uint64_t>(a.x), reinterpret_cast<uint64_t>(a.scales),
+                               reinterpret_cast<uint64_t>(a.topk_idx),
+                               reinterpret_cast<uint64_t>(a.topk_weights)}
+                   : XlaInputs{0, 0, 0, 0};
+    for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
+      Control* peer = control_of(ctx, p);
+      peer->xla_in[me] = inputs;
+      if (a.lean) {  // where the lean push's sources store this PE's rows
+        peer->xla_out_x[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
+        peer->xla_out_scales[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
+      }
+    }
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfDispatchStage, kRetired);
+  }
 }
 
 // Block 0 of the stage zeroes what the kernels after it count into: tokens per local expert
@@ -149,8 +136,9 @@ __device__ void grid_barrier(const PeerContext& ctx) {
 // its tokens in each destination's list after the counts of the CTAs before it. Needs
 // R <= kMaxStageRanks and a co-resident grid of at most kMaxStageBlocks CTAs.
 template <bool kPull>
-__device__ void stage_ranks(const DispatchArgs& a) {
+__global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
+  const uint64_t call = enter_stage(a);
   const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
   const int span = (T + gridDim.x - 1) / gridDim.x;
   const int begin = min(T, int(blockIdx.x) * span), end = min(T, begin + span);
@@ -218,12 +206,6 @@ __device__ void stage_ranks(const DispatchArgs& a) {
       for (int v = 0; v < kWarps; ++v) counts[threadIdx.x] += warp_counts[v][threadIdx.x];
     __syncthreads();
   }
-}
-
-template <bool kPull>
-__global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a) {
-  const uint64_t call = enter_stage(a);
-  stage_ranks<kPull>(a);
   finish_stage<kPull>(a, call);
 }
 

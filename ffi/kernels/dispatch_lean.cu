@@ -1,10 +1,10 @@
-// The lean push: rank_major's dispatch by the SMs wherever the XLA windows are open, in one
-// cooperative kernel. Its stage (the pull stage's) lists each destination's tokens and
-// publishes the counts and ids (no rows); then every source stores its rows straight to their
-// final row in each destination's output (where the destination published it, else its
-// landing area) with no per-row record, fence or arrival counter, while kMetadataWarps warps
-// of each block write this PE's rows' metadata from the sources' lists and ids. One pushed
-// flag per source tells a destination that its rows are all there (docs/design.md, 4.1).
+// The lean push: rank_major's dispatch by the SMs wherever the XLA windows are open. The pull
+// stage lists each destination's tokens and publishes the counts and ids (no rows); then one
+// kernel in which every source stores its rows straight to their final row in each
+// destination's output (where the destination published it, else its landing area) with no
+// per-row record, fence or arrival counter, while kMetadataWarps warps of each block write
+// this PE's rows' metadata from the sources' lists and ids. One pushed flag per source tells
+// a destination that its rows are all there (docs/design.md, section 4.1).
 #include "kernels/dispatch_common.cuh"
 
 namespace jax_ep {
@@ -116,9 +116,9 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
   }
 }
 
-// Everything after every peer's ready: the stores, the metadata, the closing.
-__device__ void lean_push(const DispatchArgs& a, uint64_t call) {
+__global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
+  const uint64_t call = enter_after_ready(ctx, kProfDispatchGather, "dispatch");
   const int R = ctx.num_ranks, me = ctx.rank;
   __shared__ int32_t tables[2 * kMaxStageRanks + 1];
   __shared__ char* rows[kMaxStageRanks];
@@ -170,35 +170,15 @@ __device__ void lean_push(const DispatchArgs& a, uint64_t call) {
   finish_dispatch<false, true>(a, tb, call, 1, kProfDispatchGather);
 }
 
-// The stage and the push in one cooperative kernel: the stage's grid barrier, then one thread
-// raises ready where the stage kernel's last block did, and every block goes on to wait for
-// the peers' ready, with no kernel boundary between (the stage kernel retired ~3.7 µs after
-// its blocks' work and the push kernel was past its wait ~2.6 µs after that, 2×H100).
-__global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
-  const PeerContext& ctx = a.ctx;
-  const uint64_t call = enter_stage(a);
-  stage_ranks<true>(a);
-  stage_metadata(a);
-  profile_end(ctx, kProfDispatchStage);
-  grid_barrier(ctx);  // every block's lists, positions and counts before ready
-  if (blockIdx.x == 0 && threadIdx.x == 0) raise_stage_ready(a, call);
-  profile_mark(ctx, kProfDispatchGather, kEnter);
-  wait_all_ready(ctx, call, "dispatch");
-  profile_mark(ctx, kProfDispatchGather, kWaited);
-  lean_push(a, call);
-}
-
 }  // namespace
 
 cudaError_t launch_dispatch_lean(const DispatchArgs& a, cudaStream_t stream) {
-  // cooperative, every block resident: the stage's grid barriers, and a block waiting for a
-  // peer's rows must not keep this PE's own stores from a CTA slot (the lean push runs where
-  // R <= kMaxStageRanks, the stage's limit)
-  const int grid = std::min({a.num_blocks, multiprocessors(), kMaxStageBlocks});
-  DispatchArgs args = a;
-  void* params[] = {&args};
-  return launch_cooperative_after_previous(reinterpret_cast<const void*>(dispatch_lean),
-                                           grid, kThreads, 0, stream, params);
+  cudaError_t status = launch_stage<false, true>(a, stream);
+  if (status != cudaSuccess) return status;
+  // every block resident: a block waiting for a peer's rows must not keep this PE's own
+  // stores from a CTA slot
+  return launch_after_previous(dispatch_lean, std::min(a.num_blocks, multiprocessors()),
+                               kThreads, 0, stream, a);
 }
 
 }  // namespace jax_ep
