@@ -13,7 +13,8 @@ not allowed"), so under the launcher that row comes from ``--baselines-only``, a
 in one process over all local GPUs with the same routing. ``--independent-rows``: a matmul
 that needs nothing from the dispatch or the combine, timed alone and in the same call as the
 default dispatch and combine, so that any overlap XLA makes of them shows; on a GPU also with
-the dispatch and the combine on a second stream (``jax_ep.Config(stream=1)``).
+the dispatch and the combine on a second stream (``jax_ep.Config(stream=1)``), and with the
+matmul on one (``jax_ep.on_stream``).
 """
 
 from __future__ import annotations
@@ -258,21 +259,29 @@ def main():
             record("jax_ep dispatch BF16 on stream 1 + independent matmul, one call",
                    lambda x, idx, w, weight: dispatch(x, idx, w, config=side)
                    + independent(x, w, weight), x, idx_d, w, weight, chained=2, nbytes=0)
+            record("jax_ep dispatch BF16 + independent matmul on stream 1, one call",
+                   lambda x, idx, w, weight: dispatch(x, idx, w)
+                   + jax_ep.on_stream(independent)(x, w, weight), x, idx_d, w, weight,
+                   chained=2, nbytes=0)
     combine_inputs = dispatch_for_combine()(x, idx_d, w)
     for mode in args.combine_modes.split(","):  # JAX_EP_COMBINE, read when traced
         os.environ["JAX_EP_COMBINE"] = mode
         record(f"jax_ep combine BF16 [{mode}]", combine, *combine_inputs, chained=1)
     os.environ.pop("JAX_EP_COMBINE", None)
     if M > 0:
-        def combine_beside(y, row_weights, handle, x, weight, config=None):
-            return (combine(y, row_weights, handle, config)
-                    + independent(x, row_weights, weight))
+        def combine_beside(y, row_weights, handle, x, weight, config=None, work_stream=0):
+            beside = jax_ep.on_stream(independent, work_stream) if work_stream else independent
+            return combine(y, row_weights, handle, config) + beside(x, row_weights, weight)
 
         record("jax_ep combine BF16 + independent matmul, one call", combine_beside,
                *combine_inputs, x, weight, chained=1, nbytes=0)
         if on_gpu:
             record("jax_ep combine BF16 on stream 1 + independent matmul, one call",
                    partial(combine_beside, config=side), *combine_inputs, x, weight,
+                   chained=1, nbytes=0)
+            # XLA's scheduler starts the work's call before the combine: they overlap
+            record("jax_ep combine BF16 + independent matmul on stream 1, one call",
+                   partial(combine_beside, work_stream=1), *combine_inputs, x, weight,
                    chained=1, nbytes=0)
     em_inputs = dispatch_for_combine("expert_major", em_capacity)(x, idx_d, w)
     record("jax_ep combine BF16 expert_major [pull]", combine, *em_inputs, chained=1)

@@ -26,6 +26,7 @@ from jax_ep.api import (
     default_capacity,
     dispatch,
     get_dispatch_layout,
+    on_stream,
 )
 from jax_ep.config import Config
 from jax_ep.fp8 import dequantize_fp8, quantize_fp8
@@ -68,5 +69,6 @@ __all__ = [
     "low_latency_dispatch_receive",
     "low_latency_dispatch_send",
     "moe",
+    "on_stream",
     "quantize_fp8",
 ]

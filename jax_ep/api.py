@@ -103,6 +103,38 @@ def _functional_compute_on():
     return functional
 
 
+def on_stream(fn, stream: int = 1):
+    """fn as an async call on XLA's GPU stream ``stream`` (>= 1): work of the program that needs
+    nothing from a jax_ep call, which XLA then runs beside that call.
+
+    XLA's scheduler starts such a call before the program's-stream work it may overlap, so a
+    jax_ep call left on the program's stream runs beside fn. The other way round (the jax_ep
+    call on a stream with ``Config.stream``, the work on the program's stream) overlaps only
+    where the scheduler happens to start the call before the work: on 2×H100 it did for the
+    dispatch and not for the combine (an independent 189 µs matmul and a 206 µs combine took
+    326 µs per call with the matmul on stream 1, 421 with the combine on stream 1;
+    benchmarks/RESULTS.md). fn must hold no XLA collective (XLA gives those no stream inside
+    such a call), and its stream should not be one jax_ep's calls use (``Config.stream``),
+    or the two queue behind each other. Needs jax >= 0.10 (``stream_calls_supported()``);
+    off the GPU, XLA runs fn inline.
+    """
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 1:
+        raise ValueError(f"on_stream needs a stream number >= 1, got {stream!r}")
+    if not callable(fn):
+        raise TypeError(f"on_stream wraps a function, got {type(fn).__name__}")
+    return _stream_call(fn, stream)
+
+
+def _stream_call(fn, n: int):
+    compute_on = _functional_compute_on()
+    if compute_on is None:
+        raise NotImplementedError(
+            f"a call on another XLA stream needs jax >= 0.10 (jax.experimental.compute_on's "
+            f"functional form); this is jax {jax.__version__}")
+    return compute_on(compute_type=f"gpu_stream:{n}",
+                      out_memory_spaces=jax.memory.Space.Device)(fn)
+
+
 def _on_stream(config: DispatchConfig, fn):
     """fn as XLA runs it: inline on the program's stream, or with ``Config.stream`` n >= 1 as
     an async call on XLA's GPU stream n, so that independent work runs beside it. The
@@ -110,13 +142,7 @@ def _on_stream(config: DispatchConfig, fn):
     n = _config.stream(config.tuning)
     if n == 0 or config.backend != "cuda":
         return fn
-    compute_on = _functional_compute_on()
-    if compute_on is None:
-        raise NotImplementedError(
-            f"Config.stream needs jax >= 0.10 (jax.experimental.compute_on's functional form); "
-            f"this is jax {jax.__version__}")
-    return compute_on(compute_type=f"gpu_stream:{n}",
-                      out_memory_spaces=jax.memory.Space.Device)(fn)
+    return _stream_call(fn, n)
 
 
 def _static_int(name, value):

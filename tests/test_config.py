@@ -261,6 +261,35 @@ def test_a_stream_puts_the_calls_and_their_backward_on_it():
         cfg.set_process_config(None)
 
 
+def test_on_stream_puts_independent_work_on_a_stream():
+    from jax_ep import api
+
+    for bad in (0, -1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="stream number >= 1"):
+            jax_ep.on_stream(jnp.sin, bad)
+    with pytest.raises(TypeError, match="wraps a function"):
+        jax_ep.on_stream(3)
+    if not api.stream_calls_supported():
+        with pytest.raises(NotImplementedError, match="jax >= 0.10"):
+            jax_ep.on_stream(jnp.sin)
+        pytest.skip(f"jax {jax.__version__} has no functional compute_on")
+
+    def fn(x, idx):  # a combine on the program's stream, a matmul beside it on stream 3
+        config = _dispatch_config("rank_major", None)
+        out = api._dispatch(config, x, None, idx, jnp.ones(idx.shape, jnp.float32))
+        y = jax_ep.combine(out.x, out.handle)
+        work = jax_ep.on_stream(lambda a: jnp.dot(a, a.T) @ a, stream=3)(x)
+        return y + work
+
+    text = _lower(fn)
+    calls = [line for line in text.splitlines() if "func.call @compute_on" in line]
+    assert len(calls) == 1 and '_xla_stream_annotation = "3"' in calls[0]
+    # the work's value: off the GPU, XLA runs the call inline
+    x = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_allclose(jax.jit(jax_ep.on_stream(lambda a: jnp.sin(a) @ a.T))(x),
+                               jnp.sin(x) @ x.T, rtol=1e-6)
+
+
 def test_environment_overrides_apply_when_no_config(monkeypatch):
     from jax_ep import _cuda
 

@@ -1,0 +1,119 @@
+"""Which arrangement lets a jax_ep call and independent work overlap inside one jitted program:
+the call on a stream of its own (``Config(stream=1)``), the work on one (``jax_ep.on_stream``),
+or both. Per arrangement: µs per call in a chain, and XLA's schedule of the program's first
+starts, dones, custom calls and GEMMs (work on the program's stream overlaps a call on another
+stream only between that call's start and its done).
+
+    python -m jax_ep.launch -n 2 benchmarks/overlap_schedules.py [--calls 50]
+
+The work is an independent [1024, H] @ [H, H] matmul, as bench_intranode's rows; the combine's
+operands come from one dispatch done before the timing. DeepSeek-V3 shapes (4096 tokens per
+rank, H 7168, top-8 of 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from trace_calls import print_schedule
+
+import jax_ep
+
+from timing import looped, put, seconds_per_call
+
+AXIS = "ep"
+ARRANGEMENTS = {  # name: (the jax_ep call's stream, the work's stream); 0: the program's
+    "call on stream 1": (1, 0),
+    "work on stream 1": (0, 1),
+    "call on 1, work on 2": (1, 2),
+    "one stream": (0, 0),
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=50, help="chained calls per program")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--show-schedule", type=int, default=12)
+    args = p.parse_args()
+    if "JAX_EP_RANK" in os.environ:
+        from jax_ep import launch
+
+        launch.init_distributed()
+    from jax_ep import runtime
+
+    R, K, E, T, H = jax.device_count(), 8, 256, args.tokens, args.hidden
+    if jax.default_backend() == "gpu":
+        runtime.initialize()
+    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    shard = NamedSharding(mesh, P(AXIS))
+    smap = partial(jax.shard_map, mesh=mesh, out_specs=P(AXIS), check_vma=False)
+    rng = np.random.default_rng(0)
+    idx_np = np.argsort(-rng.standard_normal((R * T, E)), axis=-1)[:, :K].astype(np.int32)
+    x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
+    w = put(rng.random((R * T, K)).astype(np.float32), shard)
+    idx = put(idx_np, shard)
+    weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
+    capacity = int(((idx_np // (E // R))[..., None] == np.arange(R)).any(1).sum(0).max())
+    M = min(1024, T)
+
+    def work(x, chained, weight):  # depends on the chained operand: no call is hoisted
+        a = x[:M] + (chained.reshape(-1)[0] * 0).astype(x.dtype)
+        return jnp.sum(jnp.dot(a, weight, preferred_element_type=jnp.float32))
+
+    def on(n, fn):
+        return jax_ep.on_stream(fn, n) if n else fn
+
+    @jax.jit
+    @partial(smap, in_specs=(P(AXIS),) * 3)
+    def dispatched(x, idx, w):
+        out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity)
+        return out.x, jnp.ones((1, capacity), jnp.float32), jax.tree.map(
+            lambda a: a[None], out.handle)
+
+    combine_operands = dispatched(x, idx, w)
+
+    def combine(call_stream, work_stream):
+        def body(y, row_weights, handle, x, weight):
+            back = jax_ep.combine(y, jax.tree.map(lambda a: a[0], handle),
+                                  weights=row_weights[0],
+                                  config=jax_ep.Config(stream=call_stream))
+            s = on(work_stream, work)(x, row_weights, weight) if work_stream >= 0 else 0.0
+            return back[0, 0].astype(jnp.float32) + s
+
+        return body, combine_operands + (x, weight), 1
+
+    def dispatch(call_stream, work_stream):
+        def body(x, idx, w, weight):
+            out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=capacity,
+                                  config=jax_ep.Config(stream=call_stream))
+            s = on(work_stream, work)(x, w, weight) if work_stream >= 0 else 0.0
+            return out.num_received.astype(jnp.float32) + s
+
+        return body, (x, idx, w, weight), 2
+
+    def run(name, body, operands, chained, schedule=True):
+        f = jax.jit(smap(looped(body, args.calls, chained), in_specs=(P(AXIS),) * len(operands)))
+        t = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
+        if jax.process_index() == 0:
+            print(f"\n{name}: {t * 1e6:.1f} µs per call", flush=True)
+            if schedule:
+                print_schedule(f, operands, args.show_schedule)
+
+    run("matmul alone", work, (x, w, weight), 1, schedule=False)
+    for kind, make in (("combine", combine), ("dispatch", dispatch)):
+        run(f"{kind} alone", *make(0, -1), schedule=False)
+        for name, (call_stream, work_stream) in ARRANGEMENTS.items():
+            run(f"{kind} + matmul, {name}", *make(call_stream, work_stream))
+
+
+if __name__ == "__main__":
+    main()
