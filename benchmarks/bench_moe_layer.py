@@ -1,4 +1,4 @@
-"""One MoE layer training step, its expert parallelism done five ways, timed on the same routing.
+"""One MoE layer training step, its expert parallelism done six ways, timed on the same routing.
 
 The step: router (float32) -> top-k softmax gates -> expert parallelism -> SwiGLU experts
 (``jax_ep.experts.swiglu_mlp`` on expert-grouped rows) -> back to the tokens, plus a shared
@@ -15,6 +15,9 @@ weight, one jitted program. The ways:
   e  a with ``jax_ep.Config(stream=1)``: the dispatch, the combine and their backward passes
      on XLA's stream 1, so the shared expert (and whatever else needs nothing from them) may
      run beside them (``--ways a,e``; CUDA backend, jax >= 0.10)
+  f  a with the shared expert as a call on XLA's stream 1 (``jax_ep.on_stream``) and jax_ep's
+     calls on the program's stream: XLA starts the shared expert first, so the dispatch and
+     the combine may run beside it (``--ways a,e,f``)
 
 Run:
 
@@ -75,6 +78,7 @@ WAYS = {
     "c": "ragged_all_to_all + local sort (MaxText)",
     "d": "all_to_all, capacity-padded",
     "e": "jax_ep expert_major on XLA's stream 1",
+    "f": "jax_ep expert_major, shared expert on stream 1",
 }
 
 
@@ -217,7 +221,7 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
     return output.at[dst.reshape(-1)].set(got.reshape(R * N, *operand.shape[1:]), mode="drop")
 
 
-# ----------------------------------------------------------------------------- the five ways
+# ----------------------------------------------------------------------------- the six ways
 #
 # Each runs per device inside shard_map: (s, x [T, H], topk_idx [T, K] global ids, gates
 # [T, K] f32, expert_fn) -> ([T, H] in x's dtype, rows/pairs this rank dropped).
@@ -312,7 +316,8 @@ def routed_d(s: Setup, x, topk_idx, gates, expert_fn):
     return out.astype(x.dtype), jnp.sum(in_rank & ~keep) + dropped
 
 
-ROUTED = {"a": routed_a, "b": routed_b, "c": routed_c, "d": routed_d, "e": routed_e}
+ROUTED = {"a": routed_a, "b": routed_b, "c": routed_c, "d": routed_d, "e": routed_e,
+          "f": routed_a}
 
 
 # ----------------------------------------------------------------------------- layer and loss
@@ -335,7 +340,8 @@ def layer(s: Setup, way, params, x):
         return y
 
     shared = [params[n] for n in ("shared_gate", "shared_up", "shared_down")] if s.shared else []
-    sh = shared_swiglu(x, *shared) if shared and s.shared_overlap else None
+    side = jax_ep.on_stream(shared_swiglu) if way == "f" else shared_swiglu
+    sh = side(x, *shared) if shared and s.shared_overlap else None
     y, dropped = ROUTED[way](s, x, topk_idx, gates, expert_fn)
     dropped = dropped + sum(overflow)  # rows past an expert block (padded experts)
     if shared and not s.shared_overlap:  # only once the combine is done (and, in the backward,
@@ -548,7 +554,7 @@ def parse_args(argv=None):
                    help="experts as per-expert blocks of capacity-factor rows (batched GEMMs) "
                         "or grouped GEMMs over exactly the received rows")
     p.add_argument("--ways", default=None,
-                   help="comma-separated subset of a,b,c,d,e; default a,b,c,d (c only in one "
+                   help="comma-separated subset of a,b,c,d,e,f; default a,b,c,d (c only in one "
                         "process: under the launcher a,b,d)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per program (median)")
     p.add_argument("--warmup", type=int, default=2)
@@ -559,7 +565,7 @@ def parse_args(argv=None):
     p.add_argument("--gemm", default="on", choices=["on", "off"],
                    help="also time the expert GEMMs alone")
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"],
-                   help="jax_ep's backend (ways a, b, e); --single-process and CPU: reference")
+                   help="jax_ep's backend (ways a, b, e, f); --single-process and CPU: reference")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--single-process", action="store_true",
                    help="one process over all local devices (for way c's ragged_all_to_all)")
@@ -601,8 +607,8 @@ def main(argv=None):
         if module is None:
             print(f"note: jax_ep's CUDA extension cannot load ({why})")
     if args.backend == "cuda" and backend != "cuda":
-        print(f"note: --backend cuda needs one process per GPU (jax_ep.launch); ways a, b, e use "
-              f"the reference backend here ({mode}, {platform})")
+        print(f"note: --backend cuda needs one process per GPU (jax_ep.launch); ways a, b, e, f "
+              f"use the reference backend here ({mode}, {platform})")
     ragged = args.ragged if args.ragged != "auto" else ("emulated" if platform == "cpu"
                                                         else "native")
     ways = (args.ways or ("a,b,c,d" if jax.process_count() == 1 else "a,b,d")).split(",")
@@ -687,7 +693,7 @@ def main(argv=None):
     rows, flops = [], _flops(s)
     for way in sorted({w for kind, w in programs if kind == "step"}, key=ways.index):
         name = f"({way}) {WAYS[way]}"
-        row = dict(way=way, name=name, mode=mode, backend=backend if way in "abe" else "xla")
+        row = dict(way=way, name=name, mode=mode, backend=backend if way in "abef" else "xla")
         try:
             program_bytes = (_program_bytes(compiled[("step", way)][0])
                              if isinstance(compiled[("step", way)], tuple) else None)
