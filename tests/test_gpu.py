@@ -458,6 +458,33 @@ def test_calls_on_a_second_stream_match_reference():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_work_on_a_second_stream_beside_the_calls_matches_reference():
+    """jax_ep.on_stream: a matmul (and its backward) on XLA's stream 1 beside a dispatch and a
+    combine on the program's stream; values and gradients against the reference."""
+    if not jax_ep.api.stream_calls_supported():
+        pytest.skip(f"jax {jax.__version__} has no functional compute_on (on_stream)")
+    R = num_ranks()
+    T, H, K, E = 64, 1792, 8, 8 * R
+    rng = np.random.default_rng(12)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
+    m = rng.standard_normal((R, H, 256)).astype(np.float32) / np.sqrt(H)
+
+    def fn(backend, x, idx, w, m):
+        def loss(x, w):
+            out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend=backend)
+            beside = jax_ep.on_stream(lambda a, b: jnp.cos(jnp.dot(a, b)))(x, m)
+            y = jax_ep.combine(jnp.tanh(out.x) * jnp.sum(out.topk_weights, 1)[:, None],
+                               out.handle)
+            return jnp.sum(y * y) + jnp.sum(beside)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    with jax.default_matmul_precision("float32"):
+        got, want = both(fn, x, idx, w, m)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 def moe_grads(**block):
     """fn(backend, x, router, w_in, w_out): the gradients of a loss of one moe_block (with
     `block`'s arguments) with respect to all four."""
