@@ -127,7 +127,9 @@ def main():
         o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
         return jax_ep.low_latency_combine(o.x, w, o.handle)[0, 0]
 
-    weight = put(rng.standard_normal((R * H, H)).astype(jnp.bfloat16) / np.sqrt(H), shard)
+    # bfloat16 after the scaling: a bfloat16 array over a NumPy float64 is float64 (float32 on
+    # the device), whose matmul is a TF32 GEMM with a conversion before it
+    weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
 
     def matmul(x, idx, weight):  # weight: this rank's [H, H] block
         return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
