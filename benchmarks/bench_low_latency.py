@@ -13,7 +13,9 @@ second run without the launcher over all local GPUs, as the device script does).
 The overlap row runs dispatch-send, an independent matmul, dispatch-receive: compare it with
 the sum of the two alone (the matmul depends on the chained argument, so XLA cannot hoist it
 out of the loop); on a GPU a second row runs the send on a second XLA stream
-(``compute_on("gpu_stream:1")``) beside the matmul. The combine-alone row reuses one
+(``compute_on("gpu_stream:1")``) beside the matmul, and two more put the matmul there
+(``jax_ep.on_stream``) with the send and receive, or the whole dispatch, beside it on the
+program's stream. The combine-alone row reuses one
 dispatch's handle for every call.
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
@@ -123,6 +125,15 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         s, pending = jax.lax.optimization_barrier((s, pending))
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
 
+    def dispatch_beside_work(x, idx, weight, split=True):
+        # the matmul a call on XLA's stream 1 (jax_ep.on_stream), started before the send: the
+        # send and the receive (or the whole dispatch) run on the program's stream beside it
+        s = jax_ep.on_stream(matmul)(x, idx, weight)
+        if not split:
+            return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).x_scales[0, 0, 0] + s
+        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
+        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
+
     def dispatch_fp8_split(x, idx):  # the two halves back to back: the split's own cost
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0]
@@ -163,6 +174,10 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     if jax.default_backend() == "gpu":
         record("send FP8 on a second stream, matmul beside it -> receive",
                dispatch_second_stream, x, idx_d, weight, chained=0)
+        record("matmul on a second stream, send FP8 -> receive beside it",
+               dispatch_beside_work, x, idx_d, weight, chained=0)
+        record("matmul on a second stream, dispatch FP8 (one call) beside it",
+               partial(dispatch_beside_work, split=False), x, idx_d, weight, chained=0)
 
 
 def main():
