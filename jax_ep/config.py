@@ -98,7 +98,10 @@ class Config:
         same program that needs nothing from the call runs beside it on the SMs the call
         leaves free (2×H100, DeepSeek-V3 shapes: a dispatch and an independent matmul of
         207 and 185 µs take 388 µs together on one stream, 291 with the dispatch on stream 1;
-        benchmarks/RESULTS.md). The calls of one process share one symmetric workspace, so
+        benchmarks/RESULTS.md). It overlaps only where XLA's scheduler starts the call before
+        that work, which it did for the dispatch and not for the combine: the work as the
+        stream call (``jax_ep.on_stream``) overlaps both. The calls of one process share one
+        symmetric workspace, so
         calls XLA may run at the same time must be on the same stream (a handle keeps its
         dispatch's stream for the combine and the backward passes; the process's config,
         ``runtime.initialize(config=Config(stream=1))``, puts every call there). Needs
