@@ -18,6 +18,8 @@ SHARE=${GPUS:+--gpus $GPUS}
 # and their tests take about twice as long (the launcher now really stops them at a timeout)
 SLOW=${GPUS:+2}; SLOW=${SLOW:-1}
 status=0
+# The GPU suites run with --capture=sys: pytest's default captures file descriptor 2 per test,
+# and a rank that aborts (an XLA check, NVSHMEM) takes its message with it
 step() { echo; echo "=== $* ($(date +%T))"; }
 if [[ ,$WHAT, == *,prebuilt,* ]]; then  # an extension built elsewhere for this Python, carried
   step "prebuilt extension"
@@ -40,27 +42,27 @@ if [[ ,$WHAT, == *,build,* ]]; then
 fi
 if [[ ,$WHAT, == *,test,* ]]; then
   step "GPU suite on $N GPUs"
-  timeout $((420 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  timeout $((420 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider --capture=sys tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *copytest* ]]; then  # the copy-engine paths' part of the suite only
   step "copy-engine GPU tests on $N ranks"
-  timeout $((200 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
+  timeout $((200 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider --capture=sys \
     tests/test_gpu.py -k "copy" 2>&1 | tee "$OUT/gpu_suite_copy_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -20
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *slotstest* ]]; then  # the source_slots layout and the copy-engine paths
   step "source_slots and copy-engine GPU tests on $N ranks"
-  timeout $((300 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
+  timeout $((300 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider --capture=sys \
     tests/test_gpu.py -k "source_slots or copy" 2>&1 | tee "$OUT/gpu_suite_slots_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -20
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *lltest* ]]; then  # the low-latency part of the suite only
   step "low-latency GPU tests on $N GPUs"
-  timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider --capture=sys tests/test_gpu.py \
     -k "low_latency or runs_once" 2>&1 | tee "$OUT/gpu_suite_ll_$N.log" |
     grep -E "passed|failed|FAILED|Error|timed out" | tail -12
   status=${PIPESTATUS[0]}
@@ -112,7 +114,7 @@ if [[ ,$WHAT, == *,ll,* ]]; then
 fi
 if [[ $WHAT == *graphs* ]]; then
   step "low-latency GPU tests with JAX_EP_COMMAND_BUFFERS=1 on $N GPUs"
-  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider \
+  JAX_EP_COMMAND_BUFFERS=1 timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider --capture=sys \
     tests/test_gpu.py -k "low_latency or runs_once" 2>&1 | tee "$OUT/gpu_suite_graphs_$N.log" |
     grep -E "passed|failed|FAILED|timed out" | tail -8
   step "low-latency benchmark on $N GPUs, JAX_EP_COMMAND_BUFFERS=1 (calls recorded into CUDA graphs)"
