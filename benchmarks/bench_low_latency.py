@@ -60,13 +60,13 @@ if "JAX_EP_RANK" not in os.environ and os.environ.get("JAX_PLATFORMS", "") == "c
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
     call_profile,
+    ep_mesh,
     gpu_events,
     host_times_reset,
     host_us_per_call,
@@ -77,6 +77,7 @@ from timing import (  # noqa: E402
     print_phases,
     profile_body,
     put,
+    random_routing,
     seconds_per_call,
     steady_seconds_per_call,
 )
@@ -196,14 +197,9 @@ def main():
                                                                   across_nodes=across),
             node_size=args.node_size)
     backend = jax_ep.api._resolve_backend(args.backend)
-    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    shard = NamedSharding(mesh, P(AXIS))
-    smap = partial(jax.shard_map, mesh=mesh, out_specs=P(AXIS), check_vma=False)
+    _, shard, smap = ep_mesh(R, AXIS)
     rng = np.random.default_rng(0)
-    idx = np.argsort(-rng.standard_normal((R * T, E)), axis=-1)[:, :K].astype(np.int32)
-    x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
-    w = put(rng.random((R * T, K)).astype(np.float32), shard)
-    idx_d = put(idx, shard)
+    idx, x, w, idx_d = random_routing(rng, R, T, H, E, K, shard)
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
     rows, profiles, call_profiles = [], [], []
 

@@ -20,13 +20,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from trace_calls import print_schedule
 
 import jax_ep
 
-from timing import looped, put, seconds_per_call
+from timing import ep_mesh, looped, put, random_routing, seconds_per_call
 
 AXIS = "ep"
 ARRANGEMENTS = {  # name: (the jax_ep call's stream, the work's stream); 0: the program's
@@ -53,14 +52,9 @@ def main():
     R, K, E, T, H = jax.device_count(), 8, 256, args.tokens, args.hidden
     if jax.default_backend() == "gpu":
         runtime.initialize()
-    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    shard = NamedSharding(mesh, P(AXIS))
-    smap = partial(jax.shard_map, mesh=mesh, out_specs=P(AXIS), check_vma=False)
+    _, shard, smap = ep_mesh(R, AXIS)
     rng = np.random.default_rng(0)
-    idx_np = np.argsort(-rng.standard_normal((R * T, E)), axis=-1)[:, :K].astype(np.int32)
-    x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
-    w = put(rng.random((R * T, K)).astype(np.float32), shard)
-    idx = put(idx_np, shard)
+    idx_np, x, w, idx = random_routing(rng, R, T, H, E, K, shard)
     weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
     capacity = int(((idx_np // (E // R))[..., None] == np.arange(R)).any(1).sum(0).max())
     M = min(1024, T)

@@ -16,6 +16,27 @@ def put(array, sharding):
     return jax.make_array_from_callback(array.shape, sharding, lambda i: array[i])
 
 
+def ep_mesh(R, axis):
+    """(mesh, sharding over the axis, shard_map with out_specs P(axis)) for R devices."""
+    from functools import partial
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((R,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+    smap = partial(jax.shard_map, mesh=mesh, out_specs=P(axis), check_vma=False)
+    return mesh, NamedSharding(mesh, P(axis)), smap
+
+
+def random_routing(rng, R, T, H, E, K, shard):
+    """Random top-K of E routing for R ranks of T tokens: (ids as NumPy, x bf16, gates, ids),
+    the last three placed with `shard`."""
+    idx = np.argsort(-rng.standard_normal((R * T, E)), axis=-1)[:, :K].astype(np.int32)
+    x = put(rng.standard_normal((R * T, H)).astype(jnp.bfloat16), shard)
+    w = put(rng.random((R * T, K)).astype(np.float32), shard)
+    return idx, x, w, put(idx, shard)
+
+
 def looped(body, calls, chained=0, rounds=1):
     """A function running `calls` calls of body(*a) -> scalar, unrolled in one program.
 

@@ -427,17 +427,24 @@ def test_repeated_calls_are_bit_identical(dispatch_mode):
     _assert_repeats_identical(fn, R, (x, idx, w), 100)
 
 
+def stream_case(seed):
+    """(E, x, idx, w, m) of the stream tests: rows of two pieces (1792 BF16 channels), and an
+    independent [H, 256] matmul's weight per rank; skips where jax has no stream calls."""
+    if not jax_ep.api.stream_calls_supported():
+        pytest.skip(f"jax {jax.__version__} has no functional compute_on (stream calls)")
+    R = num_ranks()
+    T, H, K, E = 64, 1792, 8, 8 * R
+    rng = np.random.default_rng(seed)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
+    m = rng.standard_normal((R, H, 256)).astype(np.float32) / np.sqrt(H)
+    return E, x, idx, w, m
+
+
 def test_calls_on_a_second_stream_match_reference():
     """Config(stream=1): two dispatches with nothing between them (one stream keeps them
     apart), a matmul beside them on the main stream, their combines and the backward of all,
     against the reference; rows of two pieces."""
-    if not jax_ep.api.stream_calls_supported():
-        pytest.skip(f"jax {jax.__version__} has no functional compute_on (Config.stream)")
-    R = num_ranks()
-    T, H, K, E = 64, 1792, 8, 8 * R
-    rng = np.random.default_rng(11)
-    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
-    m = rng.standard_normal((R, H, 256)).astype(np.float32) / np.sqrt(H)
+    E, x, idx, w, m = stream_case(11)
     side = jax_ep.Config(stream=1)
 
     def fn(backend, x, idx, w, m):
@@ -461,13 +468,7 @@ def test_calls_on_a_second_stream_match_reference():
 def test_work_on_a_second_stream_beside_the_calls_matches_reference():
     """jax_ep.on_stream: a matmul (and its backward) on XLA's stream 1 beside a dispatch and a
     combine on the program's stream; values and gradients against the reference."""
-    if not jax_ep.api.stream_calls_supported():
-        pytest.skip(f"jax {jax.__version__} has no functional compute_on (on_stream)")
-    R = num_ranks()
-    T, H, K, E = 64, 1792, 8, 8 * R
-    rng = np.random.default_rng(12)
-    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
-    m = rng.standard_normal((R, H, 256)).astype(np.float32) / np.sqrt(H)
+    E, x, idx, w, m = stream_case(12)
 
     def fn(backend, x, idx, w, m):
         def loss(x, w):
