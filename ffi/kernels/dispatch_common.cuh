@@ -131,19 +131,30 @@ __device__ void grid_barrier(const PeerContext& ctx) {
 }
 
 // rank_major stage spread over the whole grid (the per-destination scan of dispatch_stage
-// gives each destination one CTA, i.e. R CTAs at work). CTA b takes a contiguous range of
-// tokens: counts its tokens per destination, meets the others at a grid barrier, then ranks
-// its tokens in each destination's list after the counts of the CTAs before it. Needs
-// R <= kMaxStageRanks and a co-resident grid of at most kMaxStageBlocks CTAs.
+// gives each destination one CTA, i.e. R CTAs at work). Each CTA takes a ticket as it starts
+// and the ticket's contiguous range of tokens: it counts them per destination, publishes the
+// counts, waits for the counts of the tickets before its own only, then ranks its tokens in
+// each destination's list after them; the last ticket also publishes the totals. A ticket
+// waits only for CTAs that started before it, so the grid need not be resident at once (a
+// cooperative launch waits for every block to fit beside what runs, a GEMM on another stream
+// say). Needs R <= kMaxStageRanks and at most kMaxStageBlocks CTAs.
 template <bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = enter_stage(a);
   const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
-  const int span = (T + gridDim.x - 1) / gridDim.x;
-  const int begin = min(T, int(blockIdx.x) * span), end = min(T, begin + span);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   Control* control = control_of(ctx, ctx.rank);
+  __shared__ int ticket_of_block;
+  if (threadIdx.x == 0) {
+    const unsigned ticket = atomicAdd(&control->stage_ticket, 1u);
+    if (ticket == gridDim.x - 1) control->stage_ticket = 0;  // every CTA has its ticket
+    ticket_of_block = int(ticket);
+  }
+  __syncthreads();
+  const int ticket = ticket_of_block;
+  const int span = (T + gridDim.x - 1) / gridDim.x;
+  const int begin = min(T, ticket * span), end = min(T, begin + span);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ int counts[kMaxStageRanks];
   __shared__ int warp_counts[kWarps][kMaxStageRanks];
   if (threadIdx.x < kMaxStageRanks) counts[threadIdx.x] = 0;
@@ -156,24 +167,45 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
       if (mask >> w & 1) atomicAdd(&counts[w], 1);
   }
   __syncthreads();
-  if (threadIdx.x < R) control->stage_counts[blockIdx.x * R + threadIdx.x] = counts[threadIdx.x];
-  grid_barrier(ctx);
+  if (threadIdx.x < R) control->stage_counts[ticket * R + threadIdx.x] = counts[threadIdx.x];
+  __syncthreads();  // the block's count stores before thread 0's (cumulative) release
+  if (threadIdx.x == 0) {
+    fence_acq_rel_gpu();
+    *reinterpret_cast<volatile uint64_t*>(&control->stage_published[ticket]) = call;
+  }
+  // the counts of the tickets before this one (every ticket's for the last)
+  const bool last = ticket == int(gridDim.x) - 1;
+  const int needed = last ? int(gridDim.x) : ticket;
+  for (int b = threadIdx.x; b < needed; b += kThreads) {
+    const volatile uint64_t* published = &control->stage_published[b];
+    const uint64_t start = global_timer_ns();
+    while (*published != call) {
+      if (global_timer_ns() - start > ctx.timeout_ns) {  // an earlier CTA never published
+        report_timeout(ctx, "dispatch", "an earlier block of its own stage kernel", ctx.rank,
+                       call, *published);
+        trap_after_report();
+      }
+    }
+    fence_acq_rel_gpu();
+  }
+  __syncthreads();
 
-  // counts[w] <- tokens for w in the CTAs before this one; the last CTA publishes the totals.
-  // Warp w sums destination w's counts, a lane a CTA: one round of loads, not one per CTA.
+  // counts[w] <- tokens for w in the tickets before this one; the last ticket publishes the
+  // totals. Warp w sums destination w's counts, a lane a CTA: one round of loads.
   for (int w = warp; w < R; w += kWarps) {
-    int before = 0, total = 0;
-    for (int b = lane; b < int(gridDim.x); b += 32) {
+    int before = 0;
+    for (int b = lane; b < needed; b += 32) {
       const int n = __ldcg(&control->stage_counts[b * R + w]);  // other CTAs' writes
-      if (b < int(blockIdx.x)) before += n;
-      total += n;
+      if (b < ticket) before += n;
     }
     before = __reduce_add_sync(0xffffffffu, before);
-    total = __reduce_add_sync(0xffffffffu, total);
     if (lane == 0) counts[w] = before;
-    if (blockIdx.x == gridDim.x - 1 && lane < R) {
-      const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
-      region<int32_t>(ctx, lane, matrix)[size_t(ctx.rank) * R + w] = total;
+    if (last) {
+      const int total = before + __ldcg(&control->stage_counts[ticket * R + w]);
+      if (lane < R) {
+        const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
+        region<int32_t>(ctx, lane, matrix)[size_t(ctx.rank) * R + w] = total;
+      }
     }
   }
   __syncthreads();
@@ -536,13 +568,9 @@ template <bool kExpertMajor, bool kPull>
 cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
   const int W = kExpertMajor ? a.num_experts : a.ctx.num_ranks;
   if (!kExpertMajor && a.ctx.num_ranks <= kMaxStageRanks) {
+    // not cooperative: a ticket waits only for CTAs that started before it
     const int grid = std::min({a.num_blocks, multiprocessors(), kMaxStageBlocks});
-    // cooperative: the grid barrier needs every block resident, whatever else runs beside
-    DispatchArgs args = a;
-    void* params[] = {&args};
-    return launch_cooperative_after_previous(
-        reinterpret_cast<const void*>(dispatch_stage_ranks<kPull>), grid, kThreads, 0, stream,
-        params);
+    return launch_after_previous(dispatch_stage_ranks<kPull>, grid, kThreads, 0, stream, a);
   }
   const size_t counts_bytes = sizeof(int32_t) * a.num_experts;
   if (kExpertMajor && a.num_experts <= kStageCounts && counts_bytes <= 48 * 1024) {

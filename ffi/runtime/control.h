@@ -99,6 +99,10 @@ struct Control {
   // rank or expert, [CTA][destination], and their grid barrier.
   int32_t stage_counts[kStageCounts];
   unsigned stage_arrived, stage_generation;
+  // rank_major's stage: CTAs take tickets in the order they start (the range of tokens they
+  // count); published[t] = the call whose counts ticket t has written into stage_counts.
+  unsigned stage_ticket;
+  uint64_t stage_published[kMaxStageBlocks];
   // Work counters (kCursor*): warps claim tokens from them, so the SMs whose stores drain
   // faster take more of the work. The kernel launched before the one claiming zeroes it.
   uint32_t work_cursor[2];
