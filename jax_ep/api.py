@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import operator
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -114,15 +115,39 @@ def on_stream(fn, stream: int = 1):
     dispatch and not for the combine (an independent 189 µs matmul and a 206 µs combine took
     326 µs per call with the matmul on stream 1, 421 with the combine on stream 1;
     benchmarks/RESULTS.md). fn must hold no XLA collective (XLA gives those no stream inside
-    such a call), and its stream should not be one jax_ep's calls use (``Config.stream``),
-    or the two queue behind each other. Needs jax >= 0.10 (``stream_calls_supported()``);
-    off the GPU, XLA runs fn inline.
+    such a call) and no jax_ep call (a ValueError: they share one workspace with the calls
+    beside them; ``Config.stream`` puts jax_ep's calls on a stream), and its stream should
+    not be one jax_ep's calls use, or the two queue behind each other. Needs jax >= 0.10
+    (``stream_calls_supported()``); off the GPU, XLA runs fn inline.
     """
     if isinstance(stream, bool) or not isinstance(stream, int) or stream < 1:
         raise ValueError(f"on_stream needs a stream number >= 1, got {stream!r}")
     if not callable(fn):
         raise TypeError(f"on_stream wraps a function, got {type(fn).__name__}")
-    return _stream_call(fn, stream)
+
+    @functools.wraps(fn)
+    def work(*args, **kwargs):  # traced inside the stream call: no jax_ep call may be in it
+        _work_calls.depth = getattr(_work_calls, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _work_calls.depth -= 1
+
+    return _stream_call(work, stream)
+
+
+# How many on_stream functions are being traced on this thread.
+_work_calls = threading.local()
+
+
+def _check_not_in_work_call(op: str):
+    """A jax_ep call inside ``on_stream``'s function would run beside the process's other
+    jax_ep calls on the program's stream, in the one symmetric workspace they share."""
+    if getattr(_work_calls, "depth", 0):
+        raise ValueError(
+            f"{op} inside a jax_ep.on_stream function: jax_ep's calls share one workspace and "
+            "must not run beside each other; put them on a stream with "
+            "config=jax_ep.Config(stream=n) instead")
 
 
 def _stream_call(fn, n: int):
@@ -307,6 +332,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         for the combine and both backward passes. None: the environment's overrides and the
         measured defaults (``jax_ep.config``).
     """
+    _check_not_in_work_call("dispatch")
     data, scales = _split_x(x)
     num_ranks = _axis_size(axis_name)
     raw_idx = topk_idx
@@ -405,6 +431,7 @@ def combine(y, handle: DispatchHandle, weights=None, config=None):
     fixed order (ranks ascending for rank_major and source_slots, k ascending for
     expert_major).
     """
+    _check_not_in_work_call("combine")
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle of a dispatch, got {type(handle)}")
     if config is not None:

@@ -36,6 +36,7 @@ def _backend(config: LowLatencyConfig):
 
 def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, ue8m0, backend,
             tuning=None):
+    api._check_not_in_work_call("low_latency_dispatch")
     if isinstance(x, (tuple, list)):  # the send quantises: a pair's scales would be lost
         raise TypeError("low_latency_dispatch takes unquantised rows (bfloat16, float16 or "
                         "float32); use_fp8=True quantises them in the send")
@@ -105,6 +106,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
 
 def low_latency_dispatch_receive(pending) -> LowLatencyOutput:
     """Second half: lay out what arrived."""
+    api._check_not_in_work_call("low_latency_dispatch_receive")
     out = _backend(pending.config).low_latency_receive(pending.arrays, pending.config)
     return out._replace(num_invalid=pending.num_invalid)
 
@@ -131,6 +133,7 @@ def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
 
 def low_latency_combine_receive(pending, handle: LowLatencyHandle):
     """Second half: the owner adds the partial rows."""
+    api._check_not_in_work_call("low_latency_combine_receive")
     return _backend(handle.config).low_latency_combine_receive(pending.arrays, handle)
 
 
@@ -151,6 +154,7 @@ class _Pending:
 
 
 def _check_combine(y, topk_weights, handle):
+    api._check_not_in_work_call("low_latency_combine")
     if not isinstance(handle, LowLatencyHandle):
         raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle)}")
     c = handle.config

@@ -284,6 +284,19 @@ def test_on_stream_puts_independent_work_on_a_stream():
     text = _lower(fn)
     calls = [line for line in text.splitlines() if "func.call @compute_on" in line]
     assert len(calls) == 1 and '_xla_stream_annotation = "3"' in calls[0]
+    # jax_ep's own calls inside the work would share the workspace with those beside it
+
+    def combine_inside(x, idx):
+        out = jax_ep.dispatch(x, idx, num_experts=4, axis_name=AXIS)
+        return jax_ep.on_stream(lambda y: jax_ep.combine(y, out.handle))(out.x)
+
+    for body in (combine_inside,
+                 lambda x, idx: jax_ep.on_stream(lambda x: jax_ep.dispatch(
+                     x, idx, num_experts=4, axis_name=AXIS).x)(x),
+                 lambda x, idx: jax_ep.on_stream(lambda x: jax_ep.low_latency_dispatch(
+                     x, idx, num_experts=4, max_tokens_per_rank=8, axis_name=AXIS).x)(x)):
+        with pytest.raises(ValueError, match="inside a jax_ep.on_stream function"):
+            _lower(body)
     # the work's value: off the GPU, XLA runs the call inline
     x = jnp.arange(12.0).reshape(3, 4)
     np.testing.assert_allclose(jax.jit(jax_ep.on_stream(lambda a: jnp.sin(a) @ a.T))(x),
