@@ -101,13 +101,12 @@ class Config:
         benchmarks/RESULTS.md). It overlaps only where XLA's scheduler starts the call before
         that work, which it did for the dispatch and not for the combine: the work as the
         stream call (``jax_ep.on_stream``) overlaps both. The calls of one process share one
-        symmetric workspace, so
-        calls XLA may run at the same time must be on the same stream (a handle keeps its
-        dispatch's stream for the combine and the backward passes; the process's config,
-        ``runtime.initialize(config=Config(stream=1))``, puts every call there). Needs
-        jax >= 0.10. The reference backend ignores it (its XLA collectives cannot run in such
-        a call); the low-latency calls take no stream (their split send/receive is their
-        overlap).
+        symmetric workspace, so calls XLA may run at the same time must be on the same
+        stream (a handle keeps its dispatch's stream for the combine and the backward passes;
+        the process's config, ``runtime.initialize(config=Config(stream=1))``, puts every
+        call there). Needs jax >= 0.10. The reference backend ignores it (its XLA
+        collectives cannot run in such a call); the low-latency calls take no stream (their
+        split send/receive is their overlap).
     """
 
     dispatch_path: str | None = None
