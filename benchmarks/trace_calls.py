@@ -127,9 +127,11 @@ def main():
         o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
         return jax_ep.low_latency_combine(o.x, w, o.handle)[0, 0]
 
-    # bfloat16 after the scaling: a bfloat16 array over a NumPy float64 is float64 (float32 on
-    # the device), whose matmul is a TF32 GEMM with a conversion before it
-    weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
+    # the split rows' matmul as bench_low_latency's (float32: a TF32 GEMM), the _beside rows'
+    # as bench_intranode's (bfloat16)
+    scaled = rng.standard_normal((R * H, H)).astype(jnp.bfloat16) / np.sqrt(H)
+    weight = put(scaled.astype(np.float32), shard)
+    weight_bf16 = put(scaled.astype(jnp.bfloat16), shard)
 
     def matmul(x, idx, weight):  # weight: this rank's [H, H] block
         return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
@@ -179,10 +181,10 @@ def main():
               "ll_split": (ll_split, with_weight), "matmul": (matmul, with_weight),
               "dispatch": (dispatch, big[:3]),
               "dispatch_fp8": (partial(dispatch, fp8=True), big[:3]),
-              "dispatch_beside": (dispatch_beside, big[:3] + (weight,))}
+              "dispatch_beside": (dispatch_beside, big[:3] + (weight_bf16,))}
     if "combine_beside" in args.rows.split(","):
         bodies["combine_beside"] = (combine_beside,
-                                    dispatched(*big[:3]) + (big[0], weight))
+                                    dispatched(*big[:3]) + (big[0], weight_bf16))
     for name in args.rows.split(","):
         body, operands = bodies[name]
         # the side-stream rows chain through the gates (w) as bench_intranode does
