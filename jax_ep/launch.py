@@ -90,6 +90,20 @@ def init_distributed() -> bool:
     return True
 
 
+def _signal_note(status: int) -> str:
+    """What a rank's death by a signal usually means here."""
+    if status >= 0:
+        return ""
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        return ""
+    if name == "SIGABRT":  # XLA aborts on a kernel's trap: a timed-out wait's report precedes it
+        return (" (SIGABRT: an abort, e.g. after a kernel's timed-out wait, whose report is in "
+                "the rank's output; pytest keeps it only with --capture=sys)")
+    return f" ({name})"
+
+
 def _pump(stream, prefix: str, sink, lock: threading.Lock) -> None:
     writing = True
     for line in iter(stream.readline, b""):
@@ -233,8 +247,8 @@ def main(argv=None) -> int:
             if failed is not None:
                 status = procs[failed].returncode
                 with lock:
-                    sys.stderr.write(f"[launch] rank {ranks[failed]} exited with {status}: "
-                                     "stopping the others\n")
+                    sys.stderr.write(f"[launch] rank {ranks[failed]} exited with {status}"
+                                     f"{_signal_note(status)}: stopping the others\n")
                     sys.stderr.flush()
                 signal_all(signal.SIGTERM)
                 deadline = time.monotonic() + _STOP_GRACE_S

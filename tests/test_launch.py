@@ -59,6 +59,19 @@ def test_one_failing_rank_stops_all_and_fails(tmp_path):
     assert time.time() - start < 40
 
 
+def test_an_aborted_rank_is_named_with_its_signal(tmp_path):
+    out = launch(tmp_path, """
+        import os, sys, time
+        if os.environ["JAX_EP_RANK"] == "1":
+            print("rank one aborts", flush=True)
+            os.abort()
+        time.sleep(60)
+    """)
+    assert out.returncode == 128 + 6
+    assert "[rank 1] rank one aborts" in out.stdout
+    assert "rank 1 exited with -6 (SIGABRT" in out.stderr and "--capture=sys" in out.stderr
+
+
 def test_not_launched_is_a_no_op():
     from jax_ep import launch
 
