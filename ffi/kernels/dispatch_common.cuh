@@ -102,27 +102,37 @@ __device__ __forceinline__ uint64_t enter_stage(const DispatchArgs& a) {
   return call;
 }
 
-// All CTAs of the grid (co-resident: a cooperative launch) meet here; GPU scope, reusable; a
-// block that never arrives ends in a timeout report, not a hang.
-__device__ void grid_barrier(const PeerContext& ctx) {
-  Control* control = control_of(ctx, ctx.rank);
-  __syncthreads();
+// The parallel stages' tickets: a CTA's rank in the order the CTAs start, so a ticket waits
+// only for CTAs already running (no cooperative launch needed). The last ticket resets the
+// counter for the next call (every CTA has taken its ticket by then).
+__device__ int take_stage_ticket(Control* control) {
+  __shared__ int ticket;
   if (threadIdx.x == 0) {
-    volatile unsigned* generation = &control->stage_generation;
-    const unsigned seen = *generation;
+    const unsigned t = atomicAdd(&control->stage_ticket, 1u);
+    if (t == gridDim.x - 1) control->stage_ticket = 0;
+    ticket = int(t);
+  }
+  __syncthreads();
+  return ticket;
+}
+
+// Publishes this ticket's counts (stored into stage_counts before the call) for `call`, then
+// waits (bounded) until the tickets below `needed` have published theirs.
+__device__ void publish_stage_counts(const PeerContext& ctx, Control* control, int ticket,
+                                     int needed, uint64_t call) {
+  __syncthreads();  // the block's count stores before thread 0's (cumulative) release
+  if (threadIdx.x == 0) {
     fence_acq_rel_gpu();
-    if (atomicAdd(&control->stage_arrived, 1u) == gridDim.x - 1) {
-      control->stage_arrived = 0;
-      fence_acq_rel_gpu();
-      atomicAdd(&control->stage_generation, 1u);
-    } else {
-      const uint64_t start = global_timer_ns();
-      while (*generation == seen) {
-        if (global_timer_ns() - start > ctx.timeout_ns) {  // a block never arrived
-          report_timeout(ctx, "dispatch", "the other blocks of its own stage kernel",
-                         ctx.rank, seen + 1ull, *generation);
-          trap_after_report();
-        }
+    *reinterpret_cast<volatile uint64_t*>(&control->stage_published[ticket]) = call;
+  }
+  for (int b = threadIdx.x; b < needed; b += kThreads) {
+    const volatile uint64_t* published = &control->stage_published[b];
+    const uint64_t start = global_timer_ns();
+    while (*published != call) {
+      if (global_timer_ns() - start > ctx.timeout_ns) {  // an earlier CTA never published
+        report_timeout(ctx, "dispatch", "an earlier block of its own stage kernel", ctx.rank,
+                       call, *published);
+        trap_after_report();
       }
     }
     fence_acq_rel_gpu();
@@ -144,14 +154,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   const uint64_t call = enter_stage(a);
   const int R = ctx.num_ranks, T = a.num_tokens, L = a.num_experts / R;
   Control* control = control_of(ctx, ctx.rank);
-  __shared__ int ticket_of_block;
-  if (threadIdx.x == 0) {
-    const unsigned ticket = atomicAdd(&control->stage_ticket, 1u);
-    if (ticket == gridDim.x - 1) control->stage_ticket = 0;  // every CTA has its ticket
-    ticket_of_block = int(ticket);
-  }
-  __syncthreads();
-  const int ticket = ticket_of_block;
+  const int ticket = take_stage_ticket(control);
   const int span = (T + gridDim.x - 1) / gridDim.x;
   const int begin = min(T, ticket * span), end = min(T, begin + span);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -168,27 +171,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   }
   __syncthreads();
   if (threadIdx.x < R) control->stage_counts[ticket * R + threadIdx.x] = counts[threadIdx.x];
-  __syncthreads();  // the block's count stores before thread 0's (cumulative) release
-  if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();
-    *reinterpret_cast<volatile uint64_t*>(&control->stage_published[ticket]) = call;
-  }
   // the counts of the tickets before this one (every ticket's for the last)
   const bool last = ticket == int(gridDim.x) - 1;
   const int needed = last ? int(gridDim.x) : ticket;
-  for (int b = threadIdx.x; b < needed; b += kThreads) {
-    const volatile uint64_t* published = &control->stage_published[b];
-    const uint64_t start = global_timer_ns();
-    while (*published != call) {
-      if (global_timer_ns() - start > ctx.timeout_ns) {  // an earlier CTA never published
-        report_timeout(ctx, "dispatch", "an earlier block of its own stage kernel", ctx.rank,
-                       call, *published);
-        trap_after_report();
-      }
-    }
-    fence_acq_rel_gpu();
-  }
-  __syncthreads();
+  publish_stage_counts(ctx, control, ticket, needed, call);
 
   // counts[w] <- tokens for w in the tickets before this one; the last ticket publishes the
   // totals. Warp w sums destination w's counts, a lane a CTA: one round of loads.
@@ -243,10 +229,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
 
 // expert_major stage spread over the whole grid, the pairs' twin of dispatch_stage_ranks
 // (one CTA per expert, each scanning all T*K pairs, took 48 us of a 390 us dispatch at
-// DeepSeek-V3 shapes). CTA b takes a contiguous range of pairs: counts them per expert in
-// shared memory, meets the others at a grid barrier, then ranks each pair in its expert's list
-// after the CTAs before it, a warp at a time in pair order (within a warp: __match_any_sync).
-// Needs a co-resident grid of at most kStageCounts / E CTAs and E ints of shared memory.
+// DeepSeek-V3 shapes). Ticket b takes a contiguous range of pairs: counts them per expert in
+// shared memory, publishes the counts, waits for the earlier tickets' only, then ranks each
+// pair in its expert's list after them, a warp at a time in pair order (within a warp:
+// __match_any_sync). Needs at most kStageCounts / E CTAs and E ints of shared memory.
 template <bool kPull>
 __global__ void __launch_bounds__(kThreads) dispatch_stage_experts(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
@@ -255,10 +241,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_experts(DispatchArgs 
   // the pairs that reach this PE overwrite theirs in the kernel after this
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < R * T * K; i += gridDim.x * kThreads)
     a.pair_row[i] = -1;
-  const int n = T * K, span = (n + gridDim.x - 1) / gridDim.x;
-  const int begin = min(n, int(blockIdx.x) * span), end = min(n, begin + span);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   Control* control = control_of(ctx, ctx.rank);
+  const int ticket = take_stage_ticket(control);
+  const int n = T * K, span = (n + gridDim.x - 1) / gridDim.x;
+  const int begin = min(n, ticket * span), end = min(n, begin + span);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   extern __shared__ int32_t counts[];  // [E]
   for (int e = threadIdx.x; e < E; e += kThreads) counts[e] = 0;
   __syncthreads();
@@ -268,21 +255,21 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_experts(DispatchArgs 
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads)
-    control->stage_counts[blockIdx.x * E + e] = counts[e];
-  grid_barrier(ctx);
+    control->stage_counts[ticket * E + e] = counts[e];
+  const bool last = ticket == int(gridDim.x) - 1;
+  publish_stage_counts(ctx, control, ticket, last ? int(gridDim.x) : ticket, call);
 
-  // counts[e] <- pairs for e in the CTAs before this one; the last CTA publishes the totals
+  // counts[e] <- pairs for e in the tickets before this one; the last publishes the totals
   const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
   for (int e = threadIdx.x; e < E; e += kThreads) {
-    int before = 0, total = 0;
-    for (int b = 0; b < int(gridDim.x); ++b) {
-      const int c = __ldcg(&control->stage_counts[b * E + e]);  // other CTAs' writes
-      if (b < int(blockIdx.x)) before += c;
-      total += c;
+    int before = 0;
+    for (int b = 0; b < ticket; ++b)
+      before += __ldcg(&control->stage_counts[b * E + e]);  // other CTAs' writes
+    if (last) {
+      const int total = before + counts[e];  // this CTA's own count, still in shared memory
+      for (int p = 0; p < R; ++p) region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * E + e] = total;
     }
     counts[e] = before;
-    if (blockIdx.x == gridDim.x - 1)
-      for (int p = 0; p < R; ++p) region<int32_t>(ctx, p, matrix)[size_t(ctx.rank) * E + e] = total;
   }
   __syncthreads();
   const uint32_t below_lane = (1u << lane) - 1;
@@ -562,7 +549,7 @@ __device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, i
   if (lane == 0) a.src_rank[i] = a.src_token[i] = a.src_k[i] = -1;
 }
 
-// The stage kernel: spread over a co-resident grid when it can (rank_major: R <= 32;
+// The stage kernel: spread over the grid by tickets when it can (rank_major: R <= 32;
 // expert_major: E ints of shared memory and kStageCounts / E CTAs).
 template <bool kExpertMajor, bool kPull>
 cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
@@ -576,11 +563,8 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
   if (kExpertMajor && a.num_experts <= kStageCounts && counts_bytes <= 48 * 1024) {
     const int grid = std::min({a.num_blocks, multiprocessors(), kMaxStageBlocks,
                                kStageCounts / a.num_experts});
-    DispatchArgs args = a;
-    void* params[] = {&args};
-    return launch_cooperative_after_previous(
-        reinterpret_cast<const void*>(dispatch_stage_experts<kPull>), grid, kThreads,
-        counts_bytes, stream, params);
+    return launch_after_previous(dispatch_stage_experts<kPull>, grid, kThreads, counts_bytes,
+                                 stream, a);
   }
   return launch_after_previous(dispatch_stage<kExpertMajor, kPull>, std::max(W, a.num_blocks),
                                kThreads, 0, stream, a);

@@ -96,11 +96,9 @@ struct Control {
   // fused dispatch; the receiver that consumes the chunk sets it back to 0.
   uint32_t arrivals[kMaxChunks];
   // Parallel stages: tokens (rank_major) or pairs (expert_major) each CTA has per destination
-  // rank or expert, [CTA][destination], and their grid barrier.
+  // rank or expert, [ticket][destination]; CTAs take tickets in the order they start, and
+  // stage_published[t] = the call whose counts ticket t has written.
   int32_t stage_counts[kStageCounts];
-  unsigned stage_arrived, stage_generation;
-  // rank_major's stage: CTAs take tickets in the order they start (the range of tokens they
-  // count); published[t] = the call whose counts ticket t has written into stage_counts.
   unsigned stage_ticket;
   uint64_t stage_published[kMaxStageBlocks];
   // Work counters (kCursor*): warps claim tokens from them, so the SMs whose stores drain
