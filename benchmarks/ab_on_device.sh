@@ -5,6 +5,7 @@
 # Logs in $OUT/ab/<name>.
 #   bash benchmarks/ab_on_device.sh [gpus] [bench_intranode args, or none] [ll]
 # AB_PASSES=p runs the benchmarks of all trees p times over (interleaved: drift shows).
+# AB_OVERLAP=1 adds benchmarks/overlap_schedules.py (a jax_ep call beside independent work).
 # AB_ENVS="VAR=value ..." adds runs of the checkout under each setting (see below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,11 @@ for run in "${runs[@]}"; do
     (cd "$tree" && export ${setting:-AB_UNSET=} && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
       benchmarks/bench_intranode.py --profile $ARGS 2>&1 | tee "$log/bench_intranode_$pass.log" |
       grep -E "^\[rank 0\] (\| jax|[a-z_A-Z0-9].*: cycle|    [a-z].* [0-9.]+,|.*FAILED)" | sed 's/^\[rank 0\] //')
+  fi
+  if [[ -n ${AB_OVERLAP:-} ]]; then  # AB_OVERLAP=1: the call-and-work arrangements as well
+    (cd "$tree" && export ${setting:-AB_UNSET=} && PYTHONPATH=$PWD timeout 240 $PY -m jax_ep.launch -n "$N" \
+      benchmarks/overlap_schedules.py --show-schedule 0 2>&1 | tee "$log/overlap_$pass.log" |
+      grep -E "^\[rank 0\] .*µs per call|FAILED" | sed 's/^\[rank 0\] //')
   fi
   if [[ -n $LL ]]; then
     (cd "$tree" && export ${setting:-AB_UNSET=} && PYTHONPATH=$PWD timeout 200 $PY -m jax_ep.launch -n "$N" \

@@ -99,7 +99,7 @@ def main():
         t = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
         if jax.process_index() == 0:
             print(f"\n{name}: {t * 1e6:.1f} µs per call", flush=True)
-            if schedule:
+            if schedule and args.show_schedule > 0:
                 print_schedule(f, operands, args.show_schedule)
 
     run("matmul alone", work, (x, w, weight), 1, schedule=False)
