@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def put(array, sharding):
@@ -18,11 +21,6 @@ def put(array, sharding):
 
 def ep_mesh(R, axis):
     """(mesh, sharding over the axis, shard_map with out_specs P(axis)) for R devices."""
-    from functools import partial
-
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     mesh = jax.make_mesh((R,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
     smap = partial(jax.shard_map, mesh=mesh, out_specs=P(axis), check_vma=False)
     return mesh, NamedSharding(mesh, P(axis)), smap
