@@ -126,13 +126,15 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         s, pending = jax.lax.optimization_barrier((s, pending))
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
 
-    def dispatch_beside_work(x, idx, weight, split=True):
+    def dispatch_beside_work(x, idx, weight, split=True, blocks=None):
         # the matmul a call on XLA's stream 1 (jax_ep.on_stream), started before the send: the
-        # send and the receive (or the whole dispatch) run on the program's stream beside it
+        # send and the receive (or the whole dispatch) run on the program's stream beside it;
+        # blocks: their CTAs (fewer leave the GEMM more SMs)
         s = jax_ep.on_stream(matmul)(x, idx, weight)
+        kw = dict(ll, config=jax_ep.Config(num_blocks=blocks)) if blocks else ll
         if not split:
-            return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).x_scales[0, 0, 0] + s
-        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
+            return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **kw).x_scales[0, 0, 0] + s
+        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **kw)
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
 
     def dispatch_fp8_split(x, idx):  # the two halves back to back: the split's own cost
@@ -175,8 +177,13 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     if jax.default_backend() == "gpu":
         record("send FP8 on a second stream, matmul beside it -> receive",
                dispatch_second_stream, x, idx_d, weight, chained=0)
+        # the async call's own cost: the matmul on stream 1 with nothing beside it
+        record("matmul alone, on a second stream", jax_ep.on_stream(matmul), x, idx_d, weight,
+               chained=0, marker=None)
         record("matmul on a second stream, send FP8 -> receive beside it",
                dispatch_beside_work, x, idx_d, weight, chained=0)
+        record("matmul on a second stream, send FP8 -> receive beside it, 32 CTAs",
+               partial(dispatch_beside_work, blocks=32), x, idx_d, weight, chained=0)
         record("matmul on a second stream, dispatch FP8 (one call) beside it",
                partial(dispatch_beside_work, split=False), x, idx_d, weight, chained=0)
 
