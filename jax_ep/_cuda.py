@@ -15,7 +15,7 @@ import numpy as np
 
 from jax_ep import _native, reference
 from jax_ep import config as _config
-from jax_ep._mesh import axis_stride
+from jax_ep._mesh import as_varying, axis_stride, varying_axes
 from jax_ep._types import (
     EXPERT_MAJOR,
     SOURCE_SLOTS,
@@ -129,27 +129,6 @@ def _place(axis_name, num_ranks, within_node=False):
             dict(num_ranks=int(num_ranks), stride=axis_stride(axis_name, size)))
 
 
-def _as_varying(value, axis_name):
-    """Mark a per-device result as varying over the EP axis, as shard_map's replication
-    checks expect of data that differs between devices (ffi_call cannot infer it). pcast
-    refuses values that already are (or are treated as, when checks are off): keep those."""
-    try:
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(value, axis_name, to="varying")
-        return jax.lax.pvary(value, axis_name)
-    except ValueError:
-        return value
-
-
-def _varying_axes(value):
-    """The mesh axes over which `value` varies inside shard_map (() outside it)."""
-    aval = jax.typeof(value)
-    axes = getattr(aval, "vma", None)
-    if axes is None:  # jax 0.11 keeps them in the aval's manual-axes type
-        axes = getattr(getattr(aval, "mat", None), "varying", ())
-    return tuple(sorted(axes or ()))
-
-
 def _call(name, result_types, *args, axis_name, **attrs):
     """One custom call, its operands and results fenced by optimization barriers.
 
@@ -166,20 +145,20 @@ def _call(name, result_types, *args, axis_name, **attrs):
     # other axes of a multi-axis mesh: each EP group has its own data), as the reference's do
     axes = set(axis_name) if isinstance(axis_name, tuple) else {axis_name} - {None}
     for arg in args:
-        axes.update(_varying_axes(arg))
+        axes.update(varying_axes(arg))
     args = jax.lax.optimization_barrier(args)
     out = jax.ffi.ffi_call(name, result_types, has_side_effect=True)(*args, **attrs)
     out = jax.lax.optimization_barrier(out)
     if not axes:
         return out
-    return jax.tree.map(lambda v: _as_varying(v, tuple(sorted(axes))), out)
+    return jax.tree.map(lambda v: as_varying(v, axes), out)
 
 
 def layout(topk_idx, *, num_experts, num_ranks):
     T = topk_idx.shape[0]
     # computed from topk_idx alone: the results vary over the mesh axes that topk_idx does
     # (ffi_call would mark them the same everywhere), as the reference backend's do
-    varying = _varying_axes(topk_idx)
+    varying = varying_axes(topk_idx)
     per_rank, per_expert, in_rank = _call(
         "jax_ep_layout",
         (jax.ShapeDtypeStruct((num_ranks,), jnp.int32),

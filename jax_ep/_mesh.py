@@ -1,4 +1,5 @@
-"""Where a mesh axis lies in the device order (shared by the API and the CUDA backend)."""
+"""Mesh axes as the API and the CUDA backend see them: where the EP axis lies in the device
+order, and which axes a value varies over inside ``shard_map``."""
 
 from __future__ import annotations
 
@@ -20,3 +21,38 @@ def axis_stride(axis_name, num_ranks) -> int:
         raise ValueError(f"the expert-parallel axis {axis_name!r} has {sizes[k]} devices, the "
                          f"call was set up for {num_ranks}")
     return int(np.prod(sizes[k + 1:], dtype=np.int64))
+
+
+def manual_axes() -> tuple:
+    """The mesh axes that are manual here (inside ``shard_map``; () outside it)."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
+    return tuple(getattr(mesh, "manual_axes", None) or ())
+
+
+def varying_axes(value) -> tuple:
+    """The mesh axes over which ``value`` varies inside ``shard_map``, sorted (() outside it);
+    jax keeps them in the aval's manual-axes type (0.11) or its ``vma`` (0.7 to 0.10)."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return ()
+    aval = typeof(value)
+    kind = getattr(aval, "mat", None)
+    if kind is None:
+        kind = getattr(aval, "manual_axis_type", None)
+    axes = kind.varying if kind is not None else getattr(aval, "vma", None)
+    return tuple(sorted(axes or ()))
+
+
+def as_varying(value, axes):
+    """``value`` typed as varying over ``axes`` as well (a type cast: no data moves). pcast
+    refuses values that already are (or are treated as, when the checks are off): keep those."""
+    axes = tuple(sorted(axes))
+    if not axes:
+        return value
+    try:
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(value, axes, to="varying")
+        return jax.lax.pvary(value, axes)
+    except ValueError:
+        return value

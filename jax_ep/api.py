@@ -20,7 +20,7 @@ import numpy as np
 from jax_ep import config as _config
 from jax_ep import fp8 as _fp8
 from jax_ep import reference as _reference
-from jax_ep._mesh import axis_stride
+from jax_ep._mesh import as_varying, axis_stride, manual_axes, varying_axes
 from jax_ep._types import (
     EXPERT_MAJOR,
     LAYOUTS,
@@ -133,7 +133,25 @@ def on_stream(fn, stream: int = 1):
         finally:
             _work_calls.depth -= 1
 
-    return _stream_call(work, stream)
+    call = _stream_call(work, stream)
+
+    @functools.wraps(fn)
+    def on_stream_call(*args, **kwargs):
+        # Inside shard_map an input the same on every device (a replicated weight) gets its
+        # cotangent summed over the mesh axes by the transpose of the cast that makes it vary;
+        # cast here, before the call, that sum (an all-reduce) stays outside it: XLA aborts
+        # on a collective inside a stream call.
+        axes = frozenset(manual_axes())
+        args, kwargs = jax.tree.map(
+            lambda v: as_varying(v, axes - frozenset(varying_axes(v))) if _is_array(v) else v,
+            (args, kwargs))
+        return call(*args, **kwargs)
+
+    return on_stream_call
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, np.generic)) or hasattr(value, "aval")
 
 
 # How many on_stream functions are being traced on this thread.

@@ -33,6 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ep._mesh import as_varying, varying_axes
+
 IMPLS = ("auto", "ragged_dot", "mgpu")
 
 
@@ -184,14 +186,6 @@ def _is_hopper_gpu() -> bool:
 # ----------------------------------------------------------------------------- grouped matmul
 
 
-def _varying_axes(aval) -> frozenset:
-    """The mesh axes a value varies over inside shard_map (named differently across jax)."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
 def _vary_alike(*arrays):
     """Each array made to vary over every mesh axis any of them varies over.
 
@@ -199,20 +193,9 @@ def _vary_alike(*arrays):
     primal inputs; rows that JAX types as invariant (e.g. a collective's output) combined with
     varying group sizes would get a varying cotangent and fail that check.
     """
-    typeof = getattr(jax, "typeof", None)
-    if typeof is None:
-        return arrays
-    vmas = [_varying_axes(typeof(a)) for a in arrays]
+    vmas = [frozenset(varying_axes(a)) for a in arrays]
     union = frozenset().union(*vmas)
-    out = []
-    for a, vma in zip(arrays, vmas):
-        missing = tuple(sorted(union - vma))
-        if missing and hasattr(jax.lax, "pcast"):
-            a = jax.lax.pcast(a, missing, to="varying")
-        elif missing:
-            a = jax.lax.pvary(a, missing)
-        out.append(a)
-    return tuple(out)
+    return tuple(as_varying(a, union - vma) for a, vma in zip(arrays, vmas))
 
 
 def _zero_padding_rows(y, group_sizes):

@@ -303,6 +303,40 @@ def test_on_stream_puts_independent_work_on_a_stream():
                                jnp.sin(x) @ x.T, rtol=1e-6)
 
 
+def test_on_stream_keeps_a_replicated_weights_gradient_sum_outside_the_call():
+    """A weight the same on every device (a shared expert's) gets its gradient summed over the
+    mesh: that all-reduce must not land inside the stream call (XLA aborts on it there)."""
+    from jax_ep import api
+
+    if not api.stream_calls_supported():
+        pytest.skip(f"jax {jax.__version__} has no functional compute_on")
+    mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+    def shared(x, w, scale):
+        return jnp.tanh(x @ w) * scale
+
+    def grads(side):
+        def loss(x, w):
+            return jnp.sum(side(x, w, 0.5) ** 2)
+        return jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
+                                     in_specs=(P(AXIS), P()), out_specs=(P(AXIS), P())))
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16)) / 4, jnp.float32)
+    f = grads(jax_ep.on_stream(shared))
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    inside, where = False, {}
+    for line in text.splitlines():
+        if line.lstrip().startswith("func.func"):
+            inside = "@compute_on" in line
+        if "stablehlo.all_reduce" in line:
+            where[inside] = where.get(inside, 0) + 1
+    assert where == {False: 1}, where  # one sum, in the program's own function
+    for got, want in zip(f(x, w), grads(shared)(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_environment_overrides_apply_when_no_config(monkeypatch):
     from jax_ep import _cuda
 

@@ -466,19 +466,23 @@ def test_calls_on_a_second_stream_match_reference():
 
 
 def test_work_on_a_second_stream_beside_the_calls_matches_reference():
-    """jax_ep.on_stream: a matmul (and its backward) on XLA's stream 1 beside a dispatch and a
-    combine on the program's stream; values and gradients against the reference."""
+    """jax_ep.on_stream: matmuls (and their backward) on XLA's stream 1 beside a dispatch and
+    a combine on the program's stream, one with a weight the same on every rank (a shared
+    expert's: its gradient's sum over the ranks stays out of the stream call); values and
+    gradients against the reference."""
     E, x, idx, w, m = stream_case(12)
 
     def fn(backend, x, idx, w, m):
-        def loss(x, w):
+        def loss(x, w, m):
             out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend=backend)
-            beside = jax_ep.on_stream(lambda a, b: jnp.cos(jnp.dot(a, b)))(x, m)
+            shared = jax.lax.pmean(m, AXIS)  # the same on every rank
+            beside = jax_ep.on_stream(
+                lambda a, b, c: jnp.cos(jnp.dot(a, b)) + jnp.sin(jnp.dot(a, c)))(x, m, shared)
             y = jax_ep.combine(jnp.tanh(out.x) * jnp.sum(out.topk_weights, 1)[:, None],
                                out.handle)
             return jnp.sum(y * y) + jnp.sum(beside)
 
-        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, m)
 
     with jax.default_matmul_precision("float32"):
         got, want = both(fn, x, idx, w, m)
