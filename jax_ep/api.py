@@ -175,7 +175,32 @@ def _stream_call(fn, n: int):
             f"a call on another XLA stream needs jax >= 0.10 (jax.experimental.compute_on's "
             f"functional form); this is jax {jax.__version__}")
     return compute_on(compute_type=f"gpu_stream:{n}",
-                      out_memory_spaces=jax.memory.Space.Device)(fn)
+                      out_memory_spaces=jax.memory.Space.Device)(_unmarked_inside(fn))
+
+
+def _unmarked_inside(fn):
+    """fn traced without a compute type of its own. jax marks every operation traced inside a
+    stream call with the stream (and as not inlineable), a legacy of its ``compute_on`` context
+    manager; XLA drops those marks from the call's own operations, but a marked nested call (a
+    jitted function such as ``jax.nn.silu``, in the forward pass or its transpose) becomes an
+    async call of its own inside the first, which no stream reaches: the program fails to
+    build ("No ExecutionStreamId found for call-start"). Unmarked, XLA inlines it."""
+    try:
+        from jax._src import config as jax_config
+
+        context = jax_config.compute_on_context_manager
+    except (ImportError, AttributeError):  # a jax without the mark
+        return fn
+
+    @functools.wraps(fn)
+    def unmarked(*args, **kwargs):
+        previous = context.swap_local(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            context.set_local(previous)
+
+    return unmarked
 
 
 def _on_stream(config: DispatchConfig, fn):

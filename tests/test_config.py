@@ -303,9 +303,10 @@ def test_on_stream_puts_independent_work_on_a_stream():
                                jnp.sin(x) @ x.T, rtol=1e-6)
 
 
-def test_on_stream_keeps_a_replicated_weights_gradient_sum_outside_the_call():
+def test_on_stream_keeps_collectives_and_nested_calls_out_of_the_stream():
     """A weight the same on every device (a shared expert's) gets its gradient summed over the
-    mesh: that all-reduce must not land inside the stream call (XLA aborts on it there)."""
+    mesh: that all-reduce must not land inside the stream call (XLA aborts on it there); a
+    jitted function inside (jax.nn.silu) must not be marked with the stream."""
     from jax_ep import api
 
     if not api.stream_calls_supported():
@@ -313,8 +314,8 @@ def test_on_stream_keeps_a_replicated_weights_gradient_sum_outside_the_call():
     mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2],
                          axis_types=(jax.sharding.AxisType.Auto,))
 
-    def shared(x, w, scale):
-        return jnp.tanh(x @ w) * scale
+    def shared(x, w, scale):  # jax.nn.silu is a jitted function: a nested call
+        return jax.nn.silu(x @ w) * scale
 
     def grads(side):
         def loss(x, w):
@@ -333,6 +334,10 @@ def test_on_stream_keeps_a_replicated_weights_gradient_sum_outside_the_call():
         if "stablehlo.all_reduce" in line:
             where[inside] = where.get(inside, 0) + 1
     assert where == {False: 1}, where  # one sum, in the program's own function
+    # only the stream calls (forward, backward) carry the stream: XLA would make a marked
+    # nested call (silu's) an async call inside the first, which no stream reaches
+    marked = [line for line in text.splitlines() if "_xla_stream_annotation" in line]
+    assert len(marked) == 2 and all("call @compute_on" in line for line in marked), marked
     for got, want in zip(f(x, w), grads(shared)(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 

@@ -490,6 +490,53 @@ def test_work_on_a_second_stream_beside_the_calls_matches_reference():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_work_on_a_stream_differentiated_outside_shard_map():
+    """jax_ep.on_stream's work in a loss differentiated from outside shard_map (jax.grad of a
+    shard_map'd loss, as a training step is usually written): the work's forward and backward
+    land in two manual computations, the backward taking the forward's float32 residuals; a
+    shared (replicated) weight among its inputs. Against the reference."""
+    from functools import partial
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ep import fetch, mesh, put
+
+    E, x, idx, w, m = stream_case(13)
+    R = num_ranks()
+    s = np.asarray(m[0][:, :64])  # the same on every rank
+
+    def shared_ffn(a, b):  # float32 residuals, as a SwiGLU's
+        h = jnp.dot(a, b.astype(a.dtype), preferred_element_type=jnp.float32)
+        return (jax.nn.silu(h) * h).astype(a.dtype)
+
+    def grads(backend, devices):
+        ep_mesh = mesh(R, devices)
+
+        @partial(jax.shard_map, mesh=ep_mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P()),
+                 out_specs=P())
+        def loss(x, idx, w, s):
+            x, idx, w = x[0], idx[0], w[0]
+            out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend=backend)
+            beside = jax_ep.on_stream(shared_ffn)(x, s)
+            y = jax_ep.combine(jnp.tanh(out.x) * jnp.sum(out.topk_weights, 1)[:, None],
+                               out.handle)
+            total = jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(beside.astype(jnp.float32))
+            return jax.lax.psum(total, AXIS)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3)))
+        split, whole = NamedSharding(ep_mesh, P(AXIS)), NamedSharding(ep_mesh, P())
+        args = [put(a, split) for a in (x, idx, w)] + [put(s, whole)]
+        return jax.tree.map(fetch, step(*args))
+
+    ref_devices = jax.local_devices(backend="cpu")[:R] if SHARED_GPUS else None
+    with jax.default_matmul_precision("float32"):
+        got, want = grads("cuda", None), grads("reference", ref_devices)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
 def moe_grads(**block):
     """fn(backend, x, router, w_in, w_out): the gradients of a loss of one moe_block (with
     `block`'s arguments) with respect to all four."""
