@@ -117,8 +117,11 @@ def on_stream(fn, stream: int = 1):
     benchmarks/RESULTS.md). fn must hold no XLA collective (XLA gives those no stream inside
     such a call) and no jax_ep call (a ValueError: they share one workspace with the calls
     beside them; ``Config.stream`` puts jax_ep's calls on a stream), and its stream should
-    not be one jax_ep's calls use, or the two queue behind each other. Needs jax >= 0.10
-    (``stream_calls_supported()``); off the GPU, XLA runs fn inline.
+    not be one jax_ep's calls use, or the two queue behind each other. Inside ``shard_map``
+    fn's array inputs are typed as varying over every manual mesh axis before the call (no
+    data moves), so the gradient of an input that is the same on every device is summed over
+    the mesh outside the call. Needs jax >= 0.10 (``stream_calls_supported()``); off the GPU,
+    XLA runs fn inline.
     """
     if isinstance(stream, bool) or not isinstance(stream, int) or stream < 1:
         raise ValueError(f"on_stream needs a stream number >= 1, got {stream!r}")
