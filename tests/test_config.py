@@ -427,3 +427,30 @@ def test_source_slots_moves_its_rows_by_the_sms_where_they_land_in_place(monkeyp
     monkeypatch.setattr(cfg, "_reads_in_place", lambda: False)
     slots = cfg.resolve(None, layout="source_slots", **SHAPE)
     assert slots == _full("copy", "copy", cfg.copy_engine_blocks(2))
+
+
+def test_mesh_axes_inside_and_outside_shard_map():
+    """The varying-axes helpers the stream calls and the CUDA backend type their values with."""
+    from jax_ep import _mesh
+
+    if getattr(jax, "typeof", None) is None:
+        pytest.skip(f"jax {jax.__version__} has no varying-axes types")
+    x = jnp.ones((4, 2))
+    assert _mesh.manual_axes() == () and _mesh.varying_axes(x) == ()
+    assert _mesh.as_varying(x, ()) is x
+    seen = {}
+
+    def body(a, b):
+        seen.update(manual=_mesh.manual_axes(), a=_mesh.varying_axes(a),
+                    b=_mesh.varying_axes(b),
+                    cast=_mesh.varying_axes(_mesh.as_varying(b, {AXIS})),
+                    again=_mesh.varying_axes(_mesh.as_varying(a, {AXIS})))
+        return a + b
+
+    mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS))).trace(
+        jnp.ones((4, 2)), jnp.ones((2,)))
+    if seen["a"] == ():
+        pytest.skip(f"jax {jax.__version__} types no varying axes inside shard_map")
+    assert seen == dict(manual=(AXIS,), a=(AXIS,), b=(), cast=(AXIS,), again=(AXIS,)), seen
