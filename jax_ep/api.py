@@ -118,10 +118,10 @@ def on_stream(fn, stream: int = 1):
     such a call) and no jax_ep call (a ValueError: they share one workspace with the calls
     beside them; ``Config.stream`` puts jax_ep's calls on a stream), and its stream should
     not be one jax_ep's calls use, or the two queue behind each other. Inside ``shard_map``
-    fn's array inputs are typed as varying over every manual mesh axis before the call (no
-    data moves), so the gradient of an input that is the same on every device is summed over
-    the mesh outside the call. Needs jax >= 0.10 (``stream_calls_supported()``); off the GPU,
-    XLA runs fn inline.
+    fn's array inputs are typed as varying over every mesh axis any of them varies over,
+    before the call (no data moves), so the gradient of an input that is the same on every
+    device is summed over the mesh outside the call. Needs jax >= 0.10
+    (``stream_calls_supported()``); off the GPU, XLA runs fn inline.
     """
     if isinstance(stream, bool) or not isinstance(stream, int) or stream < 1:
         raise ValueError(f"on_stream needs a stream number >= 1, got {stream!r}")
@@ -140,14 +140,16 @@ def on_stream(fn, stream: int = 1):
 
     @functools.wraps(fn)
     def on_stream_call(*args, **kwargs):
-        # Inside shard_map an input the same on every device (a replicated weight) gets its
-        # cotangent summed over the mesh axes by the transpose of the cast that makes it vary;
-        # cast here, before the call, that sum (an all-reduce) stays outside it: XLA aborts
-        # on a collective inside a stream call.
-        axes = frozenset(manual_axes())
-        args, kwargs = jax.tree.map(
-            lambda v: as_varying(v, axes - frozenset(varying_axes(v))) if _is_array(v) else v,
-            (args, kwargs))
+        # Inside shard_map an input the same on every device (a replicated weight) that meets
+        # varying ones is cast to vary, and the transpose of that cast sums its cotangent over
+        # the mesh; cast here, before the call, that sum (an all-reduce) stays outside it: XLA
+        # aborts on a collective inside a stream call. Inputs all alike keep their types.
+        leaves = [v for v in jax.tree.leaves((args, kwargs)) if _is_array(v)]
+        axes = frozenset().union(*(varying_axes(v) for v in leaves)) if manual_axes() else ()
+        if axes:
+            args, kwargs = jax.tree.map(
+                lambda v: as_varying(v, axes - frozenset(varying_axes(v)))
+                if _is_array(v) else v, (args, kwargs))
         return call(*args, **kwargs)
 
     return on_stream_call

@@ -340,6 +340,10 @@ def test_on_stream_keeps_collectives_and_nested_calls_out_of_the_stream():
     assert len(marked) == 2 and all("call @compute_on" in line for line in marked), marked
     for got, want in zip(f(x, w), grads(shared)(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # inputs all the same on every device keep that type (their result may leave as P())
+    replicated = jax.jit(jax.shard_map(jax_ep.on_stream(lambda w: 2 * w), mesh=mesh,
+                                       in_specs=P(), out_specs=P()))
+    np.testing.assert_allclose(replicated(w), 2 * w)
 
 
 def test_environment_overrides_apply_when_no_config(monkeypatch):
@@ -430,7 +434,7 @@ def test_source_slots_moves_its_rows_by_the_sms_where_they_land_in_place(monkeyp
 
 
 def test_mesh_axes_inside_and_outside_shard_map():
-    """The varying-axes helpers the stream calls and the CUDA backend type their values with."""
+    """The varying-axes helpers that the stream calls and the CUDA backend type values with."""
     from jax_ep import _mesh
 
     if getattr(jax, "typeof", None) is None:
