@@ -23,13 +23,6 @@ def axis_stride(axis_name, num_ranks) -> int:
     return int(np.prod(sizes[k + 1:], dtype=np.int64))
 
 
-def manual_axes() -> tuple:
-    """The mesh axes that are manual here (inside ``shard_map``; () outside it)."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get_mesh() if get_mesh is not None else None
-    return tuple(getattr(mesh, "manual_axes", None) or ())
-
-
 def varying_axes(value) -> tuple:
     """The mesh axes over which ``value`` varies inside ``shard_map``, sorted (() outside it);
     jax keeps them in the aval's manual-axes type (0.11) or its ``vma`` (0.7 to 0.10)."""
@@ -56,3 +49,16 @@ def as_varying(value, axes):
         return jax.lax.pvary(value, axes)
     except ValueError:
         return value
+
+
+def vary_alike(*arrays):
+    """Each array typed as varying over every mesh axis any of them varies over.
+
+    Inside ``shard_map`` a custom_vjp's cotangents must vary over exactly the axes of their
+    primal inputs, and values that JAX types as invariant (a collective's output, a replicated
+    weight) get a cast where they meet varying ones, whose transpose is a sum over the mesh;
+    casting them first keeps both where the caller wants them.
+    """
+    vmas = [frozenset(varying_axes(a)) for a in arrays]
+    union = frozenset().union(*vmas)
+    return tuple(as_varying(a, union - vma) for a, vma in zip(arrays, vmas))

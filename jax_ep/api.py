@@ -20,7 +20,7 @@ import numpy as np
 from jax_ep import config as _config
 from jax_ep import fp8 as _fp8
 from jax_ep import reference as _reference
-from jax_ep._mesh import as_varying, axis_stride, manual_axes, varying_axes
+from jax_ep._mesh import axis_stride, vary_alike
 from jax_ep._types import (
     EXPERT_MAJOR,
     LAYOUTS,
@@ -144,12 +144,11 @@ def on_stream(fn, stream: int = 1):
         # varying ones is cast to vary, and the transpose of that cast sums its cotangent over
         # the mesh; cast here, before the call, that sum (an all-reduce) stays outside it: XLA
         # aborts on a collective inside a stream call. Inputs all alike keep their types.
-        leaves = [v for v in jax.tree.leaves((args, kwargs)) if _is_array(v)]
-        axes = frozenset().union(*(varying_axes(v) for v in leaves)) if manual_axes() else ()
-        if axes:
-            args, kwargs = jax.tree.map(
-                lambda v: as_varying(v, axes - frozenset(varying_axes(v)))
-                if _is_array(v) else v, (args, kwargs))
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        arrays = [i for i, v in enumerate(leaves) if _is_array(v)]
+        for i, v in zip(arrays, vary_alike(*[leaves[i] for i in arrays])):
+            leaves[i] = v
+        args, kwargs = jax.tree.unflatten(tree, leaves)
         return call(*args, **kwargs)
 
     return on_stream_call

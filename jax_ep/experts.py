@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep._mesh import as_varying, varying_axes
+from jax_ep._mesh import vary_alike
 
 IMPLS = ("auto", "ragged_dot", "mgpu")
 
@@ -186,18 +186,6 @@ def _is_hopper_gpu() -> bool:
 # ----------------------------------------------------------------------------- grouped matmul
 
 
-def _vary_alike(*arrays):
-    """Each array made to vary over every mesh axis any of them varies over.
-
-    Inside ``shard_map`` a custom_vjp's cotangents must vary over exactly the axes of their
-    primal inputs; rows that JAX types as invariant (e.g. a collective's output) combined with
-    varying group sizes would get a varying cotangent and fail that check.
-    """
-    vmas = [frozenset(varying_axes(a)) for a in arrays]
-    union = frozenset().union(*vmas)
-    return tuple(as_varying(a, union - vma) for a, vma in zip(arrays, vmas))
-
-
 def _zero_padding_rows(y, group_sizes):
     keep = jnp.arange(y.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes)
     return jnp.where(keep[:, None], y, jnp.zeros((), y.dtype))
@@ -220,8 +208,8 @@ def _custom_gmm_bwd(kernels, cfgs, res, dy):
     dw = kernels.transposed_ragged_dot(x, dy, group_sizes, cfgs.dw).astype(w.dtype)
     # the Pallas kernels' results are typed invariant over the mesh axes: the cotangents must
     # vary as their inputs do
-    dx, _ = _vary_alike(dx, x)
-    dw, _ = _vary_alike(dw, w)
+    dx, _ = vary_alike(dx, x)
+    dw, _ = vary_alike(dw, w)
     return dx, dw, None
 
 
@@ -259,7 +247,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None):
     used, cfgs = _choose(impl, x, w, overrides=mgpu_configs)
     group_sizes = group_sizes.astype(jnp.int32)
     if used == "mgpu":
-        return _custom_gmm(*_vary_alike(x, w, group_sizes), _MGPU_KERNELS, cfgs)
+        return _custom_gmm(*vary_alike(x, w, group_sizes), _MGPU_KERNELS, cfgs)
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -371,7 +359,7 @@ def to_padded(x, group_sizes, capacity, *, rows_per_expert=None):
     """
     group_sizes, rows_per_expert = _rows_per_expert(group_sizes, rows_per_expert)
     overflow = jnp.sum(jnp.maximum(rows_per_expert - capacity, 0))
-    x, group_sizes, rows_per_expert = _vary_alike(x, group_sizes, rows_per_expert)
+    x, group_sizes, rows_per_expert = vary_alike(x, group_sizes, rows_per_expert)
     return _to_padded(x, group_sizes, rows_per_expert, int(capacity)), overflow
 
 
@@ -379,7 +367,7 @@ def from_padded(yp, group_sizes, num_rows, *, rows_per_expert=None):
     """Inverse of ``to_padded``: ``[L, C, H]`` -> expert_major ``[num_rows, H]``; rows that
     were not copied in (overflow, alignment and trailing padding) come out zero."""
     group_sizes, rows_per_expert = _rows_per_expert(group_sizes, rows_per_expert)
-    yp, group_sizes, rows_per_expert = _vary_alike(yp, group_sizes, rows_per_expert)
+    yp, group_sizes, rows_per_expert = vary_alike(yp, group_sizes, rows_per_expert)
     return _from_padded(yp, group_sizes, rows_per_expert, int(num_rows))
 
 

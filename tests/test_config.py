@@ -440,15 +440,16 @@ def test_mesh_axes_inside_and_outside_shard_map():
     if getattr(jax, "typeof", None) is None:
         pytest.skip(f"jax {jax.__version__} has no varying-axes types")
     x = jnp.ones((4, 2))
-    assert _mesh.manual_axes() == () and _mesh.varying_axes(x) == ()
+    assert _mesh.varying_axes(x) == ()
     assert _mesh.as_varying(x, ()) is x
     seen = {}
 
     def body(a, b):
-        seen.update(manual=_mesh.manual_axes(), a=_mesh.varying_axes(a),
+        seen.update(a=_mesh.varying_axes(a),
                     b=_mesh.varying_axes(b),
                     cast=_mesh.varying_axes(_mesh.as_varying(b, {AXIS})),
-                    again=_mesh.varying_axes(_mesh.as_varying(a, {AXIS})))
+                    again=_mesh.varying_axes(_mesh.as_varying(a, {AXIS})),
+                    alike=tuple(_mesh.varying_axes(v) for v in _mesh.vary_alike(a, b)))
         return a + b
 
     mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2],
@@ -457,4 +458,5 @@ def test_mesh_axes_inside_and_outside_shard_map():
         jnp.ones((4, 2)), jnp.ones((2,)))
     if seen["a"] == ():
         pytest.skip(f"jax {jax.__version__} types no varying axes inside shard_map")
-    assert seen == dict(manual=(AXIS,), a=(AXIS,), b=(), cast=(AXIS,), again=(AXIS,)), seen
+    assert seen == dict(a=(AXIS,), b=(), cast=(AXIS,), again=(AXIS,),
+                        alike=((AXIS,), (AXIS,))), seen
