@@ -15,9 +15,8 @@ the sum of the two alone (the matmul depends on the chained argument, so XLA can
 out of the loop); on a GPU a second row runs the send on a second XLA stream
 (``compute_on("gpu_stream:1")``) beside the matmul, and two more put the matmul there
 (``jax_ep.on_stream``) with the send and receive, or the whole dispatch, beside it on the
-program's stream (alone, as the stream call's own cost; at 32 CTAs), or after the send with
-the receive beside it. The combine-alone row reuses one
-dispatch's handle for every call.
+program's stream (alone, as the stream call's own cost; at 32 CTAs). The combine-alone row
+reuses one dispatch's handle for every call.
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
 
@@ -138,16 +137,6 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **kw)
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
 
-    def send_then_work_beside_receive(x, idx, weight, blocks=None):
-        # the send first and the matmul on stream 1 only after it (its operands tied to the
-        # send's result: the stream waits for the send), so the GEMM cannot take the SMs the
-        # send needs; the receive, left on the program's stream, runs beside the GEMM
-        kw = dict(ll, config=jax_ep.Config(num_blocks=blocks)) if blocks else ll
-        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **kw)
-        (x_after, weight_after), pending = jax.lax.optimization_barrier(((x, weight), pending))
-        s = jax_ep.on_stream(matmul)(x_after, idx, weight_after)
-        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
-
     def dispatch_fp8_split(x, idx):  # the two halves back to back: the split's own cost
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
         return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0]
@@ -195,10 +184,6 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
                dispatch_beside_work, x, idx_d, weight, chained=0)
         record("matmul on a second stream, send FP8 -> receive beside it, 32 CTAs",
                partial(dispatch_beside_work, blocks=32), x, idx_d, weight, chained=0)
-        record("send FP8, then the matmul on a second stream, receive beside it",
-               send_then_work_beside_receive, x, idx_d, weight, chained=0)
-        record("send FP8, then the matmul on a second stream, receive beside it, 32 CTAs",
-               partial(send_then_work_beside_receive, blocks=32), x, idx_d, weight, chained=0)
         record("matmul on a second stream, dispatch FP8 (one call) beside it",
                partial(dispatch_beside_work, split=False), x, idx_d, weight, chained=0)
 
