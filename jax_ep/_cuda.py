@@ -129,6 +129,11 @@ def _place(axis_name, num_ranks, within_node=False):
             dict(num_ranks=int(num_ranks), stride=axis_stride(axis_name, size)))
 
 
+# The custom calls XLA must keep exactly as written (see _call).
+_STATEFUL = frozenset({"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_receive",
+                       "jax_ep_ll_combine_send", "jax_ep_ll_combine_receive"})
+
+
 def _call(name, result_types, *args, axis_name, **attrs):
     """One custom call, its operands and results fenced by optimization barriers.
 
@@ -139,6 +144,14 @@ def _call(name, result_types, *args, axis_name, **attrs):
     protocol (a low-latency send numbered twice) and costs its time twice. Behind a barrier
     no operand or result is a slice; a slice operand is copied, as XLA does anyway when it
     does not fuse it.
+
+    Side effects: only the split low-latency halves declare one (``_STATEFUL``): a send and
+    its receive are a pair around state held on the device (the call number, two calls in
+    flight), which XLA must neither merge, drop, nor run again. Every other call is a
+    function of its operands, as XLA's own collectives are, and the same program runs on
+    every rank, so XLA may merge, hoist or drop it alike everywhere; declared pure, it keeps
+    jax's fast dispatch path (a program with an effect takes the Python one), which took 2-7
+    µs per call off chains of 100 calls (2×H100, benchmarks/RESULTS.md).
     """
     _native.register()
     # the results vary over the EP axis and over every mesh axis an operand varies over (the
@@ -147,7 +160,8 @@ def _call(name, result_types, *args, axis_name, **attrs):
     for arg in args:
         axes.update(varying_axes(arg))
     args = jax.lax.optimization_barrier(args)
-    out = jax.ffi.ffi_call(name, result_types, has_side_effect=True)(*args, **attrs)
+    out = jax.ffi.ffi_call(name, result_types, has_side_effect=name in _STATEFUL)(*args,
+                                                                                **attrs)
     out = jax.lax.optimization_barrier(out)
     if not axes:
         return out

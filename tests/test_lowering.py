@@ -74,6 +74,42 @@ def test_every_custom_call_is_fenced_by_optimization_barriers():
         assert users and all("optimization_barrier" in line for line in users), (target, users)
 
 
+def test_only_the_split_low_latency_halves_declare_side_effects():
+    """A send and its receive are a pair around device state: XLA must keep them as written.
+    Every other call is a function of its operands (XLA may merge, hoist or drop it alike on
+    every rank) and a program without effects keeps jax's fast dispatch path."""
+    import jax_ep
+    from jax_ep import api
+    from jax_ep._types import DispatchConfig
+
+    config = LowLatencyConfig(num_experts=8, num_ranks=2, num_tokens=8, hidden=128, num_topk=2,
+                              max_tokens_per_rank=8, use_fp8=True, axis_name=AXIS,
+                              backend="cuda")
+    normal = DispatchConfig(num_experts=8, num_ranks=2, num_tokens=8, hidden=128, num_topk=2,
+                            capacity=16, layout="rank_major", axis_name=AXIS, backend="cuda")
+
+    def per_device(x, idx):
+        out = _cuda.low_latency_receive(_cuda.low_latency_send(x, idx, config), config)
+        fused = _cuda.low_latency_dispatch(x, idx, config)
+        moved = api._dispatch(normal, x, None, idx, jnp.ones(idx.shape, jnp.float32))
+        back = jax_ep.combine(moved.x, moved.handle)
+        layout = _cuda.layout(idx, num_experts=8, num_ranks=2)
+        return (out.x_scales[0, 0, 0] + fused.x_scales[0, 0, 0] + back[0, 0]
+                + layout.num_tokens_per_rank[0])[None]
+
+    x = jnp.zeros((16, 128), jnp.bfloat16)
+    idx = jnp.asarray(np.tile(np.arange(2, dtype=np.int32), (16, 1)))
+    seen = {}
+    for line in _lowered_for_cuda(per_device, x, idx).splitlines():
+        call = re.search(r"stablehlo\.custom_call @(jax_ep_\w+)\(", line)
+        if call:
+            seen[call.group(1)] = "has_side_effect = true" in line
+    assert set(seen) >= {"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_receive",
+                         "jax_ep_ll_dispatch", "jax_ep_dispatch", "jax_ep_combine",
+                         "jax_ep_layout"}, seen
+    assert seen == {name: name in _cuda._STATEFUL for name in seen}
+
+
 def test_reference_low_latency_combine_keeps_the_partials_rounding():
     """The reference rounds each rank's partial sum to y's dtype and back to float32; XLA:GPU
     (default xla_allow_excess_precision) folds that pair of converts away, which made the
