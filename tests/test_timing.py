@@ -145,3 +145,17 @@ def test_copy_host_breakdown_per_call(monkeypatch):
     assert got["memcpy"] == pytest.approx((30, 60.0))  # 4 executions, 30 calls of 2 µs each
     assert got["flag"] == pytest.approx((30, 18.0))
     assert "join" not in got  # no calls of that kind
+
+
+def test_a_chain_keeps_every_call_of_an_integer_body():
+    """looped()'s zero must be one XLA cannot fold: for integers it folds s * 0, so a chain
+    whose calls take integer operands (the layout's) became one call, merged."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(a):
+        return jnp.sum(a * 3)  # stands for a call XLA may merge when its operands match
+
+    f = jax.jit(timing.looped(body, 5, chained=0))
+    text = f.lower(jnp.arange(64, dtype=jnp.int32)).compile().as_text()
+    assert text.count("reduce(") >= 5, text
