@@ -89,14 +89,14 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     """The jax_ep operations: fused dispatch (FP8, BF16), dispatch + combine, combine alone,
     and the split dispatch around an independent matmul."""
     def dispatch_fp8(x, idx):
-        return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).x_scales[0, 0, 0]
+        return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).recv_count
 
     def dispatch_bf16(x, idx):
-        return jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll).x[0, 0, 0]
+        return jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll).recv_count
 
     def combine(x, idx, w):
         o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
-        return jax_ep.low_latency_combine(o.x, w, o.handle)[0, 0]
+        return jax_ep.low_latency_combine(o.x, w, o.handle)
 
     # independent work of about the size of a decode step's attention projection
     # float32 (bfloat16-rounded values): the matmul the split-call target is stated against
@@ -114,7 +114,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         x_after, pending = jax.lax.optimization_barrier((x, pending))
         s = matmul(x_after, idx, weight)
         s, pending = jax.lax.optimization_barrier((s, pending))
-        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
+        return jax_ep.low_latency_dispatch_receive(pending).recv_count, s
 
     def dispatch_second_stream(x, idx, weight):  # the send on a stream of XLA's own beside it
         from jax.experimental.compute_on import compute_on
@@ -124,7 +124,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         pending = send(x, idx)
         s = matmul(x, idx, weight)
         s, pending = jax.lax.optimization_barrier((s, pending))
-        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
+        return jax_ep.low_latency_dispatch_receive(pending).recv_count, s
 
     def dispatch_beside_work(x, idx, weight, split=True, blocks=None):
         # the matmul a call on XLA's stream 1 (jax_ep.on_stream), started before the send: the
@@ -133,13 +133,13 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         s = jax_ep.on_stream(matmul)(x, idx, weight)
         kw = dict(ll, config=jax_ep.Config(num_blocks=blocks)) if blocks else ll
         if not split:
-            return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **kw).x_scales[0, 0, 0] + s
+            return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **kw).recv_count, s
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **kw)
-        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0] + s
+        return jax_ep.low_latency_dispatch_receive(pending).recv_count, s
 
     def dispatch_fp8_split(x, idx):  # the two halves back to back: the split's own cost
         pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
-        return jax_ep.low_latency_dispatch_receive(pending).x_scales[0, 0, 0]
+        return jax_ep.low_latency_dispatch_receive(pending).recv_count
 
     record("jax_ep low_latency_dispatch FP8", dispatch_fp8, x, idx_d)
     record("jax_ep dispatch FP8, send then receive", dispatch_fp8_split, x, idx_d)
@@ -164,7 +164,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
 
         def combine_alone(y, w, *h):
             handle = LowLatencyHandle(*h, config=config)
-            return jax_ep.low_latency_combine(y, w, handle)[0, 0]
+            return jax_ep.low_latency_combine(y, w, handle)
 
         record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
                *arrays[1:], chained=1)  # chained through the gates: y is L*R*M rows
