@@ -44,12 +44,14 @@ def looped(body, calls, chained=0, rounds=1):
     hoist, merge nor overlap the calls, and the chain adds no kernel of its own between them
     (a zero carried arithmetically from one call to the next added a convert and an add per
     call, ~7 µs in a 20 µs call). One fusion at the chain's end reads a value of every call's
-    outputs, so none is dropped as unused. The loop is unrolled in Python rather than a
-    `fori_loop`: XLA:GPU reads a while loop's predicate back to the host every iteration,
-    which would add tens of microseconds of loop overhead to every call. `rounds` > 1 runs
-    that unrolled chain `rounds` times in a `fori_loop` (calls * rounds calls in all): the
-    program's launch (~1 ms on two processes) and the predicate's read-back are then spread
-    over that many calls, which measures the steady state of a long run of calls. The program
+    outputs, so none is dropped as unused. XLA keeps the barriers past its common-subexpression
+    pass from jax 0.11 on (jax 0.10's XLA:CPU merged identical calls of such a chain). The
+    loop is unrolled in Python rather than a `fori_loop`: XLA:GPU reads a while loop's
+    predicate back to the host every iteration, which would add tens of microseconds of loop
+    overhead to every call. `rounds` > 1 runs that unrolled chain `rounds` times in a
+    `fori_loop` (calls * rounds calls in all): the program's launch (~1 ms on two processes)
+    and the predicate's read-back are then spread over that many calls, which measures the
+    steady state of a long run of calls. The program
     returns (the first row of operand `chained`, that end value).
     """
 
