@@ -167,7 +167,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             return jax_ep.low_latency_combine(y, w, handle)
 
         record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
-               *arrays[1:], chained=1)  # chained through the gates: y is L*R*M rows
+               *arrays[1:], chained=1)  # returns a row of the gates: y is L*R*M rows
     except Exception as e:
         rows.append(("jax_ep low_latency_combine BF16 (alone)",) + (float("nan"),) * 3)
         if jax.process_index() == 0:

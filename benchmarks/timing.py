@@ -51,8 +51,8 @@ def looped(body, calls, chained=0, rounds=1):
     overhead to every call. `rounds` > 1 runs that unrolled chain `rounds` times in a
     `fori_loop` (calls * rounds calls in all): the program's launch (~1 ms on two processes)
     and the predicate's read-back are then spread over that many calls, which measures the
-    steady state of a long run of calls. The program
-    returns (the first row of operand `chained`, that end value).
+    steady state of a long run of calls. The program returns (the first row of operand
+    `chained`, that end value): a small output whatever the operands' sizes.
     """
 
     def chain(operands, seen):

@@ -187,7 +187,8 @@ def main():
                                     dispatched(*big[:3]) + (xm, weight_bf16))
     for name in args.rows.split(","):
         body, operands = bodies[name]
-        # the side-stream rows chain through the gates (w) as bench_intranode does
+        # the program returns a row of the gates (w) for the side-stream rows, as
+        # bench_intranode's do
         chained = {"dispatch_beside": 2, "combine_beside": 1}.get(name, 0)
         f = jax.jit(smap(looped(body, args.calls, chained),
                          in_specs=(P(AXIS),) * len(operands)))
