@@ -206,8 +206,8 @@ def main():
                              config=config)
         return out
 
-    def quantize(x, w):
-        return jax_ep.quantize_fp8(x)
+    def quantize(x, w, backend=backend):
+        return jax_ep.quantize_fp8(x, backend=backend)
 
     def dispatch_fp8(xq, scales, idx, w, **kw):  # rows quantized beforehand, as a layer's
         return dispatch((xq, scales), idx, w, **kw)  # FP8 GEMM epilogue would leave them
@@ -218,8 +218,11 @@ def main():
     xq = jax.jit(smap(jax_ep.quantize_fp8, in_specs=P(AXIS)))(x)
 
     record("jax_ep layout", layout, idx_d, nbytes=0)
-    record("FP8 quantize alone (not communication)", quantize, x, w, chained=1, nbytes=0,
+    record("jax_ep quantize_fp8 alone (not communication)", quantize, x, w, chained=1, nbytes=0,
            marker=None)
+    if backend != "reference":
+        record("jax_ep quantize_fp8 by XLA's ops (backend='reference')",
+               partial(quantize, backend="reference"), x, w, chained=1, nbytes=0, marker=None)
     modes = args.modes.split(",")
     for mode in modes:  # JAX_EP_DISPATCH, read when the call is traced
         if mode in ("slots", "slots-fused"):  # source_slots: its copy engines, or its SMs

@@ -183,6 +183,15 @@ def layout(topk_idx, *, num_experts, num_ranks):
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 
+def quantize_fp8(x, *, ue8m0):
+    """jax_ep.quantize_fp8 as one kernel (jax_ep_quantize_fp8)."""
+    T, H = x.shape
+    return _call("jax_ep_quantize_fp8",
+                 (jax.ShapeDtypeStruct((T, H), jnp.float8_e4m3fn),
+                  jax.ShapeDtypeStruct((T, H // 128), jnp.float32)),
+                 x, axis_name=None, ue8m0=bool(ue8m0))
+
+
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
                    layout, alignment, axis_name, tuning=None, within_node=False):
     """The jax_ep_dispatch custom call; returns its 13 results (see DispatchOutput/Handle)."""

@@ -4,13 +4,15 @@
 two (the UE8M0 format some FP8 GEMMs expect), at the cost of up to one bit of range.
 
 The arithmetic is spelled out so that XLA compiles it as written (it rewrites a division by
-a constant or by a broadcast into a multiplication by a reciprocal) and the CUDA low-latency
-dispatch, which quantises in its send kernel, reproduces it bit for bit:
+a constant or by a broadcast into a multiplication by a reciprocal) and the CUDA kernels (the
+quantize kernel, the low-latency dispatch's send) reproduce it bit for bit:
 ``scale = max(amax, 1e-10) * f32(1/448)``, ``data = e4m3(clip(x * (1 / scale), ±448))`` with
 an IEEE float32 reciprocal and round-to-nearest-even to e4m3.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +23,54 @@ E4M3_MAX = 448.0
 INV_E4M3_MAX = np.float32(1.0 / E4M3_MAX)  # what the CUDA kernel uses: float(1.0 / 448.0)
 
 
-def quantize_fp8(x, *, ue8m0: bool = False):
-    """[T, H] -> (float8_e4m3fn data [T, H], float32 scales [T, H // 128])."""
+def quantize_fp8(x, *, ue8m0: bool = False, backend: str = "auto"):
+    """[T, H] -> (float8_e4m3fn data [T, H], float32 scales [T, H // 128]).
+
+    backend: ``"auto"`` runs jax_ep's CUDA kernel (one pass over x) where the CUDA backend
+    runs and the call is inside ``shard_map`` over every mesh axis (where jax_ep's calls run:
+    a custom call outside it would be replicated by XLA's partitioner), else XLA's ops;
+    ``"reference"`` XLA's ops; ``"cuda"`` the kernel. Both give the same bits; gradients are
+    those of XLA's ops.
+    """
     if x.ndim != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"quantize_fp8 needs [tokens, hidden] with hidden divisible by {BLOCK}, "
                          f"got {x.shape}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"quantize_fp8 takes bfloat16, float16 or float32, got {x.dtype}")
+    from jax_ep import api  # api imports this module
+
+    resolved = api._resolve_backend(backend)
+    if resolved == "cuda" and (backend == "cuda" or _inside_full_shard_map()):
+        return _quantize_cuda(x, bool(ue8m0))
+    return _quantize_reference(x, ue8m0=bool(ue8m0))
+
+
+def _inside_full_shard_map() -> bool:
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
+    mesh = get_mesh() if get_mesh is not None else None
+    return bool(mesh is not None and not mesh.empty
+                and getattr(mesh, "are_all_axes_manual", False))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _quantize_cuda(x, ue8m0):
+    from jax_ep import _cuda
+
+    return _cuda.quantize_fp8(x, ue8m0=ue8m0)
+
+
+def _quantize_cuda_fwd(x, ue8m0):
+    return _quantize_cuda(x, ue8m0), x
+
+
+def _quantize_cuda_bwd(ue8m0, x, g):
+    return jax.vjp(functools.partial(_quantize_reference, ue8m0=ue8m0), x)[1](g)
+
+
+_quantize_cuda.defvjp(_quantize_cuda_fwd, _quantize_cuda_bwd)
+
+
+def _quantize_reference(x, *, ue8m0: bool):
     T, H = x.shape
     blocks = x.astype(jnp.float32).reshape(T, H // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=-1)

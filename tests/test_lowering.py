@@ -94,8 +94,9 @@ def test_only_the_split_low_latency_halves_declare_side_effects():
         moved = api._dispatch(normal, x, None, idx, jnp.ones(idx.shape, jnp.float32))
         back = jax_ep.combine(moved.x, moved.handle)
         layout = _cuda.layout(idx, num_experts=8, num_ranks=2)
+        scales = _cuda.quantize_fp8(x, ue8m0=False)[1]
         return (out.x_scales[0, 0, 0] + fused.x_scales[0, 0, 0] + back[0, 0]
-                + layout.num_tokens_per_rank[0])[None]
+                + layout.num_tokens_per_rank[0] + scales[0, 0])[None]
 
     x = jnp.zeros((16, 128), jnp.bfloat16)
     idx = jnp.asarray(np.tile(np.arange(2, dtype=np.int32), (16, 1)))
@@ -106,7 +107,7 @@ def test_only_the_split_low_latency_halves_declare_side_effects():
             seen[call.group(1)] = "has_side_effect = true" in line
     assert set(seen) >= {"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_receive",
                          "jax_ep_ll_dispatch", "jax_ep_dispatch", "jax_ep_combine",
-                         "jax_ep_layout"}, seen
+                         "jax_ep_layout", "jax_ep_quantize_fp8"}, seen
     assert seen == {name: name in _cuda._STATEFUL for name in seen}
 
 
@@ -389,3 +390,20 @@ def test_cuda_results_vary_over_every_axis_of_their_operands(names, monkeypatch)
                               out_specs=(spec, P())))
     f.trace(jnp.zeros((8, T, H)), jnp.zeros((8, H, E)), jnp.zeros((8, 2, H, F)),
             jnp.zeros((8, 2, F, H)))
+
+
+def test_quantize_fp8_takes_the_kernel_inside_shard_map_only(monkeypatch):
+    """backend="auto" quantises with the CUDA kernel inside shard_map over every mesh axis;
+    outside it a custom call would be replicated by XLA's partitioner, so XLA's ops run."""
+    import jax_ep
+    from jax_ep import api
+
+    monkeypatch.setattr(api, "cuda_available", lambda: (True, ""))
+    x = jnp.zeros((8, 256), jnp.bfloat16)
+    inside = _lowered_for_cuda(lambda x: jax_ep.quantize_fp8(x)[1], x)
+    assert "@jax_ep_quantize_fp8" in inside
+    outside = jax.jit(lambda x: jax_ep.quantize_fp8(x)[1]).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "jax_ep_quantize_fp8" not in outside
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        jax_ep.quantize_fp8(jnp.zeros((8, 256), jnp.int32))

@@ -16,4 +16,5 @@ XLA_FFI_Error* JaxEpLLDispatch(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpLLCombine(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpNodeSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpNodeReturn(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpQuantizeFp8(XLA_FFI_CallFrame* call_frame);
 }

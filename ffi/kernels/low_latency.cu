@@ -1,6 +1,7 @@
 // Low-latency (decode) dispatch and combine kernels; see low_latency.h for the protocol.
 #include "kernels/low_latency.h"
 
+#include "kernels/fp8.cuh"
 #include "kernels/launch.h"
 #include "transport/puts.cuh"
 
@@ -234,44 +235,9 @@ __device__ __forceinline__ void copy_record(void* dst_data, void* dst_scales, co
 
 // ----------------------------------------------------------------------------- dispatch send
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-
-// 16 consecutive elements of type T, loaded raw as 16 / (16 / sizeof(T)) int4, as floats.
-template <typename T>
-__device__ __forceinline__ void unpack16(const int4 (&raw)[sizeof(T)], float (&v)[16]) {
-  constexpr int kPer = 16 / sizeof(T);  // elements per int4
-#pragma unroll
-  for (int c = 0; c < int(sizeof(T)); ++c) {
-    const T* e = reinterpret_cast<const T*>(&raw[c]);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) v[c * kPer + j] = to_float<T>(e[j]);
-  }
-}
-
 // Quantises token t's row (8 threads per 128-channel block, 16 channels each) and stores the
 // e4m3 data and scales into every destination record; `thread` of `threads` (the token warps)
-// take part, with the loads of kRounds rounds in flight before any store. Bit-identical to
-// jax_ep.fp8 (finite inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
+// take part, with the loads of kRounds rounds in flight before any store (fp8.cuh).
 template <typename T>
 __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
                                    int num_dst, int thread, int threads) {
@@ -294,31 +260,9 @@ __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* con
       const bool active = c < chunks;  // uniform over each group of 8 lanes (chunks % 8 == 0)
       float v[16];
       unpack16<T>(raw[u], v);
-      float amax = 0.f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[j]));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-      if (!active) continue;
-      // jax_ep.fp8.quantize_fp8 as XLA compiles it (see there): constants rounded from
-      // double to float as NumPy does, products and the reciprocal correctly rounded, no FMA.
-      float scale = __fmul_rn(fmaxf(amax, static_cast<float>(1e-10)),
-                              static_cast<float>(1.0 / 448.0));
-      if (a.ue8m0) {
-        int exponent;
-        const float mantissa = frexpf(scale, &exponent);
-        if (mantissa == 0.5f) exponent -= 1;
-        scale = __int_as_float((exponent + 127) << 23);  // 2^exponent, a normal float here
-      }
-      const float inverse = __fdiv_rn(1.0f, scale);
       int4 packed;
-      unsigned char* bytes = reinterpret_cast<unsigned char*>(&packed);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float q = fminf(fmaxf(__fmul_rn(v[j], inverse), -448.0f), 448.0f);
-        bytes[j] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-      }
+      const float scale = quantize16(v, a.ue8m0, &packed);
+      if (!active) continue;
       const bool writes_scale = (c & 7) == 0;
       for (int d = 0; d < num_dst; ++d) {
         char* rec = dst[d];
