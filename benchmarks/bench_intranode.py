@@ -185,9 +185,9 @@ def main():
     def layout(idx):
         return jax_ep.get_dispatch_layout(idx, E, axis_name=AXIS, backend=backend)
 
-    def dispatch(x, idx, w, layout="rank_major", cap=capacity, config=None):
+    def dispatch(x, idx, w, layout="rank_major", cap=capacity, config=None, use_fp8=False):
         out = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, capacity=cap,
-                              layout=layout, backend=backend, config=config)
+                              layout=layout, backend=backend, config=config, use_fp8=use_fp8)
         return out.num_received  # one of the call's results: no kernel reads it
 
     def dispatch_for_combine(layout="rank_major", cap=capacity):
@@ -237,9 +237,12 @@ def main():
         record(f"jax_ep dispatch BF16 [{mode}]", dispatch, x, idx_d, w, chained=2)
         record(f"jax_ep dispatch FP8 [{mode}]", dispatch_fp8, *xq, idx_d, w, chained=3,
                nbytes=bytes_fp8)
-        if mode == "fused":  # what a layer holding BF16 rows pays: jax_ep.quantize_fp8 first
+        if mode == "fused":  # what a layer holding BF16 rows pays: jax_ep.quantize_fp8 first,
+            # or the rows quantised on the way (use_fp8)
             record("jax_ep quantize_fp8 + dispatch FP8 [fused]", quantize_dispatch, x, idx_d,
                    w, chained=2, nbytes=bytes_fp8)
+            record("jax_ep dispatch BF16 rows, use_fp8 [fused]",
+                   partial(dispatch, use_fp8=True), x, idx_d, w, chained=2, nbytes=bytes_fp8)
         record(f"jax_ep dispatch BF16 expert_major [{mode}]",
                partial(dispatch, layout="expert_major", cap=em_capacity), x, idx_d, w,
                chained=2)

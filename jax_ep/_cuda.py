@@ -193,7 +193,8 @@ def quantize_fp8(x, *, ue8m0):
 
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,
-                   layout, alignment, axis_name, tuning=None, within_node=False):
+                   layout, alignment, axis_name, tuning=None, within_node=False,
+                   quantize=False, ue8m0=False):
     """The jax_ep_dispatch custom call; returns its 13 results (see DispatchOutput/Handle)."""
     T, H = x.shape
     K, C, L = topk_idx.shape[1], capacity, num_experts // num_ranks
@@ -208,8 +209,8 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
     row_meta = (C,) if expert_major else (C, K)
     i32, f32 = jnp.int32, jnp.float32
     types = (
-        jax.ShapeDtypeStruct((C, H), x.dtype),
-        jax.ShapeDtypeStruct((C, H // 128) if has_scales else (0,), f32),
+        jax.ShapeDtypeStruct((C, H), jnp.float8_e4m3fn if quantize else x.dtype),
+        jax.ShapeDtypeStruct((C, H // 128) if has_scales or quantize else (0,), f32),
         jax.ShapeDtypeStruct(row_meta, i32),
         jax.ShapeDtypeStruct(row_meta, f32),
         jax.ShapeDtypeStruct((L,), i32),
@@ -227,24 +228,28 @@ def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_rank
         "jax_ep_dispatch", types, x, x_scales if has_scales else jnp.zeros((0,), f32), topk_idx,
         topk_weights, rank, axis_name=axis_name,
         num_experts=np.int64(num_experts), capacity=np.int64(C), alignment=np.int64(alignment),
-        layout=layout, path=path, has_scales=has_scales, group=group,
-        tuning=_config.tuning_attributes(resolved))
+        layout=layout, path=path, has_scales=has_scales, quantize=bool(quantize),
+        ue8m0=bool(ue8m0), group=group, tuning=_config.tuning_attributes(resolved))
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
+    quantize = config.use_fp8 and x_scales is None
     if config.node_size is not None:
+        if quantize:  # the node exchange moves the quantised rows
+            x, x_scales = quantize_fp8(x, ue8m0=config.ue8m0)
         return _nodes_dispatch(x, x_scales, topk_idx, topk_weights, config)
     (out_x, out_scales, out_idx, out_weights, per_expert, group_sizes, num_received,
      num_dropped, send_slot, src_rank, src_token, src_k, pair_row) = _dispatch_call(
         x, x_scales, topk_idx, topk_weights, num_experts=config.num_experts,
         num_ranks=config.num_ranks, capacity=config.capacity, layout=config.layout,
         alignment=config.alignment, axis_name=config.axis_name, tuning=config.tuning,
-        within_node=config.within_node)
+        within_node=config.within_node, quantize=quantize, ue8m0=config.ue8m0)
     handle = DispatchHandle(topk_idx=topk_idx, send_slot=send_slot, src_rank=src_rank,
                             src_token=src_token, src_k=src_k, num_received=num_received,
                             pair_row=pair_row if config.layout == EXPERT_MAJOR else no_pair_rows(),
                             config=config)
-    return DispatchOutput(x=out_x, x_scales=out_scales if x_scales is not None else None,
+    return DispatchOutput(x=out_x,
+                          x_scales=out_scales if x_scales is not None or quantize else None,
                           topk_idx=out_idx, topk_weights=out_weights,
                           tokens_per_expert=per_expert, group_sizes=group_sizes,
                           num_received=num_received, num_dropped=num_dropped, handle=handle)

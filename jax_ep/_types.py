@@ -75,6 +75,10 @@ class DispatchConfig:
     # The node-local stage of such a dispatch (CUDA backend): its ranks are the node_size
     # ranks of this device's node on the axis, its tokens the node exchange's blocks.
     within_node: bool = False
+    # x arrives unquantised and is quantised on the way (dispatch's use_fp8): the rows come
+    # out e4m3 with their scales, as from dispatch(quantize_fp8(x, ue8m0=ue8m0), ...).
+    use_fp8: bool = False
+    ue8m0: bool = False
 
     @property
     def num_local_experts(self) -> int:

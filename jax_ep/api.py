@@ -360,8 +360,8 @@ def get_dispatch_layout(topk_idx, num_experts, *, axis_name=None, num_ranks=None
 # ----------------------------------------------------------------------------- dispatch
 
 def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity=None,
-             layout=RANK_MAJOR, expert_alignment=1, backend="auto",
-             config=None) -> DispatchOutput:
+             layout=RANK_MAJOR, expert_alignment=1, use_fp8=False, ue8m0=False,
+             backend="auto", config=None) -> DispatchOutput:
     """Send each token to the ranks holding its experts. See ``jax_ep._types`` for the layout.
 
     Args:
@@ -374,6 +374,11 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
       layout: ``"rank_major"`` (deduplicated per rank, DeepEP's), ``"expert_major"`` or
         ``"source_slots"`` (rank_major's rows at fixed slots ``s*T + t``; capacity ``R*T``).
       expert_alignment: expert_major only: each group is padded to a multiple of this.
+      use_fp8: quantise x on the way: the rows arrive as e4m3 data + float32 scales, the
+        same bits as ``dispatch(quantize_fp8(x, ue8m0=ue8m0), ...)``; the CUDA backend's
+        default path quantises in its send kernel, the others first (one kernel). As with an
+        FP8 pair, no gradient flows back to x.
+      ue8m0: with ``use_fp8``, every scale a power of two.
       backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
       config: a ``jax_ep.Config`` (data paths, CTAs) for the CUDA kernels; the handle keeps it
         for the combine and both backward passes. None: the environment's overrides and the
@@ -381,6 +386,14 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
     """
     _check_not_in_work_call("dispatch")
     data, scales = _split_x(x)
+    if use_fp8 and scales is not None:
+        raise ValueError("dispatch: use_fp8 quantises x itself; pass the unquantised rows, "
+                         "not an FP8 pair")
+    if use_fp8 and data.shape[1] % _fp8.BLOCK:
+        raise ValueError(f"dispatch: use_fp8 needs hidden divisible by {_fp8.BLOCK}, got "
+                         f"{data.shape}")
+    if ue8m0 and not use_fp8:
+        raise ValueError("dispatch: ue8m0 applies with use_fp8=True only")
     num_ranks = _axis_size(axis_name)
     raw_idx = topk_idx
     topk_idx = _check_topk(topk_idx, num_experts, num_ranks)
@@ -421,7 +434,7 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         num_experts=int(num_experts), num_ranks=num_ranks, num_tokens=T, hidden=H, num_topk=K,
         capacity=int(capacity), layout=layout, alignment=int(expert_alignment),
         axis_name=axis_name, backend=_resolve_backend(backend), tuning=tuning,
-        node_size=node_size)
+        node_size=node_size, use_fp8=bool(use_fp8), ue8m0=bool(ue8m0))
     out = _dispatch(config, data, scales, topk_idx, topk_weights.astype(jnp.float32))
     return out._replace(num_invalid=_num_invalid(raw_idx, num_experts))
 

@@ -65,6 +65,10 @@ def _scatter_rows(values, positions, capacity, fill):
 
 
 def dispatch(x, x_scales, topk_idx, topk_weights, config: DispatchConfig) -> DispatchOutput:
+    if config.use_fp8 and x_scales is None:
+        from jax_ep.fp8 import quantize_fp8
+
+        x, x_scales = quantize_fp8(x, ue8m0=config.ue8m0, backend="reference")
     R, E, axis = config.num_ranks, config.num_experts, config.axis_name
     dest, local = _routing(topk_idx, E, R)
     ranks = jnp.arange(R, dtype=jnp.int32)

@@ -58,6 +58,36 @@ def test_fp8_dispatch_moves_data_and_scales_exactly(layout):
         np.testing.assert_array_equal(out.x_scales[r], want[r]["x_scales"])
 
 
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_dispatch_use_fp8_is_dispatch_of_quantize_fp8(layout, ue8m0):
+    """use_fp8 quantises on the way: the same bits as dispatching quantize_fp8's pair; no
+    gradient reaches x (as with a pair), the weights' does."""
+    R, T, H, K, E = 2, 12, 256, 3, 8
+    x, idx, w = make_inputs(np.random.default_rng(5), R, T, H, K, E, "random", 0.2)
+
+    def fn(x, idx, w):
+        kw = dict(num_experts=E, axis_name=AXIS, layout=layout, backend="reference")
+        on_the_way = jax_ep.dispatch(x, idx, w, use_fp8=True, ue8m0=ue8m0, **kw)
+        pair = jax_ep.dispatch(jax_ep.quantize_fp8(x, ue8m0=ue8m0), idx, w, **kw)
+
+        def loss(x, w):
+            out = jax_ep.dispatch(x, idx, w, use_fp8=True, **kw)
+            return jnp.sum(out.topk_weights * 2.0)
+
+        return on_the_way, pair, jax.grad(loss, argnums=(0, 1))(x, w)
+
+    on_the_way, pair, (dx, dw) = run(fn, R, x, idx, w)
+    assert on_the_way.x.dtype == jnp.float8_e4m3fn
+    for a, b in zip(jax.tree.leaves(on_the_way), jax.tree.leaves(pair)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype == jnp.float8_e4m3fn:
+            a, b = a.view(np.uint8), b.view(np.uint8)
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(dx, 0.0)
+    assert np.abs(dw).sum() > 0
+
+
 # ------------------------------------------------------------------------ validation
 
 def _dispatch_error(*, x=None, idx=None, w=None, R=2, **kwargs):
@@ -89,6 +119,8 @@ def _dispatch_error(*, x=None, idx=None, w=None, R=2, **kwargs):
     (dict(layout="expert_major", expert_alignment=0), ValueError, "expert_alignment must be >= 1"),
     (dict(expert_alignment=4), ValueError, "applies to layout='expert_major' only"),
     (dict(backend="tpu"), ValueError, "backend must be one of"),
+    (dict(use_fp8=True), ValueError, "use_fp8 needs hidden divisible by 128"),
+    (dict(ue8m0=True), ValueError, "ue8m0 applies with use_fp8=True only"),
 ])
 def test_bad_dispatch_arguments_fail_at_trace_time(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -112,6 +144,14 @@ def test_bad_fp8_inputs():
         attempt(good, np.ones((R, T, 3), np.float32))
     with pytest.raises(ValueError, match="hidden divisible by 128"):
         attempt(np.zeros((R, T, 100), jnp.float8_e4m3fn), np.ones((R, T, 1), np.float32))
+
+    def quantise_a_pair(data, scales, idx):
+        return jax_ep.dispatch((data, scales), idx, num_experts=2, axis_name=AXIS,
+                               use_fp8=True, backend="reference").x
+
+    with pytest.raises(ValueError, match="use_fp8 quantises x itself"):
+        run(quantise_a_pair, R, good, np.ones((R, T, 2), np.float32),
+            np.zeros((R, T, 1), np.int32))
 
 
 def test_bad_combine_arguments():

@@ -278,6 +278,25 @@ def test_quantize_fp8_kernel_matches_reference(dtype, ue8m0):
         assert_trees_equal(*both(fn, x))
 
 
+@pytest.mark.parametrize("layout,dtype,H", [
+    ("rank_major", jnp.bfloat16, 7168), ("rank_major", jnp.float32, 512),
+    ("expert_major", jnp.bfloat16, 512), ("source_slots", jnp.bfloat16, 7168)])
+def test_dispatch_use_fp8_matches_reference(layout, dtype, H, dispatch_mode):
+    """dispatch(x, use_fp8=True): the rows quantised on the way (rank_major's lean push) or
+    by the quantize kernel first (every other path), bit for bit against the reference's
+    quantize_fp8 and dispatch; DeepSeek-V3's 7168 channels span two work items."""
+    R = num_ranks()
+    T, K, E = 64, 4, 4 * R
+    x, idx, w = make_inputs(np.random.default_rng(H + 7), R, T, H, K, E, "random", 0.1)
+    x = np.asarray(jnp.asarray(x * 30.0, dtype))
+
+    def fn(backend, x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout=layout,
+                               use_fp8=True, backend=backend)
+
+    assert_trees_equal(*both(fn, x, idx, w))
+
+
 def test_quantize_fp8_kernel_gradient_is_the_reference():
     R = num_ranks()
     rng = np.random.default_rng(32)

@@ -407,3 +407,25 @@ def test_quantize_fp8_takes_the_kernel_inside_shard_map_only(monkeypatch):
     assert "jax_ep_quantize_fp8" not in outside
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
         jax_ep.quantize_fp8(jnp.zeros((8, 256), jnp.int32))
+
+
+def test_dispatch_use_fp8_quantises_in_the_dispatch_call():
+    """use_fp8 on the CUDA backend: one jax_ep_dispatch that takes the unquantised rows
+    (quantize = true, e4m3 rows out), no separate quantize call."""
+    from jax_ep import api
+    from jax_ep._types import DispatchConfig
+
+    normal = DispatchConfig(num_experts=8, num_ranks=2, num_tokens=8, hidden=256, num_topk=2,
+                            capacity=16, layout="rank_major", axis_name=AXIS, backend="cuda",
+                            use_fp8=True)
+
+    def per_device(x, idx):
+        out = api._dispatch(normal, x, None, idx, jnp.ones(idx.shape, jnp.float32))
+        return out.x_scales[:1, 0]
+
+    x = jnp.zeros((16, 256), jnp.bfloat16)
+    idx = jnp.asarray(np.tile(np.arange(2, dtype=np.int32), (16, 1)))
+    text = _lowered_for_cuda(per_device, x, idx)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_ep_" in line]
+    assert len(calls) == 1 and "@jax_ep_dispatch(" in calls[0], calls
+    assert "quantize = true" in calls[0] and "f8E4M3FN" in calls[0], calls[0]

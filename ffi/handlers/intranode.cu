@@ -2,6 +2,7 @@
 // jax_ep_combine. They validate shapes, check the symmetric buffer is large enough, fill the
 // kernels' argument structs and launch; nothing here waits for the device.
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -9,6 +10,7 @@
 #include "handlers/handlers.h"
 #include "kernels/buffer_layout.h"
 #include "kernels/intranode.h"
+#include "kernels/quantize.h"
 #include "runtime/diagnostics.h"
 #include "runtime/runtime.h"
 
@@ -78,7 +80,8 @@ int copy_engine_blocks(int64_t num_blocks) {
   return std::min(blocks_or_default(num_blocks), std::max(multiprocessors() - kFreeSms, 1));
 }
 
-ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> x_scales,
+ffi::Error dispatch_impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::F32> x_scales,
                          ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                          ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out_x,
                          ffi::ResultBuffer<ffi::F32> out_scales,
@@ -92,8 +95,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_token, ffi::ResultBuffer<ffi::S32> src_k,
                          ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                          int64_t capacity, int64_t alignment, std::string_view layout_name,
-                         std::string_view path, bool has_scales, EpGroup group,
-                         Tuning tuning) {
+                         std::string_view path, bool has_scales, bool quantize, bool ue8m0,
+                         EpGroup group, Tuning tuning) {
   GroupPlace place;
   if (auto err = group_place("dispatch", group, &place); err.failure()) return err;
   Layout layout;
@@ -104,11 +107,26 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   auto idx_dims = topk_idx.dimensions();
   if (x_dims.size() != 2 || idx_dims.size() != 2 || idx_dims[0] != x_dims[0])
     return invalid("dispatch: x must be [T, H] and topk_idx [T, K]");
-  const size_t elem = element_bytes(x.element_type());
+  // quantize: x unquantised, the rows come out e4m3 with their scales (dispatch's use_fp8);
+  // sizes below are the output's
+  ElementType x_type = ElementType::kF32;
+  if (quantize) {
+    switch (x.element_type()) {
+      case ffi::DataType::BF16: x_type = ElementType::kBF16; break;
+      case ffi::DataType::F16: x_type = ElementType::kF16; break;
+      case ffi::DataType::F32: x_type = ElementType::kF32; break;
+      default: return invalid("dispatch: quantising takes bf16, f16 or f32 rows");
+    }
+    if (has_scales || x_dims[1] % 128 != 0)
+      return invalid("dispatch: quantising takes unquantised rows of a multiple of 128 "
+                     "channels");
+  }
+  const size_t elem = quantize ? 1 : element_bytes(x.element_type());
   if (elem == 0) return invalid("dispatch: x must be bf16, f16, f32 or f8e4m3fn");
   const int T = static_cast<int>(x_dims[0]), H = static_cast<int>(x_dims[1]);
   const int K = static_cast<int>(idx_dims[1]);
-  const size_t scale_row = has_scales ? sizeof(float) * (H / 128) : 0;
+  const bool out_scales_used = has_scales || quantize;
+  const size_t scale_row = out_scales_used ? sizeof(float) * (H / 128) : 0;
   if (has_scales && x_scales.element_count() != size_t(T) * (H / 128))
     return invalid("dispatch: x_scales must be [T, H / 128]");
   const Transport* t = transport();
@@ -133,11 +151,12 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       out_x->element_count() != size_t(capacity) * H ||
       pair_row->element_count() != (expert_major ? size_t(R) * T * K : 0))
     return invalid("dispatch: result shapes do not match the capacity and EP size");
-  // the kernels write capacity rows of x's element type (and of scales when has_scales)
-  if (out_x->element_type() != x.element_type() ||
-      (has_scales && out_scales->element_count() != size_t(capacity) * (H / 128)))
-    return invalid("dispatch: the rows' result must have x's dtype and the scales' "
-                   "[capacity, H / 128]");
+  // the kernels write capacity rows of x's element type, e4m3 when quantising (and scales)
+  const auto out_type = quantize ? ffi::DataType::F8E4M3FN : x.element_type();
+  if (out_x->element_type() != out_type ||
+      (out_scales_used && out_scales->element_count() != size_t(capacity) * (H / 128)))
+    return invalid("dispatch: the rows' result must have x's dtype (e4m3 when quantising) "
+                   "and the scales' [capacity, H / 128]");
   // pull, the fused push, or pull with the rows moved by the copy engines
   if (path != "pull" && path != "fused" && path != "copy")
     return invalid("dispatch: path must be pull, fused or copy, got " + std::string(path));
@@ -208,6 +227,26 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   a.x = x.untyped_data();
   a.x_row_bytes = size_t(H) * elem;
   a.scales = has_scales ? x_scales.typed_data() : nullptr;
+  // the lean push quantises as it stores; every other path moves rows quantised here first
+  a.quantize = quantize && lean;
+  a.ue8m0 = ue8m0;
+  a.x_type = x_type;
+  if (quantize && !lean) {
+    const size_t data_bytes = (size_t(T) * H + 15) / 16 * 16;
+    const std::optional<void*> rows = scratch.Allocate(data_bytes + size_t(T) * scale_row, 16);
+    if (!rows.has_value())
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "jax_ep dispatch: no scratch memory for the quantised rows");
+    char* base = static_cast<char*>(*rows);
+    if (auto err = cuda_error(launch_quantize_fp8(x.untyped_data(), x_type, T, H, ue8m0, base,
+                                                  reinterpret_cast<float*>(base + data_bytes),
+                                                  stream),
+                              "dispatch (quantising)");
+        err.failure())
+      return err;
+    a.x = base;
+    a.scales = reinterpret_cast<float*>(base + data_bytes);
+  }
   a.scale_row_bytes = scale_row;
   a.topk_idx = topk_idx.typed_data();
   a.topk_weights = topk_weights.typed_data();
@@ -228,10 +267,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   // XLA's allocation holding them is mapped at the peers.
   const size_t rows = size_t(a.capacity);
   a.direct_out = push && !expert_major && in_xla_window(a.out_x, rows * a.x_row_bytes) &&
-                 (!has_scales || in_xla_window(a.out_scales, rows * a.scale_row_bytes));
+                 (!out_scales_used || in_xla_window(a.out_scales, rows * a.scale_row_bytes));
   // The pull path lets the peers read this PE's inputs where XLA keeps them.
   const size_t pairs_bytes = size_t(T) * size_t(K) * sizeof(int32_t);
-  a.in_place = !push && !copy_engine && in_xla_window(a.x, size_t(T) * a.x_row_bytes) &&
+  a.in_place = !push && !copy_engine && !quantize &&
+               in_xla_window(a.x, size_t(T) * a.x_row_bytes) &&
                (!has_scales || in_xla_window(a.scales, size_t(T) * a.scale_row_bytes)) &&
                in_xla_window(a.topk_idx, pairs_bytes) && in_xla_window(a.topk_weights, pairs_bytes);
   return cuda_error(launch_dispatch(a, stream), "dispatch");
@@ -397,6 +437,7 @@ namespace ffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -421,6 +462,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::dispatch_impl,
                                   .Attr<std::string_view>("layout")
                                   .Attr<std::string_view>("path")
                                   .Attr<bool>("has_scales")
+                                  .Attr<bool>("quantize")
+                                  .Attr<bool>("ue8m0")
                                   .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 

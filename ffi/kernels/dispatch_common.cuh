@@ -516,11 +516,11 @@ __device__ void finish_dispatch(const DispatchArgs& a, const GatherTables& tb, u
   }
 }
 
-// Unused rows get zeros, and -1 / 0 metadata.
+// Unused rows get zeros, and -1 / 0 metadata; `scales`: the output has scales.
 __device__ __forceinline__ void write_unused_row(const DispatchArgs& a, int i, int out_k,
-                                                 int lane) {
+                                                 int lane, bool scales) {
   zero_row(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes, a.x_row_bytes, lane, 32);
-  if (a.scales != nullptr)
+  if (scales)
     zero_row(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
              a.scale_row_bytes, lane, 32);
   for (int j = lane; j < out_k; j += 32) {

@@ -112,7 +112,7 @@ __device__ __forceinline__ void receive_row(const DispatchArgs& a, const GatherT
   int position = 0, local = -1;
   const int s = source_of_row<false>(tb, i, R, L, &position, &local);
   if (s < 0) {
-    write_unused_row(a, i, K, lane);
+    write_unused_row(a, i, K, lane, a.scales != nullptr);
     return;
   }
   // The row's metadata record, loaded before the copy so that its round trip overlaps it
@@ -257,7 +257,7 @@ struct ExpertMajorPush {
         const bool unused =
             i < last && source_of_row<true>(tb, i, R, a.num_experts / R, &position, &local) < 0;
         for (uint32_t left = __ballot_sync(0xffffffffu, unused); left != 0; left &= left - 1)
-          write_unused_row(a, base + __ffs(left) - 1, 1, lane);
+          write_unused_row(a, base + __ffs(left) - 1, 1, lane, a.scales != nullptr);
       }
       return;
     }

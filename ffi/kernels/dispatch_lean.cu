@@ -5,7 +5,10 @@
 // per-row record, fence or arrival counter, while kMetadataWarps warps of each block write
 // this PE's rows' metadata from the sources' lists and ids. One pushed flag per source tells
 // a destination that its rows are all there (docs/design.md, section 4.1).
+#include <type_traits>
+
 #include "kernels/dispatch_common.cuh"
+#include "kernels/fp8.cuh"
 
 namespace jax_ep {
 namespace {
@@ -32,9 +35,9 @@ __device__ void write_row_metadata(const DispatchArgs& a, int i, int s, int posi
 }
 
 // Warps `warp` of `warps` take this PE's output rows 32 at a time, lane q the q-th row's
-// metadata; rows past the received ones get zeros.
+// metadata; rows past the received ones get zeros (their scales too where `scales`).
 __device__ void write_metadata(const DispatchArgs& a, const GatherTables& tb, int warp,
-                               int warps) {
+                               int warps, bool scales) {
   const int R = a.ctx.num_ranks, L = a.num_experts / R, C = a.capacity, K = a.num_topk;
   const int lane = threadIdx.x % 32;
   for (int j0 = warp * 32; j0 < C; j0 += warps * 32) {
@@ -47,7 +50,7 @@ __device__ void write_metadata(const DispatchArgs& a, const GatherTables& tb, in
       if (!unused) write_row_metadata(a, i, s, position);
     }
     for (uint32_t left = __ballot_sync(0xffffffffu, unused); left != 0; left &= left - 1)
-      write_unused_row(a, j0 + __ffs(left) - 1, K, lane);
+      write_unused_row(a, j0 + __ffs(left) - 1, K, lane, scales);
   }
 }
 
@@ -81,6 +84,21 @@ __device__ void load_targets(const DispatchArgs& a, char** rows, char** scales) 
 // time off a BF16 call and 2 off an FP8 one on 2×H100, 8 KB ones 3 and 1 (docs/design.md 4.1).
 constexpr size_t kPieceBytes = 4096;
 
+// Lane r < R: token t's row at destination r (-1: not sent there, or dropped past the
+// capacity, which the destination counts); `first` writes it to the handle's send_slot.
+__device__ __forceinline__ int destination_row(const DispatchArgs& a, const GatherTables& tb,
+                                               const int32_t* positions, int R, int C, int t,
+                                               bool first, int lane) {
+  int row = -1;
+  if (lane < R) {
+    const int rank_in_list = positions[size_t(t) * R + lane];
+    row = rank_in_list >= 0 ? tb.my_offset_at[lane] + rank_in_list : -1;
+    if (row >= C) row = -1;
+    if (first) a.send_slot[size_t(t) * R + lane] = row;
+  }
+  return row;
+}
+
 // Warps claim pieces of this PE's tokens (token-major, so that a token's pieces go out
 // together); lane r turns the token's place in r's list into its row there (the piece-0 warp
 // writes it to the handle's send_slot; -1 past the capacity) and the warp stores the piece
@@ -95,13 +113,7 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
   uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
   for (int item = claim_item(cursor, lane); item < T * pieces; item = claim_item(cursor, lane)) {
     const int t = item / pieces, piece = item % pieces;
-    int row = -1;
-    if (lane < R) {
-      const int rank_in_list = positions[size_t(t) * R + lane];
-      row = rank_in_list >= 0 ? tb.my_offset_at[lane] + rank_in_list : -1;
-      if (row >= C) row = -1;  // dropped: counted by the destination
-      if (piece == 0) a.send_slot[size_t(t) * R + lane] = row;
-    }
+    const int row = destination_row(a, tb, positions, R, C, t, piece == 0, lane);
     const size_t begin = size_t(piece) * kPieceBytes;
     const size_t bytes = a.x_row_bytes - begin < kPieceBytes ? a.x_row_bytes - begin : kPieceBytes;
     const char* x = static_cast<const char*>(a.x) + size_t(t) * a.x_row_bytes + begin;
@@ -116,10 +128,69 @@ __device__ void push_rows(const DispatchArgs& a, const GatherTables& tb, char* c
   }
 }
 
+// push_rows quantising on the way (DispatchArgs::quantize): a work item is kPieceBytes
+// channels of a token (kPieceBytes of e4m3 out, of sizeof(T) times as many in); lane q takes
+// its 16-channel chunks q, q + 32, ... (a 128-channel block's 8 chunks in 8 neighbouring
+// lanes, fp8.cuh), two rounds of loads in flight, and stores each chunk's 16 bytes, and the
+// block's scale from its first lane, into every destination holding one of the token's
+// experts. Quantised once however many destinations.
+template <typename T>
+__device__ void push_rows_quantized(const DispatchArgs& a, const GatherTables& tb,
+                                    char* const* rows, char* const* scales) {
+  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
+  const PeerContext& ctx = a.ctx;
+  const int T_ = a.num_tokens, H = int(a.x_row_bytes);  // e4m3: a byte a channel
+  const int lane = threadIdx.x % 32;
+  const int pieces = int((size_t(H) + kPieceBytes - 1) / kPieceBytes);
+  const int32_t* positions = region<int32_t>(ctx, ctx.rank, a.plan.positions);
+  uint32_t* cursor = &control_of(ctx, ctx.rank)->work_cursor[kCursorDispatch];
+  for (int item = claim_item(cursor, lane); item < T_ * pieces; item = claim_item(cursor, lane)) {
+    const int t = item / pieces, piece = item % pieces;
+    const int row = destination_row(a, tb, positions, ctx.num_ranks, a.capacity, t, piece == 0,
+                                    lane);
+    const uint32_t targets = __ballot_sync(0xffffffffu, row >= 0);
+    if (targets == 0) continue;
+    // chunks [begin, end) of the row: a multiple of 8 (H and kPieceBytes are of 128)
+    const int begin = piece * int(kPieceBytes / 16);
+    const int end = min(H / 16, begin + int(kPieceBytes / 16));
+    const int4* x = reinterpret_cast<const int4*>(static_cast<const T*>(a.x) + size_t(t) * H);
+    for (int c0 = begin + lane; c0 - lane < end; c0 += 32 * kRounds) {
+      int4 raw[kRounds][sizeof(T)];
+#pragma unroll
+      for (int u = 0; u < kRounds; ++u) {
+        const int c = c0 + 32 * u;
+#pragma unroll
+        for (int i = 0; i < int(sizeof(T)); ++i)
+          raw[u][i] = c < end ? __ldg(x + size_t(c) * sizeof(T) + i) : int4{0, 0, 0, 0};
+      }
+#pragma unroll
+      for (int u = 0; u < kRounds; ++u) {
+        const int c = c0 + 32 * u;
+        float v[16];
+        unpack16<T>(raw[u], v);
+        int4 packed;
+        const float scale = quantize16(v, a.ue8m0, &packed);
+        for (uint32_t left = targets; left != 0; left &= left - 1) {
+          const int r = __ffs(left) - 1;
+          const size_t i = size_t(__shfl_sync(0xffffffffu, row, r));
+          if (c >= end) continue;
+          reinterpret_cast<int4*>(rows[r] + i * a.x_row_bytes)[c] = packed;
+          if ((c & 7) == 0 && scales[r] != nullptr)
+            reinterpret_cast<float*>(scales[r] + i * a.scale_row_bytes)[c / 8] = scale;
+        }
+      }
+    }
+  }
+}
+
+// Quantized: void moves the rows as they are; else their element type, quantised on the way
+// (a kernel of its own, so that the default one keeps its registers).
+template <typename Quantized>
 __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
   const uint64_t call = enter_after_ready(ctx, kProfDispatchGather, "dispatch");
   const int R = ctx.num_ranks, me = ctx.rank;
+  const bool scales_out = a.scales != nullptr || !std::is_void_v<Quantized>;
   __shared__ int32_t tables[2 * kMaxStageRanks + 1];
   __shared__ char* rows[kMaxStageRanks];
   __shared__ char* scales[kMaxStageRanks];
@@ -134,15 +205,18 @@ __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   // holds back this PE's pushed flag while waiting for a peer's.
   if (a.direct_out && warp_in_block < kMetadataWarps)
     write_metadata(a, tb, blockIdx.x * kMetadataWarps + warp_in_block,
-                   gridDim.x * kMetadataWarps);
-  push_rows(a, tb, rows, scales);
+                   gridDim.x * kMetadataWarps, scales_out);
+  if constexpr (std::is_void_v<Quantized>)
+    push_rows(a, tb, rows, scales);
+  else
+    push_rows_quantized<Quantized>(a, tb, rows, scales);
   // In place, nothing is left after the stores: the call's closing block raises pushed[] (one
   // block counter and one fence per block fewer). Else the landing areas are copied out after
   // every source's flag, so the flag goes out first.
   if (!a.direct_out) {
     if (last_block_on(&mine->block_counter[kCounterLeanPush]) && threadIdx.x == 0)
       signal_all(ctx, Flag::kPushed, call);
-    write_metadata(a, tb, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps);
+    write_metadata(a, tb, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps, scales_out);
     // the peers' rows from the landing area, once each source's flag has come
     const int lane = threadIdx.x % 32;
     const int warp = blockIdx.x * kWarps + warp_in_block, warps = gridDim.x * kWarps;
@@ -159,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
         copy_row<true>(static_cast<char*>(a.out_x) + size_t(i) * a.x_row_bytes,
                        region<char>(ctx, me, a.plan.rows) + size_t(i) * a.x_row_bytes,
                        a.x_row_bytes, lane, 32);
-        if (a.scales != nullptr)
+        if (scales_out)
           copy_row<true>(reinterpret_cast<char*>(a.out_scales) + size_t(i) * a.scale_row_bytes,
                          region<char>(ctx, me, a.plan.scales) + size_t(i) * a.scale_row_bytes,
                          a.scale_row_bytes, lane, 32);
@@ -177,8 +251,17 @@ cudaError_t launch_dispatch_lean(const DispatchArgs& a, cudaStream_t stream) {
   if (status != cudaSuccess) return status;
   // every block resident: a block waiting for a peer's rows must not keep this PE's own
   // stores from a CTA slot
-  return launch_after_previous(dispatch_lean, std::min(a.num_blocks, multiprocessors()),
-                               kThreads, 0, stream, a);
+  const int blocks = std::min(a.num_blocks, multiprocessors());
+  if (!a.quantize) return launch_after_previous(dispatch_lean<void>, blocks, kThreads, 0, stream, a);
+  switch (a.x_type) {
+    case ElementType::kBF16:
+      return launch_after_previous(dispatch_lean<__nv_bfloat16>, blocks, kThreads, 0, stream, a);
+    case ElementType::kF16:
+      return launch_after_previous(dispatch_lean<__half>, blocks, kThreads, 0, stream, a);
+    case ElementType::kF32:
+      return launch_after_previous(dispatch_lean<float>, blocks, kThreads, 0, stream, a);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace jax_ep

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_gather(DispatchArgs a) {
       if (i < 0) break;  // past the capacity, and so are the later lanes' rows
       const int s = __shfl_sync(0xffffffffu, my_s, r);
       if (s < 0) {
-        write_unused_row(a, i, out_k, lane);
+        write_unused_row(a, i, out_k, lane, a.scales != nullptr);
         continue;
       }
       const int t = __shfl_sync(0xffffffffu, my_t, r), k = __shfl_sync(0xffffffffu, my_k, r);

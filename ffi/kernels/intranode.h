@@ -30,6 +30,8 @@
 
 namespace jax_ep {
 
+enum class ElementType { kBF16, kF16, kF32 };
+
 // Threads per block of the intranode kernels.
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -88,9 +90,13 @@ struct DispatchArgs {
   // PE's mapped XLA allocation: the peers read them there (Control::xla_in) instead of from a
   // staged copy, and the call ends once every peer is done reading.
   bool in_place;
+  // The lean push quantising the rows to e4m3 on the way (dispatch with use_fp8): x holds
+  // unquantised rows of x_type (scales nullptr); x_row_bytes and scale_row_bytes are the
+  // output's (one byte a channel, a float per 128 channels). The other paths get rows the
+  // handler quantised first.
+  bool quantize, ue8m0;
+  ElementType x_type;
 };
-
-enum class ElementType { kBF16, kF16, kF32 };
 
 struct CachedDispatchArgs {
   PeerContext ctx;
