@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "kernels/element_type.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -22,6 +23,16 @@ inline ffi::Error cuda_error(cudaError_t status, const char* op) {
 
 inline ffi::Error invalid(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_ep: " + message);
+}
+
+// The kernels' element type of a bf16, f16 or f32 buffer; false for any other.
+inline bool float_element(ffi::DataType type, ElementType* out) {
+  switch (type) {
+    case ffi::DataType::BF16: *out = ElementType::kBF16; return true;
+    case ffi::DataType::F16: *out = ElementType::kF16; return true;
+    case ffi::DataType::F32: *out = ElementType::kF32; return true;
+    default: return false;
+  }
 }
 
 // A call's tuning, resolved from its jax_ep.Config on the Python side (config.py,

@@ -111,12 +111,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   // sizes below are the output's
   ElementType x_type = ElementType::kF32;
   if (quantize) {
-    switch (x.element_type()) {
-      case ffi::DataType::BF16: x_type = ElementType::kBF16; break;
-      case ffi::DataType::F16: x_type = ElementType::kF16; break;
-      case ffi::DataType::F32: x_type = ElementType::kF32; break;
-      default: return invalid("dispatch: quantising takes bf16, f16 or f32 rows");
-    }
+    if (!float_element(x.element_type(), &x_type))
+      return invalid("dispatch: quantising takes bf16, f16 or f32 rows");
     if (has_scales || x_dims[1] % 128 != 0)
       return invalid("dispatch: quantising takes unquantised rows of a multiple of 128 "
                      "channels");
@@ -315,12 +311,8 @@ ffi::Error cached_dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x,
         y.element_type() != x.element_type() || y.element_count() != size_t(C) * dims[1])
       return invalid("cached_dispatch: weights and d_weights must be [capacity] and y "
                      "[capacity, D] of x's dtype");
-    switch (x.element_type()) {
-      case ffi::DataType::BF16: a.dtype = ElementType::kBF16; break;
-      case ffi::DataType::F16: a.dtype = ElementType::kF16; break;
-      case ffi::DataType::F32: a.dtype = ElementType::kF32; break;
-      default: return invalid("cached_dispatch: weighted rows must be bf16, f16 or f32");
-    }
+    if (!float_element(x.element_type(), &a.dtype))
+      return invalid("cached_dispatch: weighted rows must be bf16, f16 or f32");
     a.weights = weights.typed_data();
     a.y = y.untyped_data();
     a.d_weights = d_weights->typed_data();
@@ -361,12 +353,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::
   if (y_dims.size() != 2 || idx_dims.size() != 2)
     return invalid("combine: y must be [C, H] and topk_idx [T, K]");
   ElementType dtype;
-  switch (y.element_type()) {
-    case ffi::DataType::BF16: dtype = ElementType::kBF16; break;
-    case ffi::DataType::F16: dtype = ElementType::kF16; break;
-    case ffi::DataType::F32: dtype = ElementType::kF32; break;
-    default: return invalid("combine: y must be bf16, f16 or f32");
-  }
+  if (!float_element(y.element_type(), &dtype))
+    return invalid("combine: y must be bf16, f16 or f32");
   const int C = static_cast<int>(y_dims[0]), H = static_cast<int>(y_dims[1]);
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
   if (weights.element_count() != size_t(C) || src_rank.element_count() != size_t(C) ||

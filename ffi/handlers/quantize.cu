@@ -16,12 +16,8 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x,
   if (dims.size() != 2 || dims[1] % 128 != 0)
     return invalid("quantize_fp8: x must be [rows, hidden] with hidden a multiple of 128");
   ElementType type;
-  switch (x.element_type()) {
-    case ffi::DataType::BF16: type = ElementType::kBF16; break;
-    case ffi::DataType::F16: type = ElementType::kF16; break;
-    case ffi::DataType::F32: type = ElementType::kF32; break;
-    default: return invalid("quantize_fp8: x must be bfloat16, float16 or float32");
-  }
+  if (!float_element(x.element_type(), &type))
+    return invalid("quantize_fp8: x must be bfloat16, float16 or float32");
   if (data->element_type() != ffi::DataType::F8E4M3FN)
     return invalid("quantize_fp8: the data result must be float8_e4m3fn");
   if (data->element_count() != dims[0] * dims[1] ||

@@ -25,12 +25,11 @@
 
 #include "kernels/buffer_layout.h"
 #include "kernels/device_utils.cuh"
+#include "kernels/element_type.h"
 #include "kernels/launch.h"
 #include "transport/copy_sequence.cuh"
 
 namespace jax_ep {
-
-enum class ElementType { kBF16, kF16, kF32 };
 
 // Threads per block of the intranode kernels.
 constexpr int kThreads = 512;

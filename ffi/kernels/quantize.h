@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "kernels/intranode.h"  // ElementType
+#include "kernels/element_type.h"
 
 namespace jax_ep {
 
