@@ -134,7 +134,7 @@ _STATEFUL = frozenset({"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_receive",
                        "jax_ep_ll_combine_send", "jax_ep_ll_combine_receive"})
 
 
-def _call(name, result_types, *args, axis_name, **attrs):
+def _call(name, result_types, *args, axis_name, vmap_method=None, **attrs):
     """One custom call, its operands and results fenced by optimization barriers.
 
     Why the barriers: XLA:GPU's dynamic-slice fusion (on by default) wraps a custom call whose
@@ -152,6 +152,8 @@ def _call(name, result_types, *args, axis_name, **attrs):
     every rank, so XLA may merge, hoist or drop it alike everywhere; declared pure, it keeps
     jax's fast dispatch path (a program with an effect takes the Python one), which took 2-7
     µs per call off chains of 100 calls (2×H100, benchmarks/RESULTS.md).
+
+    vmap_method: how ``jax.vmap`` batches the call (jax.ffi.ffi_call's); None: it cannot.
     """
     _native.register()
     # the results vary over the EP axis and over every mesh axis an operand varies over (the
@@ -160,8 +162,8 @@ def _call(name, result_types, *args, axis_name, **attrs):
     for arg in args:
         axes.update(varying_axes(arg))
     args = jax.lax.optimization_barrier(args)
-    out = jax.ffi.ffi_call(name, result_types, has_side_effect=name in _STATEFUL)(*args,
-                                                                                **attrs)
+    out = jax.ffi.ffi_call(name, result_types, has_side_effect=name in _STATEFUL,
+                           vmap_method=vmap_method)(*args, **attrs)
     out = jax.lax.optimization_barrier(out)
     if not axes:
         return out
@@ -184,12 +186,13 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 
 def quantize_fp8(x, *, ue8m0):
-    """jax_ep.quantize_fp8 as one kernel (jax_ep_quantize_fp8)."""
+    """jax_ep.quantize_fp8 as one kernel (jax_ep_quantize_fp8); rows are rows whatever the
+    leading dimensions, so ``jax.vmap`` batches it by adding one."""
     T, H = x.shape
     return _call("jax_ep_quantize_fp8",
                  (jax.ShapeDtypeStruct((T, H), jnp.float8_e4m3fn),
                   jax.ShapeDtypeStruct((T, H // 128), jnp.float32)),
-                 x, axis_name=None, ue8m0=bool(ue8m0))
+                 x, axis_name=None, vmap_method="expand_dims", ue8m0=bool(ue8m0))
 
 
 def _dispatch_call(x, x_scales, topk_idx, topk_weights, *, num_experts, num_ranks, capacity,

@@ -273,7 +273,9 @@ def test_quantize_fp8_kernel_matches_reference(dtype, ue8m0):
         x = np.asarray(jnp.asarray(x, dtype))
 
         def fn(backend, x):
-            return jax_ep.quantize_fp8(x, ue8m0=ue8m0, backend=backend)
+            pairs = jax.vmap(lambda x: jax_ep.quantize_fp8(x, ue8m0=ue8m0, backend=backend))(
+                jnp.stack([x, -2.0 * x]))  # batched: one more leading dimension
+            return jax_ep.quantize_fp8(x, ue8m0=ue8m0, backend=backend), pairs
 
         assert_trees_equal(*both(fn, x))
 

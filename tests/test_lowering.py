@@ -402,6 +402,11 @@ def test_quantize_fp8_takes_the_kernel_inside_shard_map_only(monkeypatch):
     x = jnp.zeros((8, 256), jnp.bfloat16)
     inside = _lowered_for_cuda(lambda x: jax_ep.quantize_fp8(x)[1], x)
     assert "@jax_ep_quantize_fp8" in inside
+    # vmapped: one call over the batch, its operand [batch, rows, hidden]
+    batched = _lowered_for_cuda(
+        lambda x: jax.vmap(jax_ep.quantize_fp8)(jnp.stack([x, x]))[1][0], x)
+    (call,) = [ln for ln in batched.splitlines() if "@jax_ep_quantize_fp8" in ln]
+    assert "tensor<2x4x256xbf16>" in call, call  # 4 rows a device
     outside = jax.jit(lambda x: jax_ep.quantize_fp8(x)[1]).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "jax_ep_quantize_fp8" not in outside
