@@ -5,7 +5,21 @@ Everything is computed for all ranks at once from global arrays shaped [R, T, ..
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+
+def quantize_fp8(x, ue8m0=False):
+    """jax_ep.quantize_fp8's arithmetic in NumPy float32, each step correctly rounded (the
+    stated contract): [..., H] -> (e4m3 data, float32 scales [..., H // 128])."""
+    b = np.asarray(x, np.float32).reshape(*np.shape(x)[:-1], -1, 128)
+    scale = np.maximum(np.abs(b).max(-1), np.float32(1e-10)) * np.float32(1.0 / 448.0)
+    if ue8m0:
+        mantissa, exponent = np.frexp(scale)
+        exponent = np.where(mantissa == 0.5, exponent - 1, exponent).astype(np.int32)
+        scale = ((exponent + 127) << 23).astype(np.int32).view(np.float32)
+    q = np.clip(b * (np.float32(1.0) / scale)[..., None], np.float32(-448.0), np.float32(448.0))
+    return q.astype(ml_dtypes.float8_e4m3fn).reshape(np.shape(x)), scale.astype(np.float32)
 
 
 def route(topk_idx, num_experts, num_ranks):
