@@ -4,10 +4,13 @@
 two (the UE8M0 format some FP8 GEMMs expect), at the cost of up to one bit of range.
 
 The arithmetic is spelled out so that XLA compiles it as written (it rewrites a division by
-a constant or by a broadcast into a multiplication by a reciprocal) and the CUDA kernels (the
-quantize kernel, the low-latency dispatch's send) reproduce it bit for bit:
+a constant or by a broadcast into a multiplication by a reciprocal):
 ``scale = max(amax, 1e-10) * f32(1/448)``, ``data = e4m3(clip(x * (1 / scale), ±448))`` with
-an IEEE float32 reciprocal and round-to-nearest-even to e4m3.
+an IEEE float32 reciprocal and round-to-nearest-even to e4m3. The CUDA kernels (the quantize
+kernel, the normal dispatch's ``use_fp8``, the low-latency send) compute exactly that, each
+float32 step correctly rounded, as XLA:CPU does; XLA:GPU's ops put a code one e4m3 step off
+in a few elements in a million (its float32 reciprocal is not always the correctly rounded
+one).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def quantize_fp8(x, *, ue8m0: bool = False, backend: str = "auto"):
     backend: ``"auto"`` runs jax_ep's CUDA kernel (one pass over x) where the CUDA backend
     runs and the call is inside ``shard_map`` over every mesh axis (where jax_ep's calls run:
     a custom call outside it would be replicated by XLA's partitioner), else XLA's ops;
-    ``"reference"`` XLA's ops; ``"cuda"`` the kernel. Both give the same bits; gradients are
-    those of XLA's ops.
+    ``"reference"`` XLA's ops; ``"cuda"`` the kernel. The same scales and codes up to XLA:GPU's
+    rounding (see the module); gradients are those of XLA's ops.
     """
     if x.ndim != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"quantize_fp8 needs [tokens, hidden] with hidden divisible by {BLOCK}, "

@@ -1,6 +1,7 @@
 // FP8 (e4m3) block quantisation in registers, shared by every kernel that quantises: one
-// float32 scale per 128 consecutive channels, bit-identical to jax_ep.fp8.quantize_fp8 as XLA
-// compiles it (finite inputs; a NaN is dropped by fmaxf where XLA's max propagates it).
+// float32 scale per 128 consecutive channels, jax_ep.fp8.quantize_fp8's arithmetic with every
+// float32 step correctly rounded (finite inputs; a NaN is dropped by fmaxf where XLA's max
+// propagates it).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -54,7 +55,7 @@ __device__ __forceinline__ float quantize16(const float (&v)[16], bool ue8m0, in
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-  // jax_ep.fp8.quantize_fp8 as XLA compiles it (see there): constants rounded from double to
+  // jax_ep.fp8.quantize_fp8's arithmetic (see there): constants rounded from double to
   // float as NumPy does, products and the reciprocal correctly rounded, no FMA.
   float scale =
       __fmul_rn(fmaxf(amax, static_cast<float>(1e-10)), static_cast<float>(1.0 / 448.0));
