@@ -51,8 +51,12 @@ def quantize_fp8(x, *, ue8m0: bool = False, backend: str = "auto"):
 def _inside_full_shard_map() -> bool:
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
     mesh = get_mesh() if get_mesh is not None else None
-    return bool(mesh is not None and not mesh.empty
-                and getattr(mesh, "are_all_axes_manual", False))
+    if mesh is None or mesh.empty:
+        return False
+    every = getattr(mesh, "are_all_axes_manual", None)  # a property from jax 0.7 on
+    if every is not None:
+        return bool(every)
+    return set(getattr(mesh, "manual_axes", ())) == set(mesh.axis_names)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
