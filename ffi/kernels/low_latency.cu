@@ -61,8 +61,10 @@ __device__ __forceinline__ uint64_t read_call(const int32_t* call) {
 
 // last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
 // signal (consumed) only says that the region has been read (else the sends' GPU-scope
-// arrival, their last block's release stores carrying every block's NVLink stores). puts: the
-// block's puts are completed first (so the last block's signals follow every put of the call).
+// arrival, their last block's release stores carrying every block's NVLink stores: the last
+// block acquires the others' arrivals first, since lanes other than the one that counted
+// raise peers' flags). puts: the block's puts are completed first (so the last block's
+// signals follow every put of the call).
 __device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true,
                                      bool puts = false) {
   if (puts) {
@@ -72,7 +74,8 @@ __device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fenc
   return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot],
                        !fence_writes ? BlockFence::kNone
                        : puts        ? BlockFence::kSystem  // a proxy may read what they staged
-                                     : BlockFence::kGpu);
+                                     : BlockFence::kGpu,
+                       /*reads_blocks=*/fence_writes);
 }
 
 // Flags of every peer in one round of loads: each lane of the calling warp loads its own
