@@ -88,11 +88,18 @@ def both(fn, *args):
     return cuda, ref
 
 
-def assert_trees_equal(got, want):
+def assert_trees_equal(got, want, fp8_steps=False):
+    """Bit for bit. fp8_steps: e4m3 codes may be one step apart in a few elements (two, or 1
+    in 10^4), where one side was quantised by XLA:GPU's ops (see jax_ep.fp8)."""
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         a, b = np.asarray(a), np.asarray(b)
         if a.dtype == jnp.float8_e4m3fn:
             a, b = a.view(np.uint8), b.view(np.uint8)
+            if fp8_steps and a.shape == b.shape and a.size:
+                step = np.abs(a.astype(np.int32) - b.astype(np.int32))
+                off = int(np.count_nonzero(step))
+                assert step.max() <= 1 and off <= max(2, a.size // 10_000), (step.max(), off)
+                continue
         np.testing.assert_array_equal(a, b)
 
 
@@ -284,11 +291,7 @@ def test_quantize_fp8_kernel_matches_reference(dtype, ue8m0):
         cuda, ref = both(fn, x, pairs)
         want = (oracle.quantize_fp8(x, ue8m0), oracle.quantize_fp8(pairs, ue8m0))
         assert_trees_equal(cuda, want)
-        for (data, scales), (want_data, want_scales) in zip(ref, want):
-            np.testing.assert_array_equal(np.asarray(scales), want_scales)
-            step = np.abs(np.asarray(data).view(np.uint8).astype(int)
-                          - want_data.view(np.uint8).astype(int))
-            assert step.max() <= 1 and np.mean(step) < 1e-4, (step.max(), np.mean(step))
+        assert_trees_equal(ref, want, fp8_steps=True)
 
 
 @pytest.mark.parametrize("layout,dtype,H", [
@@ -696,8 +699,8 @@ def assert_ll_round_trip(got, want):
     """ll_round_trip on CUDA against the reference: the used rows bit-equal, the sums close."""
     (out, split, back, back_split), (out_r, _, back_r, _) = got, want
     used = np.asarray(out_r.handle.src_rank) >= 0
-    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
-    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used), fp8_steps=True)
+    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used), fp8_steps=True)
     assert_sums_close(back, back_r, jnp.bfloat16)
     assert_trees_equal(back_split, back)
 
@@ -744,8 +747,8 @@ def test_low_latency_wide_rows_match_reference(fp8):
     (out, split, back), (out_r, split_r, back_r) = both(fn, x, idx, w)
     used = np.asarray(out_r.handle.src_rank) >= 0
     assert used.sum() > 0
-    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
-    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used), fp8_steps=True)
+    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used), fp8_steps=True)
     assert_sums_close(back, back_r, jnp.bfloat16)
 
 
@@ -769,7 +772,7 @@ def test_low_latency_drops_duplicate_experts():
 
     (out, back), (out_r, back_r) = both(fn, x, idx, w)
     used = np.asarray(out_r.handle.src_rank) >= 0
-    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used), fp8_steps=True)
     assert np.asarray(out.num_dropped).tolist() == [T] * R
     assert_sums_close(back, back_r, jnp.bfloat16)
 
@@ -797,7 +800,7 @@ def test_low_latency_combine_dtypes_and_cached_dispatch(dtype, H):
     (out, back, rows, odd_rows, w_rows), (out_r, back_r, rows_r, odd_r, w_r) = both(
         fn, x, idx, w, y, odd)
     used = np.asarray(out_r.handle.src_rank) >= 0
-    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used), fp8_steps=True)
     assert_sums_close(back, back_r, dtype)
     for got, want in ((rows, rows_r), (odd_rows, odd_r), (w_rows, w_r)):
         assert_trees_equal(np.asarray(got)[used], np.asarray(want)[used])
@@ -850,7 +853,7 @@ def test_low_latency_consecutive_calls():
     got, want = both(fn, xs, idxs, ws, ys)
     for i in range(n):
         used = np.asarray(want[0][i].handle.src_rank) >= 0
-        assert_trees_equal(_ll_used(got[0][i], used), _ll_used(want[0][i], used))
+        assert_trees_equal(_ll_used(got[0][i], used), _ll_used(want[0][i], used), fp8_steps=True)
         assert_sums_close(got[1][i], want[1][i], jnp.bfloat16)
 
 
@@ -923,11 +926,11 @@ def test_low_latency_interleaved_split_calls():
     outs_r, backs_r, _, _ = want
     for i in range(n):
         used = np.asarray(outs_r[i].handle.src_rank) >= 0
-        assert_trees_equal(_ll_used(outs[i], used), _ll_used(outs_r[i], used))
+        assert_trees_equal(_ll_used(outs[i], used), _ll_used(outs_r[i], used), fp8_steps=True)
         assert_sums_close(backs[i], backs_r[i], jnp.bfloat16)
     for i, o in enumerate(inter):
         used = np.asarray(outs_r[i].handle.src_rank) >= 0
-        assert_trees_equal(_ll_used(o, used), _ll_used(outs_r[i], used))
+        assert_trees_equal(_ll_used(o, used), _ll_used(outs_r[i], used), fp8_steps=True)
     for i, b in enumerate(inter_back):
         assert_sums_close(b, backs_r[i], jnp.bfloat16)
 
@@ -1177,8 +1180,8 @@ def test_sub_axis_low_latency_matches_reference(order, fp8):
 
     (out, split, back), (out_r, _, back_r) = both_2d(fn, names, shape, x, idx, w, y)
     used = np.asarray(out_r.handle.src_rank) >= 0
-    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used))
-    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used))
+    assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used), fp8_steps=True)
+    assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used), fp8_steps=True)
     assert_sums_close(back, back_r, jnp.bfloat16)
 
 
