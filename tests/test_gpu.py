@@ -752,6 +752,31 @@ def test_low_latency_wide_rows_match_reference(fp8):
     assert_sums_close(back, back_r, jnp.bfloat16)
 
 
+def test_low_latency_split_repeated_matches_one_call():
+    """Twelve split dispatches of wide rows in one program, each against the one-call dispatch
+    of the same rows (both CUDA), the calls in whatever order XLA gives them: a record read
+    before all of it landed shows as a difference."""
+    T = M = LL_WIDE_M
+    x, idx, _, E = _ll_inputs(17, T, LL_WIDE_H, "random", 0.1)
+    kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=False,
+              backend="cuda")
+
+    def fn(x, idx):
+        outs = []
+        for i in range(12):
+            rows = x + jnp.asarray(i, x.dtype)  # new rows every round
+            one = jax_ep.low_latency_dispatch(rows, idx, **kw)
+            split = jax_ep.low_latency_dispatch_receive(
+                jax_ep.low_latency_dispatch_send(rows, idx, **kw))
+            outs.append((one, split))
+        return outs
+
+    for one, split in run(fn, num_ranks(), x, idx):
+        used = np.asarray(one.handle.src_rank) >= 0
+        assert used.sum() > 0
+        assert_trees_equal(_ll_used(split, used), _ll_used(one, used))
+
+
 def test_low_latency_drops_duplicate_experts():
     """T == M and tokens listing an expert twice: slots >= M are dropped at the source."""
     R = num_ranks()
