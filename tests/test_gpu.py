@@ -256,13 +256,13 @@ def test_fp8_dispatch_matches_reference(layout, dispatch_mode):
     R = num_ranks()
     T, H, K, E = 80, 512, 4, 4 * R
     x, idx, w = make_inputs(np.random.default_rng(9), R, T, H, K, E, "random", 0.1)
+    data, scales = oracle.quantize_fp8(x)  # the same pair on both sides
 
-    def fn(backend, x, idx, w):
-        return jax_ep.dispatch(jax_ep.quantize_fp8(x, backend=backend), idx, w, num_experts=E,
-                               axis_name=AXIS,
+    def fn(backend, data, scales, idx, w):
+        return jax_ep.dispatch((data, scales), idx, w, num_experts=E, axis_name=AXIS,
                                layout=layout, backend=backend)
 
-    assert_trees_equal(*both(fn, x, idx, w))
+    assert_trees_equal(*both(fn, data, scales, idx, w))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -349,11 +349,11 @@ def test_wide_rows_match_reference(H, fp8):
     rng = np.random.default_rng(H + fp8)
     x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.05)
     if fp8:
-        def fn(backend, x, idx, w):  # the same pair on both sides: XLA's ops quantise
-            return jax_ep.dispatch(jax_ep.quantize_fp8(x, backend="reference"), idx, w,
-                                   num_experts=E, axis_name=AXIS, backend=backend)
+        def fn(backend, data, scales, idx, w):
+            return jax_ep.dispatch((data, scales), idx, w, num_experts=E, axis_name=AXIS,
+                                   backend=backend)
 
-        assert_trees_equal(*both(fn, x, idx, w))
+        assert_trees_equal(*both(fn, *oracle.quantize_fp8(x), idx, w))  # one pair for both
         return
     x = np.asarray(jnp.asarray(x, jnp.bfloat16))
     C = jax_ep.default_capacity(T, R, K, 4, "rank_major", 1)
@@ -374,13 +374,14 @@ def test_copy_dispatch_in_many_chunks_matches_reference(fp8, monkeypatch):
     T, H, K, E = 1000, 1024, 6, 8 * R
     x, idx, w = make_inputs(np.random.default_rng(21), R, T, H, K, E, "random", 0.1)
     x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    data, scales = oracle.quantize_fp8(x)  # FP8: the same pair on both sides
 
-    def fn(backend, x, idx, w):
-        xin = jax_ep.quantize_fp8(x, backend=backend) if fp8 else x
+    def fn(backend, x, data, scales, idx, w):
+        xin = (data, scales) if fp8 else x
         out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, backend=backend)
         return out, jax_ep.combine(out.x.astype(jnp.float32), out.handle)
 
-    (out, back), (out_r, back_r) = both(fn, x, idx, w)
+    (out, back), (out_r, back_r) = both(fn, x, data, scales, idx, w)
     assert_trees_equal(out, out_r)
     assert_sums_close(back, back_r, jnp.float32)
 
@@ -457,14 +458,16 @@ def test_source_slots_in_many_chunks(fp8, junk, slots_combine, monkeypatch):
     # order by the reference's host devices (shared GPUs) than on the GPU
     row_w = rng.random((R, R * T)).astype(np.float32)
 
-    def fn(backend, x, idx, w, row_w):
-        xin = jax_ep.quantize_fp8(x, backend=backend) if fp8 else x
+    data, scales = oracle.quantize_fp8(x)  # FP8: the same pair on both sides
+
+    def fn(backend, x, data, scales, idx, w, row_w):
+        xin = (data, scales) if fp8 else x
         out = jax_ep.dispatch(xin, idx, w, num_experts=E, axis_name=AXIS, layout="source_slots",
                               backend=backend)
         rows = jnp.asarray(out.x, jnp.float32)
         return out, jax_ep.combine(rows, out.handle, weights=row_w)
 
-    (out, back), (out_r, back_r) = both(fn, x, idx, w, row_w)
+    (out, back), (out_r, back_r) = both(fn, x, data, scales, idx, w, row_w)
     assert_trees_equal(out, out_r)
     assert_sums_close(back, back_r, jnp.float32)
     assert int(np.asarray(out.num_received).min()) > 0
