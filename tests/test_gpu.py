@@ -757,21 +757,25 @@ def test_low_latency_wide_rows_match_reference(fp8):
 
 def test_low_latency_split_repeated_matches_one_call():
     """Twelve split dispatches of wide rows in one program, each against the one-call dispatch
-    of the same rows (both CUDA), the calls in whatever order XLA gives them: a record read
-    before all of it landed shows as a difference."""
+    of the same rows (both CUDA): a record read before all of it landed shows as a
+    difference. Each round's rows wait for the round before's receive (between a send and its
+    receive at most one other dispatch may start); within a round XLA orders the calls."""
     T = M = LL_WIDE_M
     x, idx, _, E = _ll_inputs(17, T, LL_WIDE_H, "random", 0.1)
     kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=False,
               backend="cuda")
 
     def fn(x, idx):
-        outs = []
+        outs, before = [], None
         for i in range(12):
             rows = x + jnp.asarray(i, x.dtype)  # new rows every round
+            if before is not None:
+                rows, _ = jax.lax.optimization_barrier((rows, before))
             one = jax_ep.low_latency_dispatch(rows, idx, **kw)
             split = jax_ep.low_latency_dispatch_receive(
                 jax_ep.low_latency_dispatch_send(rows, idx, **kw))
             outs.append((one, split))
+            before = jax.tree.leaves(split)[0]
         return outs
 
     for one, split in run(fn, num_ranks(), x, idx):
