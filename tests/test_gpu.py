@@ -110,16 +110,18 @@ def assert_sums_close(got, want, dtype):
     assert np.mean(got == want) > 0.99, "combine differs from the reference beyond rounding"
 
 
-@pytest.mark.parametrize("T, per_rank", [
-    (300, 12),     # one block
-    (5000, 12),    # a cluster of five blocks
-    (20000, 4),    # the largest cluster, each thread several tokens
-    (700, 8192),   # counts past 48 KB of shared memory
+@pytest.mark.parametrize("T, per_rank, K", [
+    (300, 12, 6),     # one block
+    (5000, 12, 6),    # a cluster of several blocks
+    (4100, 32, 8),    # top-8, a warp past the tokens' end
+    (1000, 12, 9),    # top-9
+    (20000, 4, 6),    # the largest cluster, each thread several tokens
+    (700, 8192, 6),   # counts past 48 KB of shared memory
 ])
-def test_layout_matches_reference(T, per_rank):
+def test_layout_matches_reference(T, per_rank, K):
     R = num_ranks()
     E = per_rank * R
-    _, idx, _ = make_inputs(np.random.default_rng(T), R, T, 8, 6, E, "random", 0.2)
+    _, idx, _ = make_inputs(np.random.default_rng(T), R, T, 8, K, E, "random", 0.2)
     idx[:, ::7, 0] = E + 3  # out of range: no expert, as -1
 
     def fn(backend, idx):
@@ -248,7 +250,7 @@ def test_too_small_buffer_is_an_error_naming_the_bytes():
         run(fn, R, np.full((R, C), -1, np.int32))
     needed = int(re.search(r"buffer of (\d+) bytes", str(info.value)).group(1))
     assert have < needed <= _cuda.buffer_size_hint(T, H, 1, R, R, capacity=C, dtype=jnp.float32)
-    test_layout_matches_reference(300, 12)  # the runtime still works
+    test_layout_matches_reference(300, 12, 6)  # the runtime still works
 
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
