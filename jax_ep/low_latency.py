@@ -14,8 +14,10 @@ On CUDA each operation (dispatch, combine) has two buffer halves used by alterna
 at most two calls of an op may be in flight: between a ``*_send`` and its ``*_receive`` at most
 one other call of the same op (split or fused; a cached dispatch counts as a dispatch) may
 start. XLA orders calls only by data dependencies: tie independent calls together (as the
-fused ops of ``jax.grad`` already are) when a program has more. A send that would overwrite
-a half whose data is still unread waits, and after ``JAX_EP_TIMEOUT_S`` traps naming the peer.
+fused ops of ``jax.grad`` already are) when a program has more, e.g. the next send's inputs to
+the last receive's output with ``x, _ = jax.lax.optimization_barrier((x, received.x))``. A
+send that would overwrite a half whose data is still unread waits, and after
+``JAX_EP_TIMEOUT_S`` traps naming the peer.
 """
 
 from __future__ import annotations
