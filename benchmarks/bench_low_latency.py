@@ -13,10 +13,10 @@ second run without the launcher over all local GPUs, as the device script does).
 The overlap row runs dispatch-send, an independent matmul, dispatch-receive: compare it with
 the sum of the two alone (the matmul depends on the chained argument, so XLA cannot hoist it
 out of the loop); on a GPU a second row runs the send on a second XLA stream
-(``compute_on("gpu_stream:1")``) beside the matmul, and two more put the matmul there
-(``jax_ep.on_stream``) with the send and receive, or the whole dispatch, beside it on the
-program's stream (alone, as the stream call's own cost; at 32 CTAs). The combine-alone row
-reuses one dispatch's handle for every call.
+(``compute_on("gpu_stream:1")``) beside the matmul, and more rows put the matmul there
+(``jax_ep.on_stream``; alone, as the stream call's own cost) with the send and receive, or the
+whole dispatch, beside it on the program's stream, at the default CTAs and at 32. The
+combine-alone row reuses one dispatch's handle for every call.
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
 
@@ -186,6 +186,9 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
                partial(dispatch_beside_work, blocks=32), x, idx_d, weight, chained=0)
         record("matmul on a second stream, dispatch FP8 (one call) beside it",
                partial(dispatch_beside_work, split=False), x, idx_d, weight, chained=0)
+        record("matmul on a second stream, dispatch FP8 (one call) beside it, 32 CTAs",
+               partial(dispatch_beside_work, split=False, blocks=32), x, idx_d, weight,
+               chained=0)
 
 
 def main():
