@@ -15,7 +15,7 @@ the sum of the two alone (the matmul depends on the chained argument, so XLA can
 out of the loop); on a GPU a second row runs the send on a second XLA stream
 (``compute_on("gpu_stream:1")``) beside the matmul, and more rows put the matmul there
 (``jax_ep.on_stream``; alone, as the stream call's own cost) with the send and receive, or the
-whole dispatch, beside it on the program's stream, at the default CTAs and at 32. The
+whole dispatch, beside it on the program's stream, at the default CTAs and fewer. The
 combine-alone row reuses one dispatch's handle for every call.
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
@@ -107,8 +107,9 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     def matmul(x, idx, weight):  # x is the chained argument: one matmul per call
         return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
 
-    def dispatch_overlapped(x, idx, weight):
-        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **ll)
+    def dispatch_overlapped(x, idx, weight, blocks=None):
+        kw = dict(ll, config=jax_ep.Config(num_blocks=blocks)) if blocks else ll
+        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **kw)
         # the matmul after the send and the receive after the matmul: nothing else orders them
         # (profiler traces showed XLA running the receive right after the send otherwise)
         x_after, pending = jax.lax.optimization_barrier((x, pending))
@@ -174,6 +175,10 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             print(f"combine alone FAILED: {type(e).__name__}: {str(e)[:400]}")
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
+    if jax.default_backend() == "gpu":  # the split dispatch's kernel beside the matmul
+        for blocks in (32, 16, 8):
+            record(f"send FP8 -> matmul -> receive, {blocks} CTAs",
+                   partial(dispatch_overlapped, blocks=blocks), x, idx_d, weight, chained=0)
     if jax.default_backend() == "gpu":
         record("send FP8 on a second stream, matmul beside it -> receive",
                dispatch_second_stream, x, idx_d, weight, chained=0)
@@ -186,9 +191,11 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
                partial(dispatch_beside_work, blocks=32), x, idx_d, weight, chained=0)
         record("matmul on a second stream, dispatch FP8 (one call) beside it",
                partial(dispatch_beside_work, split=False), x, idx_d, weight, chained=0)
-        record("matmul on a second stream, dispatch FP8 (one call) beside it, 32 CTAs",
-               partial(dispatch_beside_work, split=False, blocks=32), x, idx_d, weight,
-               chained=0)
+        # fewer CTAs: the GEMM, left the other SMs, loses about the SM-time the call holds
+        for blocks in (32, 16, 8):
+            record(f"matmul on a second stream, dispatch FP8 (one call) beside it, {blocks} CTAs",
+                   partial(dispatch_beside_work, split=False, blocks=blocks), x, idx_d, weight,
+                   chained=0)
 
 
 def main():

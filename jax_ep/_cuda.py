@@ -134,7 +134,8 @@ _STATEFUL = frozenset({"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_receive",
                        "jax_ep_ll_combine_send", "jax_ep_ll_combine_receive"})
 
 
-def _call(name, result_types, *args, axis_name, vmap_method=None, **attrs):
+def _call(name, result_types, *args, axis_name, vmap_method=None, input_output_aliases=None,
+          **attrs):
     """One custom call, its operands and results fenced by optimization barriers.
 
     Why the barriers: XLA:GPU's dynamic-slice fusion (on by default) wraps a custom call whose
@@ -154,6 +155,7 @@ def _call(name, result_types, *args, axis_name, vmap_method=None, **attrs):
     µs per call off chains of 100 calls (2×H100, benchmarks/RESULTS.md).
 
     vmap_method: how ``jax.vmap`` batches the call (jax.ffi.ffi_call's); None: it cannot.
+    input_output_aliases: {operand: result} buffers the call returns as they are (ffi_call's).
     """
     _native.register()
     # the results vary over the EP axis and over every mesh axis an operand varies over (the
@@ -163,7 +165,8 @@ def _call(name, result_types, *args, axis_name, vmap_method=None, **attrs):
         axes.update(varying_axes(arg))
     args = jax.lax.optimization_barrier(args)
     out = jax.ffi.ffi_call(name, result_types, has_side_effect=name in _STATEFUL,
-                           vmap_method=vmap_method)(*args, **attrs)
+                           vmap_method=vmap_method,
+                           input_output_aliases=input_output_aliases)(*args, **attrs)
     out = jax.lax.optimization_barrier(out)
     if not axes:
         return out
@@ -551,13 +554,18 @@ def _ll_fused_dispatch(x, topk_idx, slots, config: LowLatencyConfig, *, cached):
 
 
 def low_latency_send(x, topk_idx, config: LowLatencyConfig):
-    send_slot, call, num_dropped = _call(
-        "jax_ep_ll_dispatch_send", _ll_send_types(*topk_idx.shape), x, topk_idx,
-        jnp.zeros((0,), jnp.int32), _rank(config.axis_name), axis_name=config.axis_name,
-        use_fp8=bool(config.use_fp8), ue8m0=bool(config.ue8m0), cached=False,
-        **_ll_attrs(config))
-    return dict(call=call, topk_idx=topk_idx, send_slot=send_slot, num_dropped=num_dropped,
-                dtype=jnp.zeros((0,), x.dtype))
+    """The whole dispatch, on a stream of the extension's own (the program's stream goes on);
+    its results are the dispatch's outputs, for the receive only (they are written while the
+    program goes on), and the send's operands travel with them so that XLA keeps them alive
+    until the receive."""
+    dtype = jnp.float8_e4m3fn if config.use_fp8 else x.dtype
+    rank = _rank(config.axis_name)
+    types = _ll_send_types(*topk_idx.shape) + _ll_receive_types(
+        config, dtype, x.shape[1], fp8=config.use_fp8, with_src=True)
+    results = _call("jax_ep_ll_dispatch_send", types, x, topk_idx, jnp.zeros((0,), jnp.int32),
+                    rank, axis_name=config.axis_name, use_fp8=bool(config.use_fp8),
+                    ue8m0=bool(config.ue8m0), cached=False, **_ll_attrs(config))
+    return dict(results=tuple(results), operands=(x, topk_idx, rank), topk_idx=topk_idx)
 
 
 def _ll_output(config, topk_idx, send_slot, num_dropped, x, scales, recv_count, src_rank,
@@ -570,13 +578,13 @@ def _ll_output(config, topk_idx, send_slot, num_dropped, x, scales, recv_count, 
 
 
 def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
-    dtype = jnp.float8_e4m3fn if config.use_fp8 else sent["dtype"].dtype
-    types = _ll_receive_types(config, dtype, config.hidden, fp8=config.use_fp8, with_src=True)
-    received = _call("jax_ep_ll_dispatch_receive", types, sent["call"], _rank(config.axis_name),
-                     axis_name=config.axis_name, num_tokens=np.int64(config.num_tokens),
-                     num_topk=np.int64(config.num_topk), **_ll_attrs(config))
-    return _ll_output(config, sent["topk_idx"], sent["send_slot"], sent["num_dropped"],
-                      *received)
+    """The send's results, once its kernel is done (the program's stream waits for it)."""
+    results = sent["results"]
+    types = tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results)
+    send_slot, _, num_dropped, *received = _call(
+        "jax_ep_ll_dispatch_receive", types, *results, *sent["operands"],
+        axis_name=config.axis_name, input_output_aliases={i: i for i in range(len(results))})
+    return _ll_output(config, sent["topk_idx"], send_slot, num_dropped, *received)
 
 
 def low_latency_dispatch(x, topk_idx, config: LowLatencyConfig) -> LowLatencyOutput:

@@ -8,7 +8,11 @@ weights each returned row with the source's gate and sums the K rows of a token 
 
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
 that XLA can schedule independent work (another micro-batch's attention) between them; the
-fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable.
+fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable. On CUDA the
+dispatch's send runs the whole dispatch on a stream of the extension's own, beside the work
+that follows it on the program's stream (``Config(num_blocks=)`` sets how many SMs it holds
+meanwhile), and its receive only waits for it: pass the pending dispatch to one receive,
+unchanged.
 
 On CUDA each operation (dispatch, combine) has two buffer halves used by alternate calls, so
 at most two calls of an op may be in flight: between a ``*_send`` and its ``*_receive`` at most
@@ -107,7 +111,8 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, 
 
 
 def low_latency_dispatch_receive(pending) -> LowLatencyOutput:
-    """Second half: lay out what arrived."""
+    """Second half: the rows as they arrived and were laid out (on CUDA, the program waits
+    here for the send's kernel)."""
     api._check_not_in_work_call("low_latency_dispatch_receive")
     out = _backend(pending.config).low_latency_receive(pending.arrays, pending.config)
     return out._replace(num_invalid=pending.num_invalid)

@@ -2,8 +2,13 @@
 // jax_ep_ll_combine_send / _receive, and the fused jax_ep_ll_dispatch / jax_ep_ll_combine. They validate shapes, check the low-latency buffer is
 // large enough, fill the kernels' argument structs and launch; nothing here waits for the
 // device.
+#include <cuda.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "handlers/common.h"
 #include "handlers/handlers.h"
@@ -114,6 +119,153 @@ bool group_off_node(const char* op, const EpGroup& group) {
          place.off_node;
 }
 
+// ---------------------------------------------------------------- split dispatch, own stream
+//
+// A split dispatch runs the whole dispatch (the fused kernel: send and receive) on a stream of
+// the extension's own, so that the program's stream goes on with the work between the send and
+// its receive while the rows travel and are laid out; the receive only makes the program's
+// stream wait for that kernel. The send's results are the dispatch's outputs, written by that
+// kernel, and the receive returns them (aliased): XLA reads none of them before the receive.
+// The send's operands are operands of the receive as well, so XLA keeps them alive and
+// unchanged until then. The program's stream waits until the kernel holds its SMs (the kernel
+// stores a ticket when its first block runs), so that the work after the send cannot take
+// every SM first. Under stream capture the dispatch runs on the program's stream instead.
+class SplitDispatch {
+ public:
+  static SplitDispatch& get() {
+    static SplitDispatch* one = new SplitDispatch;  // never destroyed: outlives the driver
+    return *one;
+  }
+
+  // Launches the fused dispatch for a split send; `out_x` names it for its receive.
+  ffi::Error launch(cudaStream_t program, LLDispatchSendArgs& send, LLDispatchReceiveArgs& receive,
+                    const void* out_x) {
+    const char* op = "low_latency_dispatch (send)";
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (auto err = cuda_error(cudaStreamIsCapturing(program, &capture), op); err.failure())
+      return err;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (capture != cudaStreamCaptureStatusNone) {
+      if (auto err = cuda_error(launch_ll_dispatch(send, receive, program), op); err.failure())
+        return err;
+      pending_.push_back(Pending{out_x, nullptr});
+      return ffi::Error::Success();
+    }
+    if (auto err = cuda_error(ready(), op); err.failure()) return err;
+    cudaEvent_t inputs = take_event(), done = take_event();
+    if (inputs == nullptr || done == nullptr) return invalid(std::string(op) + ": no CUDA event");
+    cudaError_t status = cudaEventRecord(inputs, program);
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(stream_, inputs, 0);
+    events_.push_back(inputs);  // reusable once the wait is enqueued
+    send.started = started_;
+    send.ticket = ++ticket_;
+    if (status == cudaSuccess) status = launch_ll_dispatch(send, receive, stream_);
+    if (status == cudaSuccess) status = cudaEventRecord(done, stream_);
+    if (status == cudaSuccess) status = cudaEventRecord(latest_, stream_);
+    if (status == cudaSuccess && gate_)
+      status = wait_value_(program, reinterpret_cast<CUdeviceptr>(started_), send.ticket,
+                           CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS
+                   ? cudaSuccess
+                   : cudaErrorUnknown;
+    if (status != cudaSuccess) {
+      events_.push_back(done);
+      return cuda_error(status, op);
+    }
+    pending_.push_back(Pending{out_x, done});
+    return ffi::Error::Success();
+  }
+
+  // The receive of the send that returned `out_x`: the program's stream waits for its kernel.
+  ffi::Error join(cudaStream_t program, const void* out_x) {
+    const char* op = "low_latency_dispatch (receive)";
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (pending_[i].out_x != out_x) continue;
+      const cudaEvent_t done = pending_[i].done;
+      pending_.erase(pending_.begin() + static_cast<long>(i));
+      if (done == nullptr) return ffi::Error::Success();  // ran on the program's stream
+      const cudaError_t status = cudaStreamWaitEvent(program, done, 0);
+      events_.push_back(done);
+      return cuda_error(status, op);
+    }
+    return invalid(std::string(op) + ": its rows are not those of a send in flight: pass the "
+                   "result of low_latency_dispatch_send to one receive, unchanged (a pending "
+                   "dispatch that XLA copied, or one received already, cannot be received)");
+  }
+
+  // Any other low-latency dispatch on the program's stream: after the split dispatches in
+  // flight (they take call numbers from the same counter).
+  ffi::Error order(cudaStream_t program) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cuda_error(order_after_own(program), "low_latency_dispatch");
+  }
+
+ private:
+  struct Pending {
+    const void* out_x;
+    cudaEvent_t done;  // nullptr: the kernel ran on the program's stream
+  };
+
+  // (a captured program cannot wait for work outside its graph: it runs its split dispatches
+  // on its own stream, and one in flight from outside it is not ordered)
+  cudaError_t order_after_own(cudaStream_t program) {
+    bool in_flight = false;
+    for (const Pending& p : pending_) in_flight = in_flight || p.done != nullptr;
+    if (!in_flight) return cudaSuccess;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t status = cudaStreamIsCapturing(program, &capture);
+    if (status != cudaSuccess || capture != cudaStreamCaptureStatusNone) return status;
+    return cudaStreamWaitEvent(program, latest_, 0);
+  }
+
+  cudaError_t ready() {
+    if (stream_ != nullptr) return cudaSuccess;
+    int least = 0, greatest = 0;
+    cudaError_t status = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (status == cudaSuccess)
+      status = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest);
+    if (status == cudaSuccess) status = cudaMalloc(&started_, sizeof(uint64_t));
+    if (status == cudaSuccess) status = cudaMemset(started_, 0, sizeof(uint64_t));
+    if (status == cudaSuccess) status = cudaEventCreateWithFlags(&latest_, cudaEventDisableTiming);
+    if (status == cudaSuccess) {
+      void* entry = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      status = cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &entry, 12000,
+                                                cudaEnableDefault, &found);
+      if (status == cudaSuccess && (found != cudaDriverEntryPointSuccess || entry == nullptr))
+        status = cudaErrorSymbolNotFound;
+      wait_value_ = reinterpret_cast<WaitValue>(entry);
+    }
+    const char* gate = std::getenv("JAX_EP_SPLIT_GATE");
+    gate_ = gate == nullptr || gate[0] != '0';
+    if (status == cudaSuccess) status = cudaDeviceSynchronize();  // the memset is done
+    if (status != cudaSuccess) stream_ = nullptr;
+    return status;
+  }
+
+  cudaEvent_t take_event() {
+    if (!events_.empty()) {
+      const cudaEvent_t e = events_.back();
+      events_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) return nullptr;
+    return e;
+  }
+
+  using WaitValue = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  std::mutex mutex_;
+  cudaStream_t stream_ = nullptr;
+  uint64_t* started_ = nullptr;
+  uint64_t ticket_ = 0;
+  cudaEvent_t latest_ = nullptr;  // after the last kernel launched on stream_
+  WaitValue wait_value_ = nullptr;
+  bool gate_ = true;
+  std::vector<cudaEvent_t> events_;  // free for reuse
+  std::vector<Pending> pending_;
+};
+
 ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                               ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
                               ffi::ResultBuffer<ffi::S32> send_slot,
@@ -185,21 +337,53 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
   return ffi::Error::Success();
 }
 
+ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank,
+                                 ffi::Result<ffi::AnyBuffer> out_x,
+                                 ffi::ResultBuffer<ffi::F32> out_scales,
+                                 ffi::ResultBuffer<ffi::S32> recv_count,
+                                 ffi::ResultBuffer<ffi::S32> src_rank,
+                                 ffi::ResultBuffer<ffi::S32> src_token,
+                                 ffi::ResultBuffer<ffi::S32> src_k,
+                                 ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
+                                 int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
+                                 const EpGroup& group, const Tuning& tuning,
+                                 LLDispatchReceiveArgs& a);
+
+// The split send: the whole dispatch on the extension's stream (SplitDispatch); its results
+// are the receive's too.
 ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> slots_in,
                               ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> send_slot,
                               ffi::ResultBuffer<ffi::S32> call,
-                              ffi::ResultBuffer<ffi::S32> num_dropped, int64_t num_experts,
+                              ffi::ResultBuffer<ffi::S32> num_dropped,
+                              ffi::Result<ffi::AnyBuffer> out_x,
+                              ffi::ResultBuffer<ffi::F32> out_scales,
+                              ffi::ResultBuffer<ffi::S32> recv_count,
+                              ffi::ResultBuffer<ffi::S32> src_rank,
+                              ffi::ResultBuffer<ffi::S32> src_token,
+                              ffi::ResultBuffer<ffi::S32> src_k,
+                              ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                               int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
                               EpGroup group, Tuning tuning) {
-  LLDispatchSendArgs a;
+  LLDispatchSendArgs send;
   if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
                                     num_experts, max_tokens, use_fp8, ue8m0, cached, group,
-                                    tuning,
-                                    a);
+                                    tuning, send);
       err.failure())
     return err;
-  return cuda_error(launch_ll_dispatch_send(a, stream), "low_latency_dispatch (send)");
+  LLDispatchReceiveArgs receive;
+  if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
+                                       src_rank, src_token, src_k, pair_row, num_experts,
+                                       max_tokens, send.num_tokens, send.num_topk, group, tuning,
+                                       receive);
+      err.failure())
+    return err;
+  if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
+    return invalid("low_latency_dispatch (send): the result rows do not match the sent rows");
+  if (receive.src_rank == nullptr)
+    return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
+  receive.ctx.profile = send.ctx.profile;  // one call, one profile row
+  return SplitDispatch::get().launch(stream, send, receive, receive.out_x);
 }
 
 // `call`: the device [2] int32 call number of the matching send.
@@ -269,25 +453,16 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   return ffi::Error::Success();
 }
 
-ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
-                                 ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out_x,
-                                 ffi::ResultBuffer<ffi::F32> out_scales,
-                                 ffi::ResultBuffer<ffi::S32> recv_count,
-                                 ffi::ResultBuffer<ffi::S32> src_rank,
-                                 ffi::ResultBuffer<ffi::S32> src_token,
-                                 ffi::ResultBuffer<ffi::S32> src_k,
-                                 ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
-                                 int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
-                                 EpGroup group, Tuning tuning) {
-  if (call.element_count() != 2)
-    return invalid("low_latency_dispatch (receive): call must be [2] int32");
-  LLDispatchReceiveArgs a;
-  if (auto err = make_dispatch_receive(call.typed_data(), rank, out_x, out_scales, recv_count,
-                                       src_rank, src_token, src_k, pair_row, num_experts,
-                                       max_tokens, num_tokens, num_topk, group, tuning, a);
-      err.failure())
-    return err;
-  return cuda_error(launch_ll_dispatch_receive(a, stream), "low_latency_dispatch (receive)");
+// The split receive: its operands are the send's results (aliased to its own) and the send's
+// operands (kept alive for the kernel); the program's stream waits for the send's kernel.
+ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::RemainingArgs operands,
+                                 ffi::RemainingRets results) {
+  const char* op = "low_latency_dispatch (receive)";
+  if (operands.size() < 4 || results.size() < 4)
+    return invalid(std::string(op) + ": takes the pending dispatch of a send");
+  auto out_x = operands.get<ffi::AnyBuffer>(3);
+  if (out_x.has_error()) return invalid(std::string(op) + ": the pending rows are missing");
+  return SplitDispatch::get().join(stream, out_x.value().untyped_data());
 }
 
 // Send and receive in one custom call (the fused and cached dispatches): XLA cannot put
@@ -320,6 +495,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
     return invalid("low_latency_dispatch: the result rows do not match the sent rows");
   receive.ctx.profile = send.ctx.profile;  // one call, one profile row
+  if (auto err = SplitDispatch::get().order(stream); err.failure()) return err;
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
 }
 
@@ -494,6 +670,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::dispatch_send_impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("max_tokens")
                                   .Attr<bool>("use_fp8")
@@ -505,21 +688,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::dispatch_send_impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<int64_t>("num_tokens")
-                                  .Attr<int64_t>("num_topk")
-                                  .Attr<jax_ep::EpGroup>("group")
-                                  .Attr<jax_ep::Tuning>("tuning"));
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
                               ffi::Ffi::Bind()

@@ -73,6 +73,10 @@ struct LLDispatchSendArgs {
   int32_t* send_slot;
   int32_t* call_out;          // [2]: low, high 32 bits of the call number
   int32_t* num_dropped;
+  // A split dispatch on the extension's own stream: the fused kernel stores `ticket` here once
+  // every block is resident, the program's stream waiting for it (nullptr: not split)
+  uint64_t* started;
+  uint64_t ticket;
 };
 
 struct LLDispatchReceiveArgs {
