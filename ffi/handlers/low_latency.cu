@@ -225,7 +225,9 @@ class SplitDispatch {
     if (status == cudaSuccess)
       status = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest);
     if (status == cudaSuccess) status = cudaMalloc(&started_, sizeof(uint64_t));
-    if (status == cudaSuccess) status = cudaMemset(started_, 0, sizeof(uint64_t));
+    // before this stream's first kernel stores its ticket (a stale word only lets the
+    // program's stream pass the first gate early)
+    if (status == cudaSuccess) status = cudaMemsetAsync(started_, 0, sizeof(uint64_t), stream_);
     if (status == cudaSuccess) status = cudaEventCreateWithFlags(&latest_, cudaEventDisableTiming);
     if (status == cudaSuccess) {
       void* entry = nullptr;
@@ -238,7 +240,6 @@ class SplitDispatch {
     }
     const char* gate = std::getenv("JAX_EP_SPLIT_GATE");
     gate_ = gate == nullptr || gate[0] != '0';
-    if (status == cudaSuccess) status = cudaDeviceSynchronize();  // the memset is done
     if (status != cudaSuccess) stream_ = nullptr;
     return status;
   }
