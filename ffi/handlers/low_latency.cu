@@ -338,54 +338,6 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
   return ffi::Error::Success();
 }
 
-ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank,
-                                 ffi::Result<ffi::AnyBuffer> out_x,
-                                 ffi::ResultBuffer<ffi::F32> out_scales,
-                                 ffi::ResultBuffer<ffi::S32> recv_count,
-                                 ffi::ResultBuffer<ffi::S32> src_rank,
-                                 ffi::ResultBuffer<ffi::S32> src_token,
-                                 ffi::ResultBuffer<ffi::S32> src_k,
-                                 ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
-                                 int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
-                                 const EpGroup& group, const Tuning& tuning,
-                                 LLDispatchReceiveArgs& a);
-
-// The split send: the whole dispatch on the extension's stream (SplitDispatch); its results
-// are the receive's too.
-ffi::Error dispatch_send_impl(cudaStream_t stream, ffi::AnyBuffer x,
-                              ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> slots_in,
-                              ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> send_slot,
-                              ffi::ResultBuffer<ffi::S32> call,
-                              ffi::ResultBuffer<ffi::S32> num_dropped,
-                              ffi::Result<ffi::AnyBuffer> out_x,
-                              ffi::ResultBuffer<ffi::F32> out_scales,
-                              ffi::ResultBuffer<ffi::S32> recv_count,
-                              ffi::ResultBuffer<ffi::S32> src_rank,
-                              ffi::ResultBuffer<ffi::S32> src_token,
-                              ffi::ResultBuffer<ffi::S32> src_k,
-                              ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
-                              int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
-                              EpGroup group, Tuning tuning) {
-  LLDispatchSendArgs send;
-  if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
-                                    num_experts, max_tokens, use_fp8, ue8m0, cached, group,
-                                    tuning, send);
-      err.failure())
-    return err;
-  LLDispatchReceiveArgs receive;
-  if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
-                                       src_rank, src_token, src_k, pair_row, num_experts,
-                                       max_tokens, send.num_tokens, send.num_topk, group, tuning,
-                                       receive);
-      err.failure())
-    return err;
-  if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
-    return invalid("low_latency_dispatch (send): the result rows do not match the sent rows");
-  if (receive.src_rank == nullptr)
-    return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
-  receive.ctx.profile = send.ctx.profile;  // one call, one profile row
-  return SplitDispatch::get().launch(stream, send, receive, receive.out_x);
-}
 
 // `call`: the device [2] int32 call number of the matching send.
 ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank,
@@ -466,8 +418,11 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::RemainingArgs operand
   return SplitDispatch::get().join(stream, out_x.value().untyped_data());
 }
 
-// Send and receive in one custom call (the fused and cached dispatches): XLA cannot put
-// anything between them, so fused calls never count against the two calls in flight.
+// Send and receive in one kernel, the same operands and results either way: on the program's
+// stream (the fused and cached dispatches: XLA cannot put anything between the halves, so
+// fused calls never count against the two calls in flight) or, kSplit, on the extension's
+// stream for a split send (SplitDispatch), whose receive returns these results.
+template <bool kSplit>
 ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                          ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
                          ffi::ResultBuffer<ffi::S32> send_slot, ffi::ResultBuffer<ffi::S32> call,
@@ -496,6 +451,11 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
     return invalid("low_latency_dispatch: the result rows do not match the sent rows");
   receive.ctx.profile = send.ctx.profile;  // one call, one profile row
+  if (kSplit) {
+    if (receive.src_rank == nullptr)
+      return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
+    return SplitDispatch::get().launch(stream, send, receive, receive.out_x);
+  }
   if (auto err = SplitDispatch::get().order(stream); err.failure()) return err;
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
 }
@@ -661,30 +621,41 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::dispatch_send_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<bool>("use_fp8")
-                                  .Attr<bool>("ue8m0")
-                                  .Attr<bool>("cached")
-                                  .Attr<jax_ep::EpGroup>("group")
-                                  .Attr<jax_ep::Tuning>("tuning"));
+namespace jax_ep {
+namespace {
+
+// The fused dispatch's and the split send's operands, results and attributes (the same call).
+auto dispatch_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()           // x
+      .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+      .Arg<ffi::Buffer<ffi::S32>>()    // slots_in (cached)
+      .Arg<ffi::Buffer<ffi::S32>>()    // rank
+      .Ret<ffi::Buffer<ffi::S32>>()    // send_slot
+      .Ret<ffi::Buffer<ffi::S32>>()    // call
+      .Ret<ffi::Buffer<ffi::S32>>()    // num_dropped
+      .Ret<ffi::AnyBuffer>()           // x
+      .Ret<ffi::Buffer<ffi::F32>>()    // scales
+      .Ret<ffi::Buffer<ffi::S32>>()    // recv_count
+      .Ret<ffi::Buffer<ffi::S32>>()    // src_rank
+      .Ret<ffi::Buffer<ffi::S32>>()    // src_token
+      .Ret<ffi::Buffer<ffi::S32>>()    // src_k
+      .Ret<ffi::Buffer<ffi::S32>>()    // pair_row
+      .Attr<int64_t>("num_experts")
+      .Attr<int64_t>("max_tokens")
+      .Attr<bool>("use_fp8")
+      .Attr<bool>("ue8m0")
+      .Attr<bool>("cached")
+      .Attr<EpGroup>("group")
+      .Attr<Tuning>("tuning");
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchSend, jax_ep::dispatch_impl<true>,
+                              jax_ep::dispatch_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_impl,
                               ffi::Ffi::Bind()
@@ -721,30 +692,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_imp
                                   .Attr<jax_ep::EpGroup>("group")
                                   .Attr<jax_ep::Tuning>("tuning"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<bool>("use_fp8")
-                                  .Attr<bool>("ue8m0")
-                                  .Attr<bool>("cached")
-                                  .Attr<jax_ep::EpGroup>("group")
-                                  .Attr<jax_ep::Tuning>("tuning"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl<false>,
+                              jax_ep::dispatch_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
                               ffi::Ffi::Bind()
