@@ -145,6 +145,7 @@ class SplitDispatch {
     if (auto err = cuda_error(cudaStreamIsCapturing(program, &capture), op); err.failure())
       return err;
     std::lock_guard<std::mutex> lock(mutex_);
+    forget(out_x);
     if (capture != cudaStreamCaptureStatusNone) {
       if (auto err = cuda_error(launch_ll_dispatch(send, receive, program), op); err.failure())
         return err;
@@ -205,6 +206,17 @@ class SplitDispatch {
     const void* out_x;
     cudaEvent_t done;  // nullptr: the kernel ran on the program's stream
   };
+
+  // A send whose rows XLA placed where an earlier pending dispatch's were: that one was never
+  // received (XLA reused its buffer), so it can no longer be.
+  void forget(const void* out_x) {
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (pending_[i].out_x != out_x) continue;
+      if (pending_[i].done != nullptr) events_.push_back(pending_[i].done);
+      pending_.erase(pending_.begin() + static_cast<long>(i));
+      return;
+    }
+  }
 
   // (a captured program cannot wait for work outside its graph: it runs its split dispatches
   // on its own stream, and one in flight from outside it is not ordered)
