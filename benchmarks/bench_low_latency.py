@@ -23,6 +23,7 @@ A send cannot be timed alone: a third send waits for the receive of the first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from functools import partial
 
@@ -169,6 +170,21 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
 
         record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
                *arrays[1:], chained=1)  # returns a row of the gates: y is L*R*M rows
+
+        def combine_overlapped(x, y, w, weight, *h, blocks=None):
+            handle = LowLatencyHandle(*h, config=config if blocks is None else
+                                      dataclasses.replace(
+                                          config, tuning=jax_ep.Config(num_blocks=blocks)))
+            pending = jax_ep.low_latency_combine_send(y, w, handle)
+            x_after, pending = jax.lax.optimization_barrier((x, pending))
+            s = matmul(x_after, None, weight)
+            s, pending = jax.lax.optimization_barrier((s, pending))
+            return jax_ep.low_latency_combine_receive(pending, handle), s
+
+        for blocks in ((None, 16) if jax.default_backend() == "gpu" else ()):
+            record("combine send -> matmul -> receive" + (f", {blocks} CTAs" if blocks else ""),
+                   partial(combine_overlapped, blocks=blocks), x, arrays[0], w, weight,
+                   *arrays[1:], chained=0)
     except Exception as e:
         rows.append(("jax_ep low_latency_combine BF16 (alone)",) + (float("nan"),) * 3)
         if jax.process_index() == 0:

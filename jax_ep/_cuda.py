@@ -605,29 +605,36 @@ def _ll_combine_args(y, topk_weights, handle: LowLatencyHandle):
             topk_weights.astype(jnp.float32), _rank(handle.config.axis_name))
 
 
+def _ll_combine_types(config: LowLatencyConfig, y):
+    return (jax.ShapeDtypeStruct((2,), jnp.int32),
+            jax.ShapeDtypeStruct((config.num_tokens, y.shape[2]), y.dtype))
+
+
 def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
+    """The whole combine on a stream of the extension's own, as low_latency_send: its results
+    (call, out) for the receive only, its operands kept alive until then."""
     config = handle.config
-    call = _call("jax_ep_ll_combine_send", jax.ShapeDtypeStruct((2,), jnp.int32),
-                 *_ll_combine_args(y, topk_weights, handle), axis_name=config.axis_name,
-                 **_ll_attrs(config))
-    return dict(call=call, dtype=jnp.zeros((0,), y.dtype), hidden=jnp.zeros((0, y.shape[2])))
+    args = _ll_combine_args(y, topk_weights, handle)
+    results = _call("jax_ep_ll_combine_send", _ll_combine_types(config, y), *args,
+                    axis_name=config.axis_name, **_ll_attrs(config))
+    return dict(results=tuple(results), operands=tuple(args))
 
 
 def low_latency_combine_receive(sent, handle: LowLatencyHandle):
-    """out[t] = the partial rows of the ranks holding t's kept pairs, added in rank order."""
-    config = handle.config
-    out = jax.ShapeDtypeStruct((config.num_tokens, sent["hidden"].shape[1]), sent["dtype"].dtype)
-    return _call("jax_ep_ll_combine_receive", out, sent["call"], handle.topk_idx,
-                 handle.send_slot, _rank(config.axis_name), axis_name=config.axis_name,
-                 **_ll_attrs(config))
+    """out[t] = the partial rows of the ranks holding t's kept pairs, added in rank order
+    (computed by the send's kernel; the program's stream waits for it here)."""
+    results = sent["results"]
+    types = tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results)
+    return _call("jax_ep_ll_combine_receive", types, *results, *sent["operands"],
+                 axis_name=handle.config.axis_name,
+                 input_output_aliases={i: i for i in range(len(results))})[1]
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
     config = handle.config
-    types = (jax.ShapeDtypeStruct((2,), jnp.int32),
-             jax.ShapeDtypeStruct((config.num_tokens, y.shape[2]), y.dtype))
-    return _call("jax_ep_ll_combine", types, *_ll_combine_args(y, topk_weights, handle),
-                 axis_name=config.axis_name, **_ll_attrs(config))[1]
+    return _call("jax_ep_ll_combine", _ll_combine_types(config, y),
+                 *_ll_combine_args(y, topk_weights, handle), axis_name=config.axis_name,
+                 **_ll_attrs(config))[1]
 
 
 def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_topk, num_ranks,

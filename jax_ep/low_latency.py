@@ -8,11 +8,10 @@ weights each returned row with the source's gate and sums the K rows of a token 
 
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
 that XLA can schedule independent work (another micro-batch's attention) between them; the
-fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable. On CUDA the
-dispatch's send runs the whole dispatch on a stream of the extension's own, beside the work
-that follows it on the program's stream (``Config(num_blocks=)`` sets how many SMs it holds
-meanwhile), and its receive only waits for it: pass the pending dispatch to one receive,
-unchanged.
+fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable. On CUDA a send
+runs the whole operation on a stream of the extension's own, beside the work that follows it
+on the program's stream (``Config(num_blocks=)`` sets how many SMs it holds meanwhile), and
+its receive only waits for it: pass a pending call to one receive, unchanged.
 
 On CUDA each operation (dispatch, combine) has two buffer halves used by alternate calls, so
 at most two calls of an op may be in flight: between a ``*_send`` and its ``*_receive`` at most
@@ -139,7 +138,8 @@ def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
 
 
 def low_latency_combine_receive(pending, handle: LowLatencyHandle):
-    """Second half: the owner adds the partial rows."""
+    """Second half: the owner's sums of the partial rows (on CUDA, the program waits here for
+    the send's kernel)."""
     api._check_not_in_work_call("low_latency_combine_receive")
     return _backend(handle.config).low_latency_combine_receive(pending.arrays, handle)
 

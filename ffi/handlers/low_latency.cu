@@ -119,37 +119,40 @@ bool group_off_node(const char* op, const EpGroup& group) {
          place.off_node;
 }
 
-// ---------------------------------------------------------------- split dispatch, own stream
+// ------------------------------------------------------------- split calls, own stream
 //
-// A split dispatch runs the whole dispatch (the fused kernel: send and receive) on a stream of
-// the extension's own, so that the program's stream goes on with the work between the send and
-// its receive while the rows travel and are laid out; the receive only makes the program's
-// stream wait for that kernel. The send's results are the dispatch's outputs, written by that
-// kernel, and the receive returns them (aliased): XLA reads none of them before the receive.
-// The send's operands are operands of the receive as well, so XLA keeps them alive and
-// unchanged until then. The program's stream waits until the kernel holds its SMs (the kernel
-// stores a ticket when its first block runs), so that the work after the send cannot take
-// every SM first. Under stream capture the dispatch runs on the program's stream instead.
-class SplitDispatch {
+// A split call (dispatch or combine) runs the whole operation (the fused kernel: send and
+// receive) on a stream of the extension's own, so that the program's stream goes on with the
+// work between the send and its receive while the rows travel; the receive only makes the
+// program's stream wait for that kernel. The send's results are the operation's outputs,
+// written by that kernel, and the receive returns them (aliased): XLA reads none of them before
+// the receive. The send's operands are operands of the receive as well, so XLA keeps them alive
+// and unchanged until then. The program's stream waits until the kernel holds its SMs (the
+// kernel stores a ticket when its first block runs), so that the work after the send cannot
+// take every SM first. Under stream capture the kernel runs on the program's stream instead.
+constexpr int kSplitDispatch = 0, kSplitCombine = 1;
+
+class SplitCalls {
  public:
-  static SplitDispatch& get() {
-    static SplitDispatch* one = new SplitDispatch;  // never destroyed: outlives the driver
+  static SplitCalls& get() {
+    static SplitCalls* one = new SplitCalls;  // never destroyed: outlives the driver
     return *one;
   }
 
-  // Launches the fused dispatch for a split send; `out_x` names it for its receive.
-  ffi::Error launch(cudaStream_t program, LLDispatchSendArgs& send, LLDispatchReceiveArgs& receive,
-                    const void* out_x) {
-    const char* op = "low_latency_dispatch (send)";
+  // Launches a split send's fused kernel: launch(stream, started, ticket) with its arguments
+  // (started nullptr: no ticket); `out` (its first result row) names it for its receive; kind:
+  // kSplitDispatch or kSplitCombine.
+  template <typename Launch>
+  ffi::Error launch(cudaStream_t program, int kind, const void* out, const char* op,
+                    Launch launch) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (auto err = cuda_error(cudaStreamIsCapturing(program, &capture), op); err.failure())
       return err;
     std::lock_guard<std::mutex> lock(mutex_);
-    forget(out_x);
+    forget(out);
     if (capture != cudaStreamCaptureStatusNone) {
-      if (auto err = cuda_error(launch_ll_dispatch(send, receive, program), op); err.failure())
-        return err;
-      pending_.push_back(Pending{out_x, nullptr});
+      if (auto err = cuda_error(launch(program, nullptr, 0), op); err.failure()) return err;
+      pending_.push_back(Pending{out, kind, nullptr});
       return ffi::Error::Success();
     }
     if (auto err = cuda_error(ready(), op); err.failure()) return err;
@@ -158,13 +161,12 @@ class SplitDispatch {
     cudaError_t status = cudaEventRecord(inputs, program);
     if (status == cudaSuccess) status = cudaStreamWaitEvent(stream_, inputs, 0);
     events_.push_back(inputs);  // reusable once the wait is enqueued
-    send.started = started_;
-    send.ticket = ++ticket_;
-    if (status == cudaSuccess) status = launch_ll_dispatch(send, receive, stream_);
+    const uint64_t ticket = ++ticket_;
+    if (status == cudaSuccess) status = launch(stream_, started_, ticket);
     if (status == cudaSuccess) status = cudaEventRecord(done, stream_);
-    if (status == cudaSuccess) status = cudaEventRecord(latest_, stream_);
+    if (status == cudaSuccess) status = cudaEventRecord(latest_[kind], stream_);
     if (status == cudaSuccess && gate_)
-      status = wait_value_(program, reinterpret_cast<CUdeviceptr>(started_), send.ticket,
+      status = wait_value_(program, reinterpret_cast<CUdeviceptr>(started_), ticket,
                            CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS
                    ? cudaSuccess
                    : cudaErrorUnknown;
@@ -172,16 +174,15 @@ class SplitDispatch {
       events_.push_back(done);
       return cuda_error(status, op);
     }
-    pending_.push_back(Pending{out_x, done});
+    pending_.push_back(Pending{out, kind, done});
     return ffi::Error::Success();
   }
 
-  // The receive of the send that returned `out_x`: the program's stream waits for its kernel.
-  ffi::Error join(cudaStream_t program, const void* out_x) {
-    const char* op = "low_latency_dispatch (receive)";
+  // The receive of the send that returned `out`: the program's stream waits for its kernel.
+  ffi::Error join(cudaStream_t program, const void* out, const char* op) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t i = 0; i < pending_.size(); ++i) {
-      if (pending_[i].out_x != out_x) continue;
+      if (pending_[i].out != out) continue;
       const cudaEvent_t done = pending_[i].done;
       pending_.erase(pending_.begin() + static_cast<long>(i));
       if (done == nullptr) return ffi::Error::Success();  // ran on the program's stream
@@ -190,28 +191,29 @@ class SplitDispatch {
       return cuda_error(status, op);
     }
     return invalid(std::string(op) + ": its rows are not those of a send in flight: pass the "
-                   "result of low_latency_dispatch_send to one receive, unchanged (a pending "
-                   "dispatch that XLA copied, or one received already, cannot be received)");
+                   "result of the send to one receive, unchanged (a pending call that XLA "
+                   "copied, or one received already, cannot be received)");
   }
 
-  // Any other low-latency dispatch on the program's stream: after the split dispatches in
+  // Any other call of that kind on the program's stream: after the split calls of the kind in
   // flight (they take call numbers from the same counter).
-  ffi::Error order(cudaStream_t program) {
+  ffi::Error order(cudaStream_t program, int kind) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return cuda_error(order_after_own(program), "low_latency_dispatch");
+    return cuda_error(order_after_own(program, kind), "low-latency call");
   }
 
  private:
   struct Pending {
-    const void* out_x;
+    const void* out;
+    int kind;
     cudaEvent_t done;  // nullptr: the kernel ran on the program's stream
   };
 
   // A send whose rows XLA placed where an earlier pending dispatch's were: that one was never
   // received (XLA reused its buffer), so it can no longer be.
-  void forget(const void* out_x) {
+  void forget(const void* out) {
     for (size_t i = 0; i < pending_.size(); ++i) {
-      if (pending_[i].out_x != out_x) continue;
+      if (pending_[i].out != out) continue;
       if (pending_[i].done != nullptr) events_.push_back(pending_[i].done);
       pending_.erase(pending_.begin() + static_cast<long>(i));
       return;
@@ -220,14 +222,14 @@ class SplitDispatch {
 
   // (a captured program cannot wait for work outside its graph: it runs its split dispatches
   // on its own stream, and one in flight from outside it is not ordered)
-  cudaError_t order_after_own(cudaStream_t program) {
+  cudaError_t order_after_own(cudaStream_t program, int kind) {
     bool in_flight = false;
-    for (const Pending& p : pending_) in_flight = in_flight || p.done != nullptr;
+    for (const Pending& p : pending_) in_flight = in_flight || (p.kind == kind && p.done);
     if (!in_flight) return cudaSuccess;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const cudaError_t status = cudaStreamIsCapturing(program, &capture);
     if (status != cudaSuccess || capture != cudaStreamCaptureStatusNone) return status;
-    return cudaStreamWaitEvent(program, latest_, 0);
+    return cudaStreamWaitEvent(program, latest_[kind], 0);
   }
 
   cudaError_t ready() {
@@ -240,7 +242,8 @@ class SplitDispatch {
     // before this stream's first kernel stores its ticket (a stale word only lets the
     // program's stream pass the first gate early)
     if (status == cudaSuccess) status = cudaMemsetAsync(started_, 0, sizeof(uint64_t), stream_);
-    if (status == cudaSuccess) status = cudaEventCreateWithFlags(&latest_, cudaEventDisableTiming);
+    for (cudaEvent_t& e : latest_)
+      if (status == cudaSuccess) status = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     if (status == cudaSuccess) {
       void* entry = nullptr;
       cudaDriverEntryPointQueryResult found{};
@@ -272,7 +275,7 @@ class SplitDispatch {
   cudaStream_t stream_ = nullptr;
   uint64_t* started_ = nullptr;
   uint64_t ticket_ = 0;
-  cudaEvent_t latest_ = nullptr;  // after the last kernel launched on stream_
+  cudaEvent_t latest_[2] = {nullptr, nullptr};  // after the last kernel of each kind on stream_
   WaitValue wait_value_ = nullptr;
   bool gate_ = true;
   std::vector<cudaEvent_t> events_;  // free for reuse
@@ -427,13 +430,13 @@ ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::RemainingArgs operand
     return invalid(std::string(op) + ": takes the pending dispatch of a send");
   auto out_x = operands.get<ffi::AnyBuffer>(3);
   if (out_x.has_error()) return invalid(std::string(op) + ": the pending rows are missing");
-  return SplitDispatch::get().join(stream, out_x.value().untyped_data());
+  return SplitCalls::get().join(stream, out_x.value().untyped_data(), op);
 }
 
 // Send and receive in one kernel, the same operands and results either way: on the program's
 // stream (the fused and cached dispatches: XLA cannot put anything between the halves, so
 // fused calls never count against the two calls in flight) or, kSplit, on the extension's
-// stream for a split send (SplitDispatch), whose receive returns these results.
+// stream for a split send (SplitCalls), whose receive returns these results.
 template <bool kSplit>
 ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                          ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
@@ -466,9 +469,15 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (kSplit) {
     if (receive.src_rank == nullptr)
       return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
-    return SplitDispatch::get().launch(stream, send, receive, receive.out_x);
+    return SplitCalls::get().launch(
+        stream, kSplitDispatch, receive.out_x, "low_latency_dispatch (send)",
+        [&](cudaStream_t on, uint64_t* started, uint64_t ticket) {
+          send.started = started;
+          send.ticket = ticket;
+          return launch_ll_dispatch(send, receive, on);
+        });
   }
-  if (auto err = SplitDispatch::get().order(stream); err.failure()) return err;
+  if (auto err = SplitCalls::get().order(stream, kSplitDispatch); err.failure()) return err;
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
 }
 
@@ -532,22 +541,6 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   return ffi::Error::Success();
 }
 
-ffi::Error combine_send_impl(cudaStream_t stream, ffi::AnyBuffer y,
-                             ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> pair_row,
-                             ffi::Buffer<ffi::S32> topk_idx,
-                             ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::F32> weights,
-                             ffi::Buffer<ffi::S32> rank, ffi::ResultBuffer<ffi::S32> call,
-                             int64_t num_experts, int64_t max_tokens, EpGroup group,
-                             Tuning tuning) {
-  LLCombineSendArgs a;
-  if (auto err = make_combine_send(y, recv_count, pair_row, topk_idx,
-                                   send_slot, weights, rank, call, num_experts, max_tokens,
-                                   group, tuning, a);
-      err.failure())
-    return err;
-  return cuda_error(launch_ll_combine_send(a, stream), "low_latency_combine (send)");
-}
-
 ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_idx,
                                 ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> rank,
                                 ffi::Result<ffi::AnyBuffer> out, int64_t num_experts,
@@ -586,22 +579,9 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   return ffi::Error::Success();
 }
 
-ffi::Error combine_receive_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> call,
-                                ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_slot,
-                                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                                int64_t num_experts, int64_t max_tokens, EpGroup group,
-                             Tuning tuning) {
-  if (call.element_count() != 2)
-    return invalid("low_latency_combine (receive): call must be [2] int32");
-  LLCombineReceiveArgs a;
-  if (auto err = make_combine_receive(call.typed_data(), topk_idx, send_slot, rank, out,
-                                      num_experts, max_tokens, group, tuning, a);
-      err.failure())
-    return err;
-  return cuda_error(launch_ll_combine_receive(a, stream), "low_latency_combine (receive)");
-}
-
-// Send and receive in one custom call (the fused combine).
+// Send and receive in one kernel (the fused combine), or, kSplit, a split send's on the
+// extension's stream (SplitCalls), whose receive returns these results.
+template <bool kSplit>
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
                         ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> pair_row,
                         ffi::Buffer<ffi::S32> topk_idx,
@@ -625,7 +605,28 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
   if (receive.plan.bytes != send.plan.bytes || receive.hidden != send.hidden)
     return invalid("low_latency_combine: the result does not match y");
   receive.ctx.profile = send.ctx.profile;  // one call, one profile row
+  if (kSplit)
+    return SplitCalls::get().launch(stream, kSplitCombine, receive.out,
+                                    "low_latency_combine (send)",
+                                    [&](cudaStream_t on, uint64_t* started, uint64_t ticket) {
+                                      send.started = started;
+                                      send.ticket = ticket;
+                                      return launch_ll_combine(send, receive, on);
+                                    });
+  if (auto err = SplitCalls::get().order(stream, kSplitCombine); err.failure()) return err;
   return cuda_error(launch_ll_combine(send, receive, stream), "low_latency_combine");
+}
+
+// The split combine's receive: operands (call, out, then the send's operands kept alive),
+// results aliased to the first two; the program's stream waits for the send's kernel.
+ffi::Error combine_receive_impl(cudaStream_t stream, ffi::RemainingArgs operands,
+                                ffi::RemainingRets results) {
+  const char* op = "low_latency_combine (receive)";
+  if (operands.size() < 2 || results.size() < 2)
+    return invalid(std::string(op) + ": takes the pending combine of a send");
+  auto out = operands.get<ffi::AnyBuffer>(1);
+  if (out.has_error()) return invalid(std::string(op) + ": the pending rows are missing");
+  return SplitCalls::get().join(stream, out.value().untyped_data(), op);
 }
 
 }  // namespace
@@ -663,6 +664,25 @@ auto dispatch_binding() {
       .Attr<Tuning>("tuning");
 }
 
+// The fused combine's and the split send's operands, results and attributes (the same call).
+auto combine_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()           // y
+      .Arg<ffi::Buffer<ffi::S32>>()    // recv_count
+      .Arg<ffi::Buffer<ffi::S32>>()    // pair_row
+      .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+      .Arg<ffi::Buffer<ffi::S32>>()    // send_slot
+      .Arg<ffi::Buffer<ffi::F32>>()    // weights
+      .Arg<ffi::Buffer<ffi::S32>>()    // rank
+      .Ret<ffi::Buffer<ffi::S32>>()    // call
+      .Ret<ffi::AnyBuffer>()           // out
+      .Attr<int64_t>("num_experts")
+      .Attr<int64_t>("max_tokens")
+      .Attr<EpGroup>("group")
+      .Attr<Tuning>("tuning");
+}
+
 }  // namespace
 }  // namespace jax_ep
 
@@ -675,51 +695,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatchReceive, jax_ep::dispatch_receive_i
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_send_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<jax_ep::EpGroup>("group")
-                                  .Attr<jax_ep::Tuning>("tuning"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineSend, jax_ep::combine_impl<true>,
+                              jax_ep::combine_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombineReceive, jax_ep::combine_receive_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<jax_ep::EpGroup>("group")
-                                  .Attr<jax_ep::Tuning>("tuning"));
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLDispatch, jax_ep::dispatch_impl<false>,
                               jax_ep::dispatch_binding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<jax_ep::EpGroup>("group")
-                                  .Attr<jax_ep::Tuning>("tuning"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLLCombine, jax_ep::combine_impl<false>,
+                              jax_ep::combine_binding());

@@ -1156,24 +1156,13 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   profile_end(ctx, kProfLLCombineReceive);
 }
 
-template <bool kPuts>
-__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSendArgs a) {
-  extern __shared__ int smem[];
-  wait_previous_kernel();
-  combine_send<kPuts>(a, smem);
-}
-
-template <bool kPuts>
-__global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
-  wait_previous_kernel();
-  combine_receive<kPuts>(a, read_call(a.call));
-}
-
 // Both halves of a combine in one cooperative launch (see ll_dispatch_kernel).
 template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArgs send,
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
+  if (send.started != nullptr && blockIdx.x == 0 && threadIdx.x == 0)  // a split combine
+    store_relaxed(send.started, send.ticket);
   wait_previous_kernel();
   combine_receive<kPuts>(receive, combine_send<kPuts>(send, smem));
 }
@@ -1283,21 +1272,6 @@ size_t combine_send_smem(const LLCombineSendArgs& a) {
 }
 
 }  // namespace
-
-cudaError_t launch_ll_combine_send(const LLCombineSendArgs& a, cudaStream_t stream) {
-  LLCombineSendArgs s = a;
-  void* args[] = {&s};
-  const void* kernel = reinterpret_cast<const void*>(
-      a.ctx.spans_nodes ? ll_combine_send_kernel<true> : ll_combine_send_kernel<false>);
-  return launch_cooperative(kernel, a.num_blocks,
-                            combine_send_smem(a), args, stream);
-}
-
-cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& a, cudaStream_t stream) {
-  auto kernel =
-      a.ctx.spans_nodes ? ll_combine_receive_kernel<true> : ll_combine_receive_kernel<false>;
-  return launch_after_previous(kernel, a.num_blocks, kLLThreads, 0, stream, a);
-}
 
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
                               cudaStream_t stream) {

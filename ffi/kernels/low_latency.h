@@ -112,6 +112,8 @@ struct LLCombineSendArgs {
   const int32_t* pair_row;    // [R, T, K]: the handle's row of each (owner, token, k) pair here
   const float* weights;       // [T, K] this rank's gates, published for the expert ranks
   int32_t* call_out;
+  uint64_t* started;          // as LLDispatchSendArgs'
+  uint64_t ticket;
 };
 
 struct LLCombineReceiveArgs {
@@ -140,8 +142,6 @@ constexpr size_t kLLMaxSendSmem = 200 * 1024;  // what the launchers allow
 
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaStream_t stream);
-cudaError_t launch_ll_combine_send(const LLCombineSendArgs& args, cudaStream_t stream);
-cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& args, cudaStream_t stream);
 // Both halves in one cooperative launch (the fused calls); two launches where the device
 // cannot hold the grid at once.
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
