@@ -969,6 +969,25 @@ def test_low_latency_interleaved_split_calls():
         assert_sums_close(b, backs_r[i], jnp.bfloat16)
 
 
+def test_low_latency_pending_received_twice_is_refused():
+    """A pending split dispatch passed to two receives: each receive returns its operand's
+    buffers, so XLA copies them for at least one of the two, and that receive reports that the
+    rows are not those of a send in flight (a copy may have been taken before the send's
+    kernel wrote them) instead of returning them."""
+    xs, idxs, _, _, E, M = _ll_series(1)
+    kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
+              backend="cuda")
+
+    def fn(xs, idxs):
+        pending = jax_ep.low_latency_dispatch_send(xs[0], idxs[0], **kw)
+        first = jax_ep.low_latency_dispatch_receive(pending)
+        second = jax_ep.low_latency_dispatch_receive(pending)
+        return first.recv_count, second.recv_count
+
+    with pytest.raises(Exception, match="not those of a send in flight"):
+        jax.block_until_ready(run(fn, num_ranks(), xs, idxs))
+
+
 def test_low_latency_repeated_programs_are_bit_identical():
     R = num_ranks()
     T, M, H = 64, 64, 512
