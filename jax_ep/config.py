@@ -44,6 +44,11 @@ DEFAULT_COPY_CHUNK_MB = 16.0
 DEFAULT_TIMEOUT_S = 100.0
 # CTAs of the SM data paths where nothing else is measured better.
 DEFAULT_BLOCKS = 64
+# CTAs of a split low-latency call (its kernel runs beside the work between send and receive,
+# which takes the other SMs): 2×H100, decode shapes, send -> 104 µs matmul -> receive 122.1 µs
+# steady with 16, 124.2 with 32, 122.8 with 8, 131.0 with one per SM (the matmul's GEMM holds
+# 120 SMs; fewer CTAs leave it more but the kernel, sharing HBM with it, then outlasts it).
+LOW_LATENCY_SPLIT_BLOCKS = 16
 # Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
 # combine reads y in place and is rank_major's default: 209 µs against the push's 240 on
 # 2×H100 at DeepSeek-V3 shapes with 64 CTAs. Where they do not, the pull stages y first and
@@ -366,13 +371,16 @@ def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout,
                   copy_chunk_mb=copy_chunk_mb(config), timeout_s=timeout_s(config))
 
 
-def resolve_low_latency(config: Config | None) -> Config:
-    """A low-latency call's fields: its CTAs (given or ``JAX_EP_NUM_BLOCKS``; None: one per
-    SM, the kernels' own) and its timeout; it has no data path to choose."""
+def resolve_low_latency(config: Config | None, *, split: bool = False) -> Config:
+    """A low-latency call's fields: its CTAs (given or ``JAX_EP_NUM_BLOCKS``; else, for a
+    split call, ``LOW_LATENCY_SPLIT_BLOCKS``, and None for the others: one per SM, the
+    kernels' own) and its timeout; it has no data path to choose."""
     given = _field(config, "num_blocks")
     value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
     if given is None and value not in ("", "0"):
         given = Config(num_blocks=int(value)).num_blocks
+    if given is None and split:
+        given = LOW_LATENCY_SPLIT_BLOCKS
     return Config(num_blocks=given, copy_chunk_mb=DEFAULT_COPY_CHUNK_MB,
                   timeout_s=timeout_s(config))
 

@@ -2,7 +2,6 @@
 // jax_ep_ll_combine_send / _receive, and the fused jax_ep_ll_dispatch / jax_ep_ll_combine. They validate shapes, check the low-latency buffer is
 // large enough, fill the kernels' argument structs and launch; nothing here waits for the
 // device.
-#include <cuda.h>
 
 #include <algorithm>
 #include <mutex>
@@ -126,9 +125,11 @@ bool group_off_node(const char* op, const EpGroup& group) {
 // program's stream wait for that kernel. The send's results are the operation's outputs,
 // written by that kernel, and the receive returns them (aliased): XLA reads none of them before
 // the receive. The send's operands are operands of the receive as well, so XLA keeps them alive
-// and unchanged until then. The program's stream waits until the kernel holds its SMs (the
-// kernel stores a ticket when its first block runs), so that the work after the send cannot
-// take every SM first. Under stream capture the kernel runs on the program's stream instead.
+// and unchanged until then. The kernel is enqueued before the work after the send and takes
+// few SMs by default (config.LOW_LATENCY_SPLIT_BLOCKS), leaving that work the others. (A wait
+// of the program's stream until the kernel's first block ran, so that the work after it could
+// not take every SM first, cost 3 to 6 µs a call and won on no measured row.) Under stream
+// capture the kernel runs on the program's stream instead.
 constexpr int kSplitDispatch = 0, kSplitCombine = 1;
 
 class SplitCalls {
@@ -138,9 +139,8 @@ class SplitCalls {
     return *one;
   }
 
-  // Launches a split send's fused kernel: launch(stream, started, ticket) with its arguments
-  // (started nullptr: no ticket); `out` (its first result row) names it for its receive; kind:
-  // kSplitDispatch or kSplitCombine.
+  // Launches a split send's fused kernel: launch(stream) with its arguments; `out` (its first
+  // result row) names it for its receive; kind: kSplitDispatch or kSplitCombine.
   template <typename Launch>
   ffi::Error launch(cudaStream_t program, int kind, const void* out, const char* op,
                     Launch launch) {
@@ -150,7 +150,7 @@ class SplitCalls {
     std::lock_guard<std::mutex> lock(mutex_);
     forget(out);
     if (capture != cudaStreamCaptureStatusNone) {
-      if (auto err = cuda_error(launch(program, nullptr, 0), op); err.failure()) return err;
+      if (auto err = cuda_error(launch(program), op); err.failure()) return err;
       pending_.push_back(Pending{out, kind, nullptr});
       return ffi::Error::Success();
     }
@@ -160,15 +160,9 @@ class SplitCalls {
     cudaError_t status = cudaEventRecord(inputs, program);
     if (status == cudaSuccess) status = cudaStreamWaitEvent(stream_, inputs, 0);
     events_.push_back(inputs);  // reusable once the wait is enqueued
-    const uint64_t ticket = ++ticket_;
-    if (status == cudaSuccess) status = launch(stream_, started_, ticket);
+    if (status == cudaSuccess) status = launch(stream_);
     if (status == cudaSuccess) status = cudaEventRecord(done, stream_);
     if (status == cudaSuccess) status = cudaEventRecord(latest_[kind], stream_);
-    if (status == cudaSuccess && gate_)
-      status = wait_value_(program, reinterpret_cast<CUdeviceptr>(started_), ticket,
-                           CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS
-                   ? cudaSuccess
-                   : cudaErrorUnknown;
     if (status != cudaSuccess) {
       events_.push_back(done);
       return cuda_error(status, op);
@@ -237,21 +231,8 @@ class SplitCalls {
     cudaError_t status = cudaDeviceGetStreamPriorityRange(&least, &greatest);
     if (status == cudaSuccess)
       status = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest);
-    if (status == cudaSuccess) status = cudaMalloc(&started_, sizeof(uint64_t));
-    // before this stream's first kernel stores its ticket (a stale word only lets the
-    // program's stream pass the first gate early)
-    if (status == cudaSuccess) status = cudaMemsetAsync(started_, 0, sizeof(uint64_t), stream_);
     for (cudaEvent_t& e : latest_)
       if (status == cudaSuccess) status = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-    if (status == cudaSuccess) {
-      void* entry = nullptr;
-      cudaDriverEntryPointQueryResult found{};
-      status = cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &entry, 12000,
-                                                cudaEnableDefault, &found);
-      if (status == cudaSuccess && (found != cudaDriverEntryPointSuccess || entry == nullptr))
-        status = cudaErrorSymbolNotFound;
-      wait_value_ = reinterpret_cast<WaitValue>(entry);
-    }
     if (status != cudaSuccess) stream_ = nullptr;
     return status;
   }
@@ -267,18 +248,9 @@ class SplitCalls {
     return e;
   }
 
-  using WaitValue = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
   std::mutex mutex_;
   cudaStream_t stream_ = nullptr;
-  uint64_t* started_ = nullptr;
-  uint64_t ticket_ = 0;
   cudaEvent_t latest_[2] = {nullptr, nullptr};  // after the last kernel of each kind on stream_
-  WaitValue wait_value_ = nullptr;
-  // the measurement's other build: no wait for the kernel's ticket (remove once measured)
-#ifndef JAX_EP_SPLIT_GATE
-#define JAX_EP_SPLIT_GATE 1
-#endif
-  bool gate_ = JAX_EP_SPLIT_GATE != 0;
   std::vector<cudaEvent_t> events_;  // free for reuse
   std::vector<Pending> pending_;
 };
@@ -472,11 +444,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
     return SplitCalls::get().launch(
         stream, kSplitDispatch, receive.out_x, "low_latency_dispatch (send)",
-        [&](cudaStream_t on, uint64_t* started, uint64_t ticket) {
-          send.started = started;
-          send.ticket = ticket;
-          return launch_ll_dispatch(send, receive, on);
-        });
+        [&](cudaStream_t on) { return launch_ll_dispatch(send, receive, on); });
   }
   if (auto err = SplitCalls::get().order(stream, kSplitDispatch); err.failure()) return err;
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
@@ -609,9 +577,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
   if (kSplit)
     return SplitCalls::get().launch(stream, kSplitCombine, receive.out,
                                     "low_latency_combine (send)",
-                                    [&](cudaStream_t on, uint64_t* started, uint64_t ticket) {
-                                      send.started = started;
-                                      send.ticket = ticket;
+                                    [&](cudaStream_t on) {
                                       return launch_ll_combine(send, receive, on);
                                     });
   if (auto err = SplitCalls::get().order(stream, kSplitCombine); err.failure()) return err;

@@ -732,10 +732,6 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
 template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
   extern __shared__ int smem[];
-  // a split dispatch whose grid the device cannot hold at once (two launches): the program's
-  // stream goes on once the first block runs
-  if (a.started != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
-    store_relaxed(a.started, a.ticket);
   wait_previous_kernel();
   dispatch_send<kPuts>(a, smem);
 }
@@ -753,10 +749,6 @@ template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendArgs send,
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
-  // A cooperative launch: once one block runs, every block holds its SM; a split dispatch's
-  // program stream may go on (its next kernels get the other SMs)
-  if (send.started != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
-    store_relaxed(send.started, send.ticket);
   wait_previous_kernel();
   const uint64_t n = dispatch_send<kPuts>(send, smem);
   __syncthreads();  // shared memory is reused; this block's records are written
@@ -1161,8 +1153,6 @@ template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArgs send,
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
-  if (send.started != nullptr && blockIdx.x == 0 && threadIdx.x == 0)  // a split combine
-    store_relaxed(send.started, send.ticket);
   wait_previous_kernel();
   combine_receive<kPuts>(receive, combine_send<kPuts>(send, smem));
 }

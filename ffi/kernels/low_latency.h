@@ -73,10 +73,6 @@ struct LLDispatchSendArgs {
   int32_t* send_slot;
   int32_t* call_out;          // [2]: low, high 32 bits of the call number
   int32_t* num_dropped;
-  // A split dispatch on the extension's own stream: the fused kernel stores `ticket` here once
-  // every block is resident, the program's stream waiting for it (nullptr: not split)
-  uint64_t* started;
-  uint64_t ticket;
 };
 
 struct LLDispatchReceiveArgs {
@@ -112,8 +108,6 @@ struct LLCombineSendArgs {
   const int32_t* pair_row;    // [R, T, K]: the handle's row of each (owner, token, k) pair here
   const float* weights;       // [T, K] this rank's gates, published for the expert ranks
   int32_t* call_out;
-  uint64_t* started;          // as LLDispatchSendArgs'
-  uint64_t ticket;
 };
 
 struct LLCombineReceiveArgs {
