@@ -146,6 +146,14 @@ def test_low_latency_calls_take_their_kernels_block_count(monkeypatch):
     assert cfg.resolve_low_latency(None).num_blocks == 12
 
 
+def test_split_low_latency_calls_take_few_ctas_by_default():
+    """A split call's kernel runs beside the work after its send: it holds few SMs unless told."""
+    assert cfg.resolve_low_latency(None, split=True).num_blocks == cfg.LOW_LATENCY_SPLIT_BLOCKS
+    assert cfg.LOW_LATENCY_SPLIT_BLOCKS == 16
+    assert cfg.resolve_low_latency(jax_ep.Config(num_blocks=40), split=True).num_blocks == 40
+    assert cfg.tuning_attributes(cfg.resolve_low_latency(None, split=True))["num_blocks"] == 16
+
+
 def test_every_variable_is_read_in_the_config_module():
     """The environment jax_ep reads: at most 8 variables that change what it does, all read in
     jax_ep/config.py; the extension reads none."""
