@@ -23,7 +23,9 @@ constexpr int kWarps = kLLThreads / 32;
 // after the other, and the slots ended ~2 µs after the rows.
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
-constexpr int kTokenBarrier = 1, kSlotBarrier = 2;  // named barriers (0 is __syncthreads)
+// named barriers (0 is __syncthreads): the slot warps', then one per group of token warps
+constexpr int kSlotBarrier = 1, kTokenBarrier0 = 2;
+static_assert(kTokenBarrier0 + kTokenWarps <= 16, "named barriers");
 
 // A barrier among `threads` threads (whole warps) of the block.
 __device__ __forceinline__ void group_sync(int barrier, int threads) {
@@ -244,7 +246,8 @@ __device__ __forceinline__ void copy_record(void* dst_data, void* dst_scales, co
 template <typename T>
 __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
                                    int num_dst, int thread, int threads) {
-  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
+  // rounds of loads in flight: enough that one warp sends a 7168-channel row in four
+  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;
   const int H = a.hidden, chunks = H / 16;
   const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
   constexpr int kPer = 16 / sizeof(T);  // elements per int4
@@ -410,10 +413,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
   __shared__ uint64_t call_s;
-  __shared__ int num_dst, num_far;
-  __shared__ char* dst[kLLMaxTopk];
-  __shared__ int far[kLLMaxTopk];  // destination ranks on another node: reached by puts
-  constexpr int kFarPerWarp = (kLLMaxTopk + kTokenWarps - 1) / kTokenWarps;
+  // per group of token warps (below): its token's destination records and far ranks
+  __shared__ int num_dst[kTokenWarps], num_far[kTokenWarps];
+  __shared__ char* dst[kTokenWarps][kLLMaxTopk];
+  __shared__ int far[kTokenWarps][kLLMaxTopk];  // destination ranks on another node: by puts
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool token_warp = warp < kTokenWarps;
   LLControl* mine = ll_control(ctx, me);
@@ -433,8 +436,17 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   if (token_warp) {
-    for (int t = blockIdx.x; t < T; t += gridDim.x) {
-      if (warp == 0) {  // the distinct destination ranks of token t
+    // The token warps split into `groups` groups that send one token each at a time, as many
+    // as the block has tokens (up to one warp a token): with few CTAs a block's tokens go
+    // side by side instead of one after another, each a chain of dependent loads and barriers.
+    const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
+    int groups = 1;
+    while (groups * 2 <= min(per_block, kTokenWarps)) groups *= 2;
+    const int group_warps = kTokenWarps / groups, g = warp / group_warps, gw = warp % group_warps;
+    const int group_threads = group_warps * 32, thread = tid - g * group_threads;
+    char* const* my_dst = dst[g];
+    for (int t = int(blockIdx.x) + g * int(gridDim.x); t < T; t += groups * int(gridDim.x)) {
+      if (gw == 0) {  // the distinct destination ranks of token t
         int r = -1;
         if (lane < K) {
           const int p = t * K + lane, e = a.topk_idx[p];
@@ -453,44 +465,44 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         const size_t record =
             at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
         const unsigned below = (1u << lane) - 1u;
-        if (leader && !put) dst[__popc(stores & below)] = ll_base(ctx, r) + record;
-        if (put) far[__popc(puts & below)] = r;
+        if (leader && !put) dst[g][__popc(stores & below)] = ll_base(ctx, r) + record;
+        if (put) far[g][__popc(puts & below)] = r;
         if (lane == 0) {
           int n_dst = __popc(stores);
-          if (puts != 0 && !own_stored) dst[n_dst++] = ll_base(ctx, me) + record;
-          num_dst = n_dst;
-          num_far = __popc(puts);
+          if (puts != 0 && !own_stored) dst[g][n_dst++] = ll_base(ctx, me) + record;
+          num_dst[g] = n_dst;
+          num_far[g] = __popc(puts);
         }
       }
-      group_sync(kTokenBarrier, kTokenThreads);
-      // this warp's puts of token t, read before the next token's ranks overwrite far[]
-      int my_far[kFarPerWarp];
-#pragma unroll
-      for (int j = 0; j < kFarPerWarp; ++j) {
-        const int i = warp + j * kTokenWarps;
-        my_far[j] = i < num_far ? far[i] : -1;
-      }
+      group_sync(kTokenBarrier0 + g, group_threads);
+      // this warp's puts of token t (lane j: far rank gw + j * group_warps), read before the
+      // group's next token overwrites far[g]
+      const int fi = gw + lane * group_warps;
+      const int my_far = fi < num_far[g] ? far[g][fi] : -1;
       if (a.use_fp8) {
         switch (a.x_type) {
           case LLElement::kBF16:
-            quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst, tid, kTokenThreads);
+            quantize_and_store<__nv_bfloat16>(a, t, my_dst, num_dst[g], thread, group_threads);
             break;
           case LLElement::kF16:
-            quantize_and_store<__half>(a, t, dst, num_dst, tid, kTokenThreads);
+            quantize_and_store<__half>(a, t, my_dst, num_dst[g], thread, group_threads);
             break;
-          default: quantize_and_store<float>(a, t, dst, num_dst, tid, kTokenThreads); break;
+          default:
+            quantize_and_store<float>(a, t, my_dst, num_dst[g], thread, group_threads);
+            break;
         }
       } else {
-        copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads);
+        copy_raw_to_all(a, t, my_dst, num_dst[g], thread, group_threads);
       }
-      group_sync(kTokenBarrier, kTokenThreads);  // dst[] is rewritten for the next token
-      if (my_far[0] >= 0) {  // the record is complete in this PE's own copy: put it
+      group_sync(kTokenBarrier0 + g, group_threads);  // dst[g] is rewritten for the next token
+      unsigned far_lanes = __ballot_sync(0xffffffffu, my_far >= 0);
+      if (far_lanes != 0) {  // the record is complete in this PE's own copy: put it
         const size_t record =
             at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
         const size_t bytes = a.scale_bytes > 0 ? a.plan.scale_offset + a.scale_bytes : a.row_bytes;
-#pragma unroll
-        for (int j = 0; j < kFarPerWarp; ++j)
-          if (my_far[j] >= 0) put_own_warp(ctx, my_far[j], record, bytes);
+        for (; far_lanes != 0; far_lanes &= far_lanes - 1)
+          put_own_warp(ctx, __shfl_sync(0xffffffffu, my_far, __ffs(far_lanes) - 1), record,
+                       bytes);
       }
     }
   } else {
@@ -532,7 +544,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 // ----------------------------------------------------------------------------- dispatch receive
 
 // Largest number of 16-byte loads a lane holds for one unit of the dispatch receive.
-constexpr int kReceiveVecs = 2;
+constexpr int kReceiveVecs = 4;
 
 // One unit of the dispatch receive, in registers: a piece of record (s, t) and the record's
 // pair headers (lane k: pair k's).
