@@ -246,8 +246,7 @@ __device__ __forceinline__ void copy_record(void* dst_data, void* dst_scales, co
 template <typename T>
 __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
                                    int num_dst, int thread, int threads) {
-  // rounds of loads in flight: enough that one warp sends a 7168-channel row in four
-  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;
+  constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
   const int H = a.hidden, chunks = H / 16;
   const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
   constexpr int kPer = 16 / sizeof(T);  // elements per int4
