@@ -306,7 +306,7 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
       err.failure())
     return err;
   const int E = static_cast<int>(num_experts);
-  const size_t smem = ll_dispatch_send_smem(T, K, a.cached);
+  const size_t smem = ll_dispatch_send_smem(T, K, E, a.cached);
   if (smem > kLLMaxSendSmem)
     return invalid(std::string(op) + ": " + std::to_string(T * K) +
                    " (token, k) pairs need " + std::to_string(smem) +

@@ -23,7 +23,9 @@ constexpr int kWarps = kLLThreads / 32;
 // after the other, and the slots ended ~2 µs after the rows.
 constexpr int kTokenWarps = kWarps / 2, kSlotWarps = kWarps - kTokenWarps;
 constexpr int kTokenThreads = kTokenWarps * 32, kSlotThreads = kSlotWarps * 32;
-constexpr int kTokenBarrier = 1, kSlotBarrier = 2;  // named barriers (0 is __syncthreads)
+// named barriers (0 is __syncthreads): the slot warps', then one per group of token warps
+constexpr int kSlotBarrier = 1, kTokenBarrier0 = 2;
+static_assert(kTokenBarrier0 + kTokenWarps <= 16, "named barriers");
 
 // A barrier among `threads` threads (whole warps) of the block.
 __device__ __forceinline__ void group_sync(int barrier, int threads) {
@@ -317,85 +319,85 @@ __device__ __forceinline__ int block_experts(int num_experts) {
 }
 
 // The slot warps' first step, before the call's region is known: the pairs' ids (and, cached,
-// the handle's slots) into shared memory. smem: ll_dispatch_send_smem() bytes.
+// the handle's slots) into shared memory, and the two per-expert counts of block_expert_slots
+// zeroed. smem: ll_dispatch_send_smem() bytes.
 __device__ void stage_pair_ids(const LLDispatchSendArgs& a, int* smem, int thread) {
   const int n_pairs = a.num_tokens * a.num_topk;
-  if (block_experts(a.num_experts) == 0) return;
   stage_ints(smem, a.topk_idx, n_pairs, smem + n_pairs, a.cached ? a.slots_in : nullptr, thread,
              kSlotThreads);
+  int* counts = smem + n_pairs * (a.cached ? 2 : 1);
+  for (int i = thread; i < 2 * a.num_experts; i += kSlotThreads) counts[i] = 0;
 }
 
-// The slots of this block's experts, by the slot warps (`warp` of kSlotWarps, ids staged by
-// stage_pair_ids and a barrier since). A pair's slot is its rank among its expert's pairs in
-// pair order (cached: the handle's slot). Each expert's pairs are counted by several warps,
-// one segment each, and numbered in a second pass from the segments' prefix. Writes send_slot
-// of every pair of these experts, the pair headers (me, token, k) -> (call n, local expert,
-// slot) and each expert's count at its rank, and adds the pairs past max_tokens to
-// `dropped`. Pairs with an out-of-range id are left to the token pass (send_slot -1).
+// The slots, by the slot warps (`warp` of kSlotWarps, ids staged by stage_pair_ids and a
+// barrier since). A pair's slot is its rank among its expert's pairs in pair order (cached:
+// the handle's slot). Every block counts all pairs per expert in shared memory (a few
+// shared atomics a thread), then writes the counts of its experts (e = block + j * grid) at
+// their ranks, adding the pairs past max_tokens to `dropped`, and numbers its own range of
+// pairs in order (one warp, 32 pairs a step, each expert's pairs before the range counted):
+// send_slot and the pair headers (me, token, k) -> (call n, local expert, slot). The work per
+// block shrinks with the grid on both sides, so few blocks number as fast as many (dealing
+// whole experts to blocks, 16 CTAs took 15 µs against 3 at one per SM). Pairs with an
+// out-of-range id are left to the token pass (send_slot -1).
 template <bool kPuts>
 __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size_t words,
-                                   const int* smem, unsigned* dropped, int warp) {
+                                   int* smem, unsigned* dropped, int warp) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, K = a.num_topk, M = a.max_tokens, n_pairs = a.num_tokens * K;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
-  const int lane = threadIdx.x & 31;
-  __shared__ int segment_count[kSlotWarps];
+  const int lane = threadIdx.x & 31, thread = warp * 32 + lane;
   const int* ids = smem;               // [T*K]
   const int* given = smem + n_pairs;   // [T*K], cached only
-  const int mine_total = block_experts(E);
-  const unsigned before = (1u << lane) - 1u;
-  for (int first = 0; first < mine_total; first += kSlotWarps) {  // group-uniform rounds
-    const int group = min(kSlotWarps, mine_total - first);       // experts this round
-    const int per = kSlotWarps / group;                          // warps per expert
-    const int j = warp / per, segment = warp % per;
-    const bool active = j < group;
-    const int e = int(blockIdx.x) + (first + j) * int(gridDim.x);
-    // segment: 32-pair aligned share of the pairs
-    const int rounds = (n_pairs + 31) / 32, each = (rounds + per - 1) / per;
-    const int begin = min(n_pairs, segment * each * 32), end = min(n_pairs, begin + each * 32);
-    auto matches = [&](int p) {
-      if (p >= end) return false;
-      const int v = ids[p];
-      return v == e && (!a.cached || (given[p] >= 0 && given[p] < M));
-    };
-    int count = 0;
-    if (active)
-      for (int base = begin; base < end; base += 32)
-        count += __popc(__ballot_sync(0xffffffffu, matches(base + lane)));
-    if (lane == 0) segment_count[warp] = count;
-    group_sync(kSlotBarrier, kSlotThreads);
-    if (active) {
-      int seen = 0;  // e's pairs before this segment (the dropped ones included)
-      for (int w = j * per; w < warp; ++w) seen += segment_count[w];
-      const int r = e / L, l = e % L;
-      // a rank on another node: the headers go into this PE's own block [me], which the last
-      // block puts there whole (the receiver keeps the entries naming its own experts)
-      const bool far = off_node<kPuts>(ctx, r);
-      char* dest = ll_base(ctx, far ? me : r) + words;
-      uint64_t* headers = reinterpret_cast<uint64_t*>(dest + a.plan.headers) + size_t(me) * M * K;
-      const uint64_t tag = uint64_t(uint32_t(n)) << 32;
-      for (int base = begin; base < end; base += 32) {
-        const int p = base + lane;
-        const bool hit = matches(p);
-        const unsigned match = __ballot_sync(0xffffffffu, hit);
-        if (hit) {
-          const int s = a.cached ? given[p] : seen + __popc(match & before);
-          const bool kept = s < M;
-          a.send_slot[p] = kept ? s : -1;
-          // p = token * K + k; a dropped pair's header says so (the fused dispatch's local
-          // copy waits for the header of every pair it sent to this rank)
-          store_relaxed(headers + p, tag | (kept ? uint32_t(e * M + s) : kNoPosition));
-        }
-        seen += __popc(match);
-      }
-      if (segment == per - 1 && lane == 0) {  // seen: all of e's pairs
-        const size_t count_at = a.plan.counts + sizeof(int32_t) * size_t(me * L + l);
-        if (far) put_i32(ctx, pe_of(ctx, r), words + count_at, min(seen, M));
-        else *reinterpret_cast<int32_t*>(dest + count_at) = min(seen, M);
-        if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
-      }
+  int* total = smem + n_pairs * (a.cached ? 2 : 1);  // [E]: every pair
+  int* before = total + E;             // [E]: the pairs before this block's range
+  const int per_block = (n_pairs + int(gridDim.x) - 1) / int(gridDim.x);
+  const int range_begin = min(n_pairs, int(blockIdx.x) * per_block);
+  const int range_end = min(n_pairs, range_begin + per_block);
+  auto expert_of = [&](int p) {  // -1: numbered by no one here (cached: no slot to keep)
+    const int v = ids[p];
+    if (v < 0 || v >= E || (a.cached && (given[p] < 0 || given[p] >= M))) return -1;
+    return v;
+  };
+  for (int p = thread; p < n_pairs; p += kSlotThreads) {
+    const int e = expert_of(p);
+    if (e < 0) continue;
+    atomicAdd(&total[e], 1);
+    if (p < range_begin) atomicAdd(&before[e], 1);
+  }
+  group_sync(kSlotBarrier, kSlotThreads);
+
+  // a rank on another node: the headers go into this PE's own block [me], which the last
+  // block puts there whole (the receiver keeps the entries naming its own experts)
+  for (int j = thread; j < block_experts(E); j += kSlotThreads) {
+    const int e = int(blockIdx.x) + j * int(gridDim.x), r = e / L, l = e % L;
+    const int seen = total[e];
+    const size_t count_at = words + a.plan.counts + sizeof(int32_t) * size_t(me * L + l);
+    if (off_node<kPuts>(ctx, r)) put_i32(ctx, pe_of(ctx, r), count_at, min(seen, M));
+    else *reinterpret_cast<int32_t*>(ll_base(ctx, r) + count_at) = min(seen, M);
+    if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
+  }
+  if (warp != 0) return;
+  const uint64_t tag = uint64_t(uint32_t(n)) << 32;
+  const unsigned below = (1u << lane) - 1u;
+  for (int base = range_begin; base < range_end; base += 32) {
+    const int p = base + lane;
+    const int e = p < range_end ? expert_of(p) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (e >= 0) {
+      const int s = a.cached ? given[p] : before[e] + __popc(peers & below);
+      const bool kept = s < M;
+      a.send_slot[p] = kept ? s : -1;
+      const int r = e / L;
+      uint64_t* headers = reinterpret_cast<uint64_t*>(
+          ll_base(ctx, off_node<kPuts>(ctx, r) ? me : r) + words + a.plan.headers);
+      // p = token * K + k; a dropped pair's header says so (the fused dispatch's local copy
+      // waits for the header of every pair it sent to this rank)
+      store_relaxed(headers + size_t(me) * M * K + p,
+                    tag | (kept ? uint32_t(e * M + s) : kNoPosition));
     }
-    group_sync(kSlotBarrier, kSlotThreads);  // segment_count is rewritten by the next round
+    __syncwarp();  // every lane has read before[] for this step
+    if (e >= 0 && !a.cached && lane == __ffs(peers) - 1) before[e] += __popc(peers);
+    __syncwarp();
   }
 }
 
@@ -410,10 +412,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
   __shared__ uint64_t call_s;
-  __shared__ int num_dst, num_far;
-  __shared__ char* dst[kLLMaxTopk];
-  __shared__ int far[kLLMaxTopk];  // destination ranks on another node: reached by puts
-  constexpr int kFarPerWarp = (kLLMaxTopk + kTokenWarps - 1) / kTokenWarps;
+  // per group of token warps (below): its token's destination records and far ranks
+  __shared__ int num_dst[kTokenWarps], num_far[kTokenWarps];
+  __shared__ char* dst[kTokenWarps][kLLMaxTopk];
+  __shared__ int far[kTokenWarps][kLLMaxTopk];  // destination ranks on another node: by puts
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool token_warp = warp < kTokenWarps;
   LLControl* mine = ll_control(ctx, me);
@@ -433,8 +435,17 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   if (token_warp) {
-    for (int t = blockIdx.x; t < T; t += gridDim.x) {
-      if (warp == 0) {  // the distinct destination ranks of token t
+    // The token warps split into `groups` groups that send one token each at a time, as many
+    // as the block has tokens (up to one warp a token): with few CTAs a block's tokens go
+    // side by side instead of one after another, each a chain of dependent loads and barriers.
+    const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
+    int groups = 1;
+    while (groups * 2 <= min(per_block, kTokenWarps)) groups *= 2;
+    const int group_warps = kTokenWarps / groups, g = warp / group_warps, gw = warp % group_warps;
+    const int group_threads = group_warps * 32, thread = tid - g * group_threads;
+    char* const* my_dst = dst[g];
+    for (int t = int(blockIdx.x) + g * int(gridDim.x); t < T; t += groups * int(gridDim.x)) {
+      if (gw == 0) {  // the distinct destination ranks of token t
         int r = -1;
         if (lane < K) {
           const int p = t * K + lane, e = a.topk_idx[p];
@@ -453,44 +464,44 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         const size_t record =
             at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
         const unsigned below = (1u << lane) - 1u;
-        if (leader && !put) dst[__popc(stores & below)] = ll_base(ctx, r) + record;
-        if (put) far[__popc(puts & below)] = r;
+        if (leader && !put) dst[g][__popc(stores & below)] = ll_base(ctx, r) + record;
+        if (put) far[g][__popc(puts & below)] = r;
         if (lane == 0) {
           int n_dst = __popc(stores);
-          if (puts != 0 && !own_stored) dst[n_dst++] = ll_base(ctx, me) + record;
-          num_dst = n_dst;
-          num_far = __popc(puts);
+          if (puts != 0 && !own_stored) dst[g][n_dst++] = ll_base(ctx, me) + record;
+          num_dst[g] = n_dst;
+          num_far[g] = __popc(puts);
         }
       }
-      group_sync(kTokenBarrier, kTokenThreads);
-      // this warp's puts of token t, read before the next token's ranks overwrite far[]
-      int my_far[kFarPerWarp];
-#pragma unroll
-      for (int j = 0; j < kFarPerWarp; ++j) {
-        const int i = warp + j * kTokenWarps;
-        my_far[j] = i < num_far ? far[i] : -1;
-      }
+      group_sync(kTokenBarrier0 + g, group_threads);
+      // this warp's puts of token t (lane j: far rank gw + j * group_warps), read before the
+      // group's next token overwrites far[g]
+      const int fi = gw + lane * group_warps;
+      const int my_far = fi < num_far[g] ? far[g][fi] : -1;
       if (a.use_fp8) {
         switch (a.x_type) {
           case LLElement::kBF16:
-            quantize_and_store<__nv_bfloat16>(a, t, dst, num_dst, tid, kTokenThreads);
+            quantize_and_store<__nv_bfloat16>(a, t, my_dst, num_dst[g], thread, group_threads);
             break;
           case LLElement::kF16:
-            quantize_and_store<__half>(a, t, dst, num_dst, tid, kTokenThreads);
+            quantize_and_store<__half>(a, t, my_dst, num_dst[g], thread, group_threads);
             break;
-          default: quantize_and_store<float>(a, t, dst, num_dst, tid, kTokenThreads); break;
+          default:
+            quantize_and_store<float>(a, t, my_dst, num_dst[g], thread, group_threads);
+            break;
         }
       } else {
-        copy_raw_to_all(a, t, dst, num_dst, tid, kTokenThreads);
+        copy_raw_to_all(a, t, my_dst, num_dst[g], thread, group_threads);
       }
-      group_sync(kTokenBarrier, kTokenThreads);  // dst[] is rewritten for the next token
-      if (my_far[0] >= 0) {  // the record is complete in this PE's own copy: put it
+      group_sync(kTokenBarrier0 + g, group_threads);  // dst[g] is rewritten for the next token
+      unsigned far_lanes = __ballot_sync(0xffffffffu, my_far >= 0);
+      if (far_lanes != 0) {  // the record is complete in this PE's own copy: put it
         const size_t record =
             at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
         const size_t bytes = a.scale_bytes > 0 ? a.plan.scale_offset + a.scale_bytes : a.row_bytes;
-#pragma unroll
-        for (int j = 0; j < kFarPerWarp; ++j)
-          if (my_far[j] >= 0) put_own_warp(ctx, my_far[j], record, bytes);
+        for (; far_lanes != 0; far_lanes &= far_lanes - 1)
+          put_own_warp(ctx, __shfl_sync(0xffffffffu, my_far, __ffs(far_lanes) - 1), record,
+                       bytes);
       }
     }
   } else {
@@ -532,7 +543,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 // ----------------------------------------------------------------------------- dispatch receive
 
 // Largest number of 16-byte loads a lane holds for one unit of the dispatch receive.
-constexpr int kReceiveVecs = 2;
+constexpr int kReceiveVecs = 4;
 
 // One unit of the dispatch receive, in registers: a piece of record (s, t) and the record's
 // pair headers (lane k: pair k's).
@@ -1207,7 +1218,7 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
                          ? a.num_tokens
                          : (a.num_experts + kSlotWarps - 1) / kSlotWarps;
   const int grid = wanted < a.num_blocks ? wanted : a.num_blocks;
-  const size_t smem = ll_dispatch_send_smem(a.num_tokens, a.num_topk, a.cached);
+  const size_t smem = ll_dispatch_send_smem(a.num_tokens, a.num_topk, a.num_experts, a.cached);
   auto kernel =
       a.ctx.spans_nodes ? ll_dispatch_send_kernel<true> : ll_dispatch_send_kernel<false>;
   const cudaError_t status = allow_shared_memory(reinterpret_cast<const void*>(kernel), smem);
@@ -1224,7 +1235,8 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
-  const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.cached);
+  const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.num_experts,
+                                                 send.cached);
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
   const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
   const void* kernel = reinterpret_cast<const void*>(

@@ -129,8 +129,10 @@ inline size_t ll_combine_send_smem(int num_local_experts) {
 
 // Dynamic shared memory of the dispatch send: the pairs' expert ids (and, cached, the
 // handle's slots), staged for the slot scans.
-inline size_t ll_dispatch_send_smem(int num_tokens, int num_topk, bool cached) {
-  return sizeof(int32_t) * size_t(num_tokens) * num_topk * (cached ? 2 : 1);
+// The pairs' ids (and, cached, the handle's slots), then two counts per expert.
+inline size_t ll_dispatch_send_smem(int num_tokens, int num_topk, int num_experts, bool cached) {
+  return sizeof(int32_t) * (size_t(num_tokens) * num_topk * (cached ? 2 : 1) +
+                            2 * size_t(num_experts));
 }
 constexpr size_t kLLMaxSendSmem = 200 * 1024;  // what the launchers allow
 
