@@ -403,7 +403,7 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
 
 // The token warps: every block sends whole tokens, each row once per destination rank (not
 // once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes). The
-// slot warps meanwhile number the pairs of the experts dealt to this block
+// slot warps meanwhile number this block's range of pairs
 // (block_expert_slots): the two do not wait for each other, nor does any block for another.
 // Returns the call number (every thread). smem: ll_dispatch_send_smem() bytes.
 template <bool kPuts>
