@@ -45,9 +45,10 @@ DEFAULT_TIMEOUT_S = 100.0
 # CTAs of the SM data paths where nothing else is measured better.
 DEFAULT_BLOCKS = 64
 # CTAs of a split low-latency call (its kernel runs beside the work between send and receive,
-# which takes the other SMs): 2×H100, decode shapes, send -> 104 µs matmul -> receive 122.1 µs
-# steady with 16, 124.2 with 32, 122.8 with 8, 131.0 with one per SM (the matmul's GEMM holds
-# 120 SMs; fewer CTAs leave it more but the kernel, sharing HBM with it, then outlasts it).
+# which takes the other SMs): 2×H100, decode shapes, send -> 99 µs matmul -> receive 117.1 µs
+# steady with 16, 118.7 with 32, 120.0 with 12, 116.3 with 8 (115.6 against 116.4 in another
+# lease; 131.0 with one per SM, an earlier kernel). The matmul's GEMM holds 120 SMs; fewer CTAs
+# leave it more, but the kernel, sharing HBM with it, then outlasts it.
 LOW_LATENCY_SPLIT_BLOCKS = 16
 # Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
 # combine reads y in place and is rank_major's default: 209 µs against the push's 240 on
