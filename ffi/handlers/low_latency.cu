@@ -396,14 +396,22 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
 
 // The split receive: its operands are the send's results (aliased to its own) and the send's
 // operands (kept alive for the kernel); the program's stream waits for the send's kernel.
+// A split receive: the program's stream waits for the send whose rows are operand `rows` of
+// the pending call (the send's results, returned aliased).
+ffi::Error join_receive(cudaStream_t stream, ffi::RemainingArgs operands,
+                        ffi::RemainingRets results, const char* op, const char* pending,
+                        size_t rows) {
+  if (operands.size() <= rows || results.size() <= rows)
+    return invalid(std::string(op) + ": takes the pending " + pending + " of a send");
+  auto out = operands.get<ffi::AnyBuffer>(rows);
+  if (out.has_error()) return invalid(std::string(op) + ": the pending rows are missing");
+  return SplitCalls::get().join(stream, out.value().untyped_data(), op);
+}
+
 ffi::Error dispatch_receive_impl(cudaStream_t stream, ffi::RemainingArgs operands,
                                  ffi::RemainingRets results) {
-  const char* op = "low_latency_dispatch (receive)";
-  if (operands.size() < 4 || results.size() < 4)
-    return invalid(std::string(op) + ": takes the pending dispatch of a send");
-  auto out_x = operands.get<ffi::AnyBuffer>(3);
-  if (out_x.has_error()) return invalid(std::string(op) + ": the pending rows are missing");
-  return SplitCalls::get().join(stream, out_x.value().untyped_data(), op);
+  return join_receive(stream, operands, results, "low_latency_dispatch (receive)", "dispatch",
+                      3);  // out_x
 }
 
 // Send and receive in one kernel, the same operands and results either way: on the program's
@@ -588,12 +596,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
 // results aliased to the first two; the program's stream waits for the send's kernel.
 ffi::Error combine_receive_impl(cudaStream_t stream, ffi::RemainingArgs operands,
                                 ffi::RemainingRets results) {
-  const char* op = "low_latency_combine (receive)";
-  if (operands.size() < 2 || results.size() < 2)
-    return invalid(std::string(op) + ": takes the pending combine of a send");
-  auto out = operands.get<ffi::AnyBuffer>(1);
-  if (out.has_error()) return invalid(std::string(op) + ": the pending rows are missing");
-  return SplitCalls::get().join(stream, out.value().untyped_data(), op);
+  return join_receive(stream, operands, results, "low_latency_combine (receive)", "combine",
+                      1);  // out
 }
 
 }  // namespace
