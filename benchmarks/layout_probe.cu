@@ -4,7 +4,7 @@
 // out. No peers: runs on one GPU, no NVSHMEM.
 //
 //   nvcc -O3 -arch=sm_90a -std=c++17 -Iffi benchmarks/layout_probe.cu -o build/layout_probe
-//   build/layout_probe [ranks=2] [experts=256] [top_k=8]
+//   build/layout_probe [ranks=2] [experts=256] [top_k=8]   (run_on_device.sh step `layoutprobe`)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -14,15 +14,7 @@
 #include <vector>
 
 #include "kernels/layout.cu"
-
-#define CHECK(x)                                                                            \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "probe_common.cuh"
 
 int main(int argc, char** argv) {
   const int R = argc > 1 ? std::atoi(argv[1]) : 2;

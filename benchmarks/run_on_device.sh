@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,overlap,trace,gemm,moelayer,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,layoutprobe,overlap,trace,gemm,moelayer,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -140,6 +140,11 @@ if [[ $WHAT == *copyprobe* ]]; then  # local row copies by instruction kind and 
   step "local copy probe"
   nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/local_copy_probe.cu -o build/local_copy_probe &&
     timeout 120 build/local_copy_probe 2>&1 | tee "$OUT/local_copy_probe.log"
+fi
+if [[ $WHAT == *layoutprobe* ]]; then  # the layout kernel alone, graphs of launches (one GPU)
+  step "layout probe"
+  nvcc -O3 -arch=sm_90a -std=c++17 -Iffi benchmarks/layout_probe.cu -o build/layout_probe &&
+    timeout 60 build/layout_probe 2>&1 | tee "$OUT/layout_probe.log"
 fi
 if [[ ,$WHAT, == *,overlap,* ]]; then  # which arrangement of call and work overlaps
   step "jax_ep calls beside an independent matmul, by stream arrangement, on $N GPUs"
