@@ -732,6 +732,25 @@ def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
     assert_ll_round_trip(*both(fn, x, idx, w, y))
 
 
+@pytest.mark.parametrize("blocks", [2, 5])
+def test_low_latency_on_few_ctas_matches_reference(blocks):
+    """Few CTAs (a split call's case beside other work): each block sends many tokens (32 and
+    13 of 64 here), a warp a token, and numbers a long range of pairs; fused and split, FP8."""
+    T = M = LL_M
+    x, idx, w, E = _ll_inputs(23, T, 256, "random", 0.1)
+    L = E // num_ranks()
+    rng = np.random.default_rng(blocks)
+    y = np.asarray(jnp.asarray(rng.standard_normal((num_ranks(), L, num_ranks() * M, 256)),
+                               jnp.bfloat16))
+
+    def fn(backend, x, idx, w, y):
+        return ll_round_trip(x, idx, w, y, num_experts=E, max_tokens_per_rank=M, axis_name=AXIS,
+                             use_fp8=True, backend=backend,
+                             config=jax_ep.Config(num_blocks=blocks))
+
+    assert_ll_round_trip(*both(fn, x, idx, w, y))
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_low_latency_wide_rows_match_reference(fp8):
     """DeepSeek-V3's hidden size: the receive takes a record in several pieces of several
