@@ -46,6 +46,9 @@ def parse_args():
                         "without the launcher, over all local GPUs)")
     p.add_argument("--profile", action="store_true",
                    help="also print the kernels' phase timestamps of one call (CUDA backend)")
+    p.add_argument("--rows", default="",
+                   help="time only the rows whose names contain one of these comma-separated "
+                        "pieces (e.g. 'matmul,16 CTAs'); empty: every row")
     p.add_argument("--node-size", type=int, default=None,
                    help="virtual nodes of this many ranks (runtime.initialize(node_size=)): "
                         "the kernels reach other nodes' ranks by NVSHMEM puts, as over a "
@@ -89,8 +92,9 @@ AXIS = "ep"
 def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, H, K, E):
     """The jax_ep operations: fused dispatch (FP8, BF16), dispatch + combine, combine alone,
     and the split dispatch around an independent matmul."""
-    def dispatch_fp8(x, idx):
-        return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).recv_count
+    def dispatch_fp8(x, idx, blocks=None):
+        kw = dict(ll, config=jax_ep.Config(num_blocks=blocks)) if blocks else ll
+        return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **kw).recv_count
 
     def dispatch_bf16(x, idx):
         return jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll).recv_count
@@ -144,6 +148,10 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         return jax_ep.low_latency_dispatch_receive(pending).recv_count
 
     record("jax_ep low_latency_dispatch FP8", dispatch_fp8, x, idx_d)
+    if jax.default_backend() == "gpu":  # the one-call dispatch on the CTAs a split call takes
+        for blocks in (16, 8):
+            record(f"jax_ep low_latency_dispatch FP8, {blocks} CTAs",
+                   partial(dispatch_fp8, blocks=blocks), x, idx_d)
     record("jax_ep dispatch FP8, send then receive", dispatch_fp8_split, x, idx_d)
     record("jax_ep low_latency_dispatch BF16", dispatch_bf16, x, idx_d)
     record("jax_ep dispatch BF16 + combine BF16", combine, x, idx_d, w)
@@ -235,10 +243,13 @@ def main():
     idx, x, w, idx_d = random_routing(rng, R, T, H, E, K, shard)
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
     rows, profiles, call_profiles = [], [], []
+    wanted = [piece.strip() for piece in args.rows.split(",") if piece.strip()]
 
     def record(name, f, *a, chained=1, marker=is_ours):
         """Times f; with --profile on a GPU also its kernels' phases (jax_ep's) and the per-call
-        GPU time of the kernels `marker` picks (None: none)."""
+        GPU time of the kernels `marker` picks (None: none). Rows --rows leaves out: skipped."""
+        if wanted and not any(piece in name for piece in wanted):
+            return
         try:
             looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
                                     in_specs=(P(AXIS),) * len(a)))
