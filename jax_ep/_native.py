@@ -45,8 +45,12 @@ def _load():
     try:
         return importlib.import_module("jax_ep._C"), ""
     except ImportError as e:
-        return None, (f"the CUDA extension jax_ep._C is not available ({e}); it is built at "
-                      "install time when nvcc, jaxlib and nvidia-nvshmem-cu12/13 are present")
+        why = (f"the CUDA extension jax_ep._C is not available ({e}); it is built at install "
+               "time when nvcc, jaxlib and nvidia-nvshmem-cu12/13 are present")
+        if "undefined symbol" in str(e):
+            why += ("; an undefined symbol means it was built against another NVSHMEM than the "
+                    "one installed: rebuild it against this one (README, GPU path)")
+        return None, why
 
 
 def load():

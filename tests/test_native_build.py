@@ -99,6 +99,17 @@ def test_missing_extension_is_reported_clearly():
     assert "jax_ep._C" in why
 
 
+def test_extension_built_against_another_nvshmem_is_named(monkeypatch):
+    def import_module(name):
+        raise ImportError(f"{name}: undefined symbol: nvshmem_selected_device_transport, "
+                          "version NVSHMEM")
+
+    monkeypatch.setattr(_native.importlib, "import_module", import_module)
+    loaded, reason = _native._load.__wrapped__()  # uncached: the real load is kept
+    assert loaded is None
+    assert "jax_ep._C" in reason and "built against another NVSHMEM" in reason
+
+
 def numpy_layout(topk_idx, num_experts, num_ranks):
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
     per_expert = np.bincount(topk_idx[valid], minlength=num_experts).astype(np.int32)
