@@ -73,15 +73,25 @@ def _uses_gpu() -> bool:
 
 
 def init_distributed() -> bool:
-    """``jax.distributed.initialize`` from the launcher's variables; False when not launched."""
+    """``jax.distributed.initialize`` from the launcher's variables; False when not launched.
+
+    Called again in the same process (a script and a library it imports), it does nothing.
+    On the CPU the processes' host devices form one job (``JAX_NUM_CPU_DEVICES`` a process),
+    their collectives over Gloo: a multi-host script runs as it would across hosts.
+    """
     if "JAX_EP_RANK" not in os.environ:
         return False
     import jax
+    from jax._src import distributed
 
+    if distributed.global_state.client is not None:
+        return True
     kwargs = {}
     if _uses_gpu():
         device = os.environ.get("JAX_EP_LOCAL_DEVICE", os.environ.get("JAX_EP_LOCAL_RANK", "0"))
         kwargs["local_device_ids"] = [int(device)]
+    elif getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # older jax: none
     jax.distributed.initialize(
         coordinator_address=os.environ["JAX_EP_COORDINATOR"],
         num_processes=int(os.environ["JAX_EP_WORLD_SIZE"]),

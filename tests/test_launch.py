@@ -227,3 +227,24 @@ def test_two_launchers_form_one_job_like_two_hosts(tmp_path):
                 f"['0', '1', '0', '1']") in outs[host][0]
         # each invocation on its own GPUs (--first-gpu): as on one machine of 4
         assert f"[rank {rank}] process {rank} device {rank}" in outs[host][0]
+
+
+def test_ep_across_processes_on_the_cpu():
+    """tests/test_across_processes.py under the launcher: two processes of two CPU devices form
+    one job, and EP across them (dispatch, combine, low latency, the MoE layer with a data axis
+    across the processes or EP across them, gradients) matches the oracles, as across hosts."""
+    import re
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", XLA_FLAGS="",
+               PYTHONPATH=REPO + os.pathsep + os.path.join(REPO, "tests"))
+    out = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--", "-m", "pytest",
+                          "-q", "-p", "no:cacheprovider", "--capture=sys",
+                          os.path.join("tests", "test_across_processes.py")],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    tail = out.stdout[-6000:] + out.stderr[-3000:]
+    assert out.returncode == 0, tail
+    for rank in (0, 1):
+        summary = re.search(rf"^\[rank {rank}\] (\d+ passed.*)$", out.stdout, re.MULTILINE)
+        assert summary, tail
+        assert "skipped" not in summary.group(1) and "failed" not in summary.group(1), tail
+
