@@ -235,6 +235,11 @@ def test_ep_across_processes_on_the_cpu():
     across the processes or EP across them, gradients) matches the oracles, as across hosts."""
     import re
 
+    import jax
+
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10):
+        pytest.skip(f"jax {jax.__version__}: its CPU collectives across processes time out "
+                    "setting up Gloo contexts (seen at 0.6.1; 0.10 and later pass)")
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", XLA_FLAGS="",
                PYTHONPATH=REPO + os.pathsep + os.path.join(REPO, "tests"))
     out = subprocess.run([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--", "-m", "pytest",
