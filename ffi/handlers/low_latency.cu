@@ -394,10 +394,9 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   return ffi::Error::Success();
 }
 
-// The split receive: its operands are the send's results (aliased to its own) and the send's
-// operands (kept alive for the kernel); the program's stream waits for the send's kernel.
-// A split receive: the program's stream waits for the send whose rows are operand `rows` of
-// the pending call (the send's results, returned aliased).
+// A split receive: its operands are the send's results (aliased to its own) and the send's
+// operands (kept alive for the kernel); the program's stream waits for the kernel of the send
+// whose rows are operand `rows`.
 ffi::Error join_receive(cudaStream_t stream, ffi::RemainingArgs operands,
                         ffi::RemainingRets results, const char* op, const char* pending,
                         size_t rows) {
