@@ -451,7 +451,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
     return SplitCalls::get().launch(
         stream, kSplitDispatch, receive.out_x, "low_latency_dispatch (send)",
-        [&](cudaStream_t on) { return launch_ll_dispatch(send, receive, on); });
+        [&](cudaStream_t on) { return launch_ll_dispatch(send, receive, on, true); });
   }
   if (auto err = SplitCalls::get().order(stream, kSplitDispatch); err.failure()) return err;
   return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
@@ -585,7 +585,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
     return SplitCalls::get().launch(stream, kSplitCombine, receive.out,
                                     "low_latency_combine (send)",
                                     [&](cudaStream_t on) {
-                                      return launch_ll_combine(send, receive, on);
+                                      return launch_ll_combine(send, receive, on, true);
                                     });
   if (auto err = SplitCalls::get().order(stream, kSplitCombine); err.failure()) return err;
   return cuda_error(launch_ll_combine(send, receive, stream), "low_latency_combine");

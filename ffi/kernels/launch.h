@@ -57,13 +57,21 @@ cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 blo
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// The same as a cooperative launch (every block resident), the arguments as an array.
+// The same as a cooperative launch (every block resident), the arguments as an array;
+// `cluster` > 1: the blocks in thread-block clusters of that many (it divides grid.x).
 inline cudaError_t launch_cooperative_after_previous(const void* kernel, dim3 grid, dim3 block,
                                                      size_t smem, cudaStream_t stream,
-                                                     void** args) {
-  cudaLaunchAttribute attributes[2];
-  const cudaLaunchConfig_t config =
+                                                     void** args, unsigned cluster = 1) {
+  cudaLaunchAttribute attributes[3];
+  cudaLaunchConfig_t config =
       config_after_previous(grid, block, smem, stream, /*cooperative=*/true, attributes);
+  if (cluster > 1) {
+    attributes[2].id = cudaLaunchAttributeClusterDimension;
+    attributes[2].val.clusterDim.x = cluster;
+    attributes[2].val.clusterDim.y = 1;
+    attributes[2].val.clusterDim.z = 1;
+    config.numAttrs = 3;
+  }
   return cudaLaunchKernelExC(&config, kernel, args);
 }
 

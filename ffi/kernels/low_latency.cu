@@ -1210,6 +1210,13 @@ int cooperative_grid(const void* kernel, size_t smem, int wanted) {
   return wanted < most ? wanted : most;
 }
 
+// Blocks per cluster of a split call's kernel: two where the grid is even. It runs beside the
+// program's work, whose GEMMs on H100 are kernels of CTA clusters placed within a GPC; blocks
+// taken in pairs of a GPC leave more room for those than blocks placed one by one (the split
+// combine beside the benchmark's GEMM: 126.3 -> 123.2 µs steady, the dispatch 0.5-1.5 µs;
+// clusters of four gained no more; benchmarks/RESULTS.md).
+unsigned ll_cluster(int grid, bool beside_work) { return beside_work && grid % 2 == 0 ? 2 : 1; }
+
 }  // namespace
 
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t stream) {
@@ -1234,7 +1241,8 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
 }
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
-                               const LLDispatchReceiveArgs& receive, cudaStream_t stream) {
+                               const LLDispatchReceiveArgs& receive, cudaStream_t stream,
+                               bool beside_work) {
   const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.num_experts,
                                                  send.cached);
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
@@ -1252,7 +1260,7 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
   LLDispatchReceiveArgs r = receive;
   void* args[] = {&s, &r};
   return launch_cooperative_after_previous(kernel, dim3(grid), dim3(kLLThreads), smem, stream,
-                                           args);
+                                           args, ll_cluster(grid, beside_work));
 }
 
 // The combine kernels need every block resident (a peer's blocks wait for the gate words that
@@ -1260,13 +1268,13 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
 namespace {
 
 cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void** args,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, bool beside_work) {
   const cudaError_t status = allow_shared_memory(kernel, smem);
   if (status != cudaSuccess) return status;
   const int grid = cooperative_grid(kernel, smem, wanted);
   if (grid < 1) return cudaErrorCooperativeLaunchTooLarge;
   return launch_cooperative_after_previous(kernel, dim3(grid), dim3(kLLThreads), smem, stream,
-                                           args);
+                                           args, ll_cluster(grid, beside_work));
 }
 
 size_t combine_send_smem(const LLCombineSendArgs& a) {
@@ -1276,14 +1284,14 @@ size_t combine_send_smem(const LLCombineSendArgs& a) {
 }  // namespace
 
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, bool beside_work) {
   LLCombineSendArgs s = send;
   LLCombineReceiveArgs r = receive;
   void* args[] = {&s, &r};
   const void* kernel = reinterpret_cast<const void*>(
       send.ctx.spans_nodes ? ll_combine_kernel<true> : ll_combine_kernel<false>);
-  return launch_cooperative(kernel, receive.num_blocks,
-                            combine_send_smem(send), args, stream);
+  return launch_cooperative(kernel, receive.num_blocks, combine_send_smem(send), args, stream,
+                            beside_work);
 }
 
 }  // namespace jax_ep

@@ -139,10 +139,12 @@ constexpr size_t kLLMaxSendSmem = 200 * 1024;  // what the launchers allow
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaStream_t stream);
 // Both halves in one cooperative launch (the fused calls); two launches where the device
-// cannot hold the grid at once.
+// cannot hold the grid at once. beside_work: a split call's kernel, run beside the program's
+// work (its blocks in clusters of two, see ll_cluster).
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
-                               const LLDispatchReceiveArgs& receive, cudaStream_t stream);
+                               const LLDispatchReceiveArgs& receive, cudaStream_t stream,
+                               bool beside_work = false);
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
-                              cudaStream_t stream);
+                              cudaStream_t stream, bool beside_work = false);
 
 }  // namespace jax_ep
