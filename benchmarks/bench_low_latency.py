@@ -200,7 +200,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
     if jax.default_backend() == "gpu":  # the split dispatch's kernel beside the matmul
-        for blocks in (32, 12, 8):  # the default is 16 (config.LOW_LATENCY_SPLIT_BLOCKS)
+        for blocks in (32, 16, 12):  # the default is 8 (config.LOW_LATENCY_SPLIT_DISPATCH_BLOCKS)
             record(f"send FP8 -> matmul -> receive, {blocks} CTAs",
                    partial(dispatch_overlapped, blocks=blocks), x, idx_d, weight, chained=0)
     if jax.default_backend() == "gpu":

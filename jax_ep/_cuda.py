@@ -509,7 +509,7 @@ def _nodes_cached_dispatch(x, handle: DispatchHandle):
 # custom call, so XLA cannot put other calls between them.
 
 
-def _ll_attrs(config: LowLatencyConfig, *, split=False):
+def _ll_attrs(config: LowLatencyConfig, *, split=None):
     limit = _limits()["low_latency_max_topk"]
     if config.num_topk > limit:
         raise ValueError(f"low-latency calls: the CUDA kernels take top-k <= {limit}, got "
@@ -565,7 +565,7 @@ def low_latency_send(x, topk_idx, config: LowLatencyConfig):
         config, dtype, x.shape[1], fp8=config.use_fp8, with_src=True)
     results = _call("jax_ep_ll_dispatch_send", types, x, topk_idx, jnp.zeros((0,), jnp.int32),
                     rank, axis_name=config.axis_name, use_fp8=bool(config.use_fp8),
-                    ue8m0=bool(config.ue8m0), cached=False, **_ll_attrs(config, split=True))
+                    ue8m0=bool(config.ue8m0), cached=False, **_ll_attrs(config, split="dispatch"))
     return dict(results=tuple(results), operands=(x, topk_idx, rank), topk_idx=topk_idx)
 
 
@@ -617,7 +617,7 @@ def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
     config = handle.config
     args = _ll_combine_args(y, topk_weights, handle)
     results = _call("jax_ep_ll_combine_send", _ll_combine_types(config, y), *args,
-                    axis_name=config.axis_name, **_ll_attrs(config, split=True))
+                    axis_name=config.axis_name, **_ll_attrs(config, split="combine"))
     return dict(results=tuple(results), operands=tuple(args))
 
 

@@ -45,11 +45,14 @@ DEFAULT_TIMEOUT_S = 100.0
 # CTAs of the SM data paths where nothing else is measured better.
 DEFAULT_BLOCKS = 64
 # CTAs of a split low-latency call (its kernel runs beside the work between send and receive,
-# which takes the other SMs): 2×H100, decode shapes, send -> 99 µs matmul -> receive 117.1 µs
-# steady with 16, 118.7 with 32, 120.0 with 12, 116.3 with 8 (115.6 against 116.4 in another
-# lease; 131.0 with one per SM, an earlier kernel). The matmul's GEMM holds 120 SMs; fewer CTAs
-# leave it more, but the kernel, sharing HBM with it, then outlasts it.
-LOW_LATENCY_SPLIT_BLOCKS = 16
+# which takes the other SMs), 2×H100, decode shapes, beside a 99 µs matmul, steady (2026-11-28,
+# c1652e3, benchmarks/RESULTS.md): send -> matmul -> receive 115.5-116.0 µs with 8, 119.3-120.9
+# with 16, 120.5-121.4 with 12, 120.7-121.7 with 32 (the day before 8 and 16 tied); combine
+# send -> matmul -> receive 138.5 with 8, 122.3-123.2 with 16, 122.2-122.6 with 32. The
+# matmul's GEMM holds 120 SMs; fewer CTAs leave it more, but the kernel, sharing HBM with it,
+# may then outlast it (the combine's at 8).
+LOW_LATENCY_SPLIT_DISPATCH_BLOCKS = 8
+LOW_LATENCY_SPLIT_COMBINE_BLOCKS = 16
 # Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
 # combine reads y in place and is rank_major's default: 209 µs against the push's 240 on
 # 2×H100 at DeepSeek-V3 shapes with 64 CTAs. Where they do not, the pull stages y first and
@@ -372,16 +375,20 @@ def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout,
                   copy_chunk_mb=copy_chunk_mb(config), timeout_s=timeout_s(config))
 
 
-def resolve_low_latency(config: Config | None, *, split: bool = False) -> Config:
+def resolve_low_latency(config: Config | None, *, split: str | None = None) -> Config:
     """A low-latency call's fields: its CTAs (given or ``JAX_EP_NUM_BLOCKS``; else, for a
-    split call, ``LOW_LATENCY_SPLIT_BLOCKS``, and None for the others: one per SM, the
-    kernels' own) and its timeout; it has no data path to choose."""
+    split call (``split`` "dispatch" or "combine"), ``LOW_LATENCY_SPLIT_DISPATCH_BLOCKS`` or
+    ``LOW_LATENCY_SPLIT_COMBINE_BLOCKS``, and None for the others: one per SM, the kernels'
+    own) and its timeout; it has no data path to choose."""
+    if split not in (None, "dispatch", "combine"):
+        raise ValueError(f"split: 'dispatch', 'combine' or None, got {split!r}")
     given = _field(config, "num_blocks")
     value = os.environ.get("JAX_EP_NUM_BLOCKS", "")
     if given is None and value not in ("", "0"):
         given = Config(num_blocks=int(value)).num_blocks
-    if given is None and split:
-        given = LOW_LATENCY_SPLIT_BLOCKS
+    if given is None and split is not None:
+        given = (LOW_LATENCY_SPLIT_DISPATCH_BLOCKS if split == "dispatch"
+                 else LOW_LATENCY_SPLIT_COMBINE_BLOCKS)
     return Config(num_blocks=given, copy_chunk_mb=DEFAULT_COPY_CHUNK_MB,
                   timeout_s=timeout_s(config))
 

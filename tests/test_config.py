@@ -148,10 +148,12 @@ def test_low_latency_calls_take_their_kernels_block_count(monkeypatch):
 
 def test_split_low_latency_calls_take_few_ctas_by_default():
     """A split call's kernel runs beside the work after its send: it holds few SMs unless told."""
-    assert cfg.resolve_low_latency(None, split=True).num_blocks == cfg.LOW_LATENCY_SPLIT_BLOCKS
-    assert cfg.LOW_LATENCY_SPLIT_BLOCKS == 16
-    assert cfg.resolve_low_latency(jax_ep.Config(num_blocks=40), split=True).num_blocks == 40
-    assert cfg.tuning_attributes(cfg.resolve_low_latency(None, split=True))["num_blocks"] == 16
+    assert cfg.resolve_low_latency(None, split="dispatch").num_blocks == 8
+    assert cfg.resolve_low_latency(None, split="combine").num_blocks == 16
+    assert cfg.resolve_low_latency(jax_ep.Config(num_blocks=40), split="combine").num_blocks == 40
+    assert cfg.tuning_attributes(cfg.resolve_low_latency(None, split="dispatch"))["num_blocks"] == 8
+    with pytest.raises(ValueError, match="split"):
+        cfg.resolve_low_latency(None, split=True)
 
 
 def test_every_variable_is_read_in_the_config_module():
