@@ -47,10 +47,10 @@ DEFAULT_BLOCKS = 64
 # CTAs of a split low-latency call (its kernel runs beside the work between send and receive,
 # which takes the other SMs), 2×H100, decode shapes, beside a 99 µs matmul, steady (2026-11-28,
 # c1652e3, benchmarks/RESULTS.md): send -> matmul -> receive 115.5-116.0 µs with 8, 119.3-120.9
-# with 16, 120.5-121.4 with 12, 120.7-121.7 with 32 (the day before 8 and 16 tied); combine
-# send -> matmul -> receive 138.5 with 8, 122.3-123.2 with 16, 122.2-122.6 with 32. The
-# matmul's GEMM holds 120 SMs; fewer CTAs leave it more, but the kernel, sharing HBM with it,
-# may then outlast it (the combine's at 8).
+# with 16, 120.5-121.4 with 12, 120.7-121.7 with 32 (in one lease of four, and the day before,
+# 8 and 16 tied); combine send -> matmul -> receive 138.5 with 8, 122.3-123.2 with 16,
+# 122.2-122.6 with 32. The matmul's GEMM holds 120 SMs; fewer CTAs leave it more, but the
+# kernel, sharing HBM with it, may then outlast it (the combine's at 8).
 LOW_LATENCY_SPLIT_DISPATCH_BLOCKS = 8
 LOW_LATENCY_SPLIT_COMBINE_BLOCKS = 16
 # Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
