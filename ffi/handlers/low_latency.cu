@@ -126,10 +126,11 @@ bool group_off_node(const char* op, const EpGroup& group) {
 // written by that kernel, and the receive returns them (aliased): XLA reads none of them before
 // the receive. The send's operands are operands of the receive as well, so XLA keeps them alive
 // and unchanged until then. The kernel is enqueued before the work after the send and takes
-// few SMs by default (config.LOW_LATENCY_SPLIT_BLOCKS), leaving that work the others. (A wait
-// of the program's stream until the kernel's first block ran, so that the work after it could
-// not take every SM first, cost 3 to 6 µs a call and won on no measured row.) Under stream
-// capture the kernel runs on the program's stream instead.
+// few SMs by default (config.LOW_LATENCY_SPLIT_DISPATCH_BLOCKS, ..._COMBINE_BLOCKS), leaving
+// that work the others. (A wait of the program's stream until the kernel's first block ran, so
+// that the work after it could not take every SM first, cost 3 to 6 µs a call and won on no
+// measured row.) Under stream capture the kernel runs on the program's stream instead. While a
+// split kernel is in flight, fused calls launch cooperatively (LLPlacement::kBesideOwn).
 constexpr int kSplitDispatch = 0, kSplitCombine = 1;
 
 class SplitCalls {
@@ -148,7 +149,11 @@ class SplitCalls {
     if (auto err = cuda_error(cudaStreamIsCapturing(program, &capture), op); err.failure())
       return err;
     std::lock_guard<std::mutex> lock(mutex_);
-    forget(out);
+    if (auto err = cuda_error(forget(capture == cudaStreamCaptureStatusNone ? program : nullptr,
+                                     out),
+                              op);
+        err.failure())
+      return err;
     if (capture != cudaStreamCaptureStatusNone) {
       if (auto err = cuda_error(launch(program), op); err.failure()) return err;
       pending_.push_back(Pending{out, kind, nullptr});
@@ -189,10 +194,18 @@ class SplitCalls {
   }
 
   // Any other call of that kind on the program's stream: after the split calls of the kind in
-  // flight (they take call numbers from the same counter).
-  ffi::Error order(cudaStream_t program, int kind) {
+  // flight (they take call numbers from the same counter). `placement`: kBesideOwn where a
+  // split call's kernel of either kind may run beside it (one in flight, or a captured
+  // program, which cannot tell), else kAlone.
+  ffi::Error order(cudaStream_t program, int kind, LLPlacement& placement) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return cuda_error(order_after_own(program, kind), "low-latency call");
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaError_t status = cudaStreamIsCapturing(program, &capture);
+    bool beside = capture != cudaStreamCaptureStatusNone;
+    for (const Pending& p : pending_) beside = beside || p.done != nullptr;
+    placement = beside ? LLPlacement::kBesideOwn : LLPlacement::kAlone;
+    if (status == cudaSuccess) status = order_after_own(program, kind);
+    return cuda_error(status, "low-latency call");
   }
 
  private:
@@ -203,14 +216,19 @@ class SplitCalls {
   };
 
   // A send whose rows XLA placed where an earlier pending dispatch's were: that one was never
-  // received (XLA reused its buffer), so it can no longer be.
-  void forget(const void* out) {
+  // received (XLA reused its buffer), so it can no longer be. The program's stream waits for
+  // its kernel all the same, so that every split kernel off the pending list is behind it
+  // (`program` null: a captured stream, which cannot wait for work outside its graph).
+  cudaError_t forget(cudaStream_t program, const void* out) {
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (pending_[i].out != out) continue;
-      if (pending_[i].done != nullptr) events_.push_back(pending_[i].done);
+      const cudaEvent_t done = pending_[i].done;
       pending_.erase(pending_.begin() + static_cast<long>(i));
-      return;
+      if (done == nullptr) return cudaSuccess;
+      events_.push_back(done);
+      return program != nullptr ? cudaStreamWaitEvent(program, done, 0) : cudaSuccess;
     }
+    return cudaSuccess;
   }
 
   // (a captured program cannot wait for work outside its graph: it runs its split dispatches
@@ -451,10 +469,14 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
       return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
     return SplitCalls::get().launch(
         stream, kSplitDispatch, receive.out_x, "low_latency_dispatch (send)",
-        [&](cudaStream_t on) { return launch_ll_dispatch(send, receive, on, true); });
+        [&](cudaStream_t on) {
+          return launch_ll_dispatch(send, receive, on, LLPlacement::kBesideWork);
+        });
   }
-  if (auto err = SplitCalls::get().order(stream, kSplitDispatch); err.failure()) return err;
-  return cuda_error(launch_ll_dispatch(send, receive, stream), "low_latency_dispatch");
+  LLPlacement placement = LLPlacement::kAlone;
+  if (auto err = SplitCalls::get().order(stream, kSplitDispatch, placement); err.failure())
+    return err;
+  return cuda_error(launch_ll_dispatch(send, receive, stream, placement), "low_latency_dispatch");
 }
 
 // The weights [T, K] are this rank's, as owner: the send publishes them for the expert ranks.
@@ -585,10 +607,13 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
     return SplitCalls::get().launch(stream, kSplitCombine, receive.out,
                                     "low_latency_combine (send)",
                                     [&](cudaStream_t on) {
-                                      return launch_ll_combine(send, receive, on, true);
+                                      return launch_ll_combine(send, receive, on,
+                                                               LLPlacement::kBesideWork);
                                     });
-  if (auto err = SplitCalls::get().order(stream, kSplitCombine); err.failure()) return err;
-  return cuda_error(launch_ll_combine(send, receive, stream), "low_latency_combine");
+  LLPlacement placement = LLPlacement::kAlone;
+  if (auto err = SplitCalls::get().order(stream, kSplitCombine, placement); err.failure())
+    return err;
+  return cuda_error(launch_ll_combine(send, receive, stream, placement), "low_latency_combine");
 }
 
 // The split combine's receive: operands (call, out, then the send's operands kept alive),

@@ -540,9 +540,9 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
     // cooperative: the grid barrier needs every block resident, whatever else runs beside
     DispatchArgs args = a;
     void* params[] = {&args};
-    return launch_cooperative_after_previous(
+    return launch_grid_after_previous(
         reinterpret_cast<const void*>(dispatch_stage_ranks<kPull>), grid, kThreads, 0, stream,
-        params);
+        params, /*cooperative=*/true);
   }
   const size_t counts_bytes = sizeof(int32_t) * a.num_experts;
   if (kExpertMajor && a.num_experts <= kStageCounts && counts_bytes <= 48 * 1024) {
@@ -550,9 +550,9 @@ cudaError_t launch_stage(const DispatchArgs& a, cudaStream_t stream) {
                                kStageCounts / a.num_experts});
     DispatchArgs args = a;
     void* params[] = {&args};
-    return launch_cooperative_after_previous(
+    return launch_grid_after_previous(
         reinterpret_cast<const void*>(dispatch_stage_experts<kPull>), grid, kThreads,
-        counts_bytes, stream, params);
+        counts_bytes, stream, params, /*cooperative=*/true);
   }
   return launch_after_previous(dispatch_stage<kExpertMajor, kPull>, std::max(W, a.num_blocks),
                                kThreads, 0, stream, a);

@@ -754,8 +754,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
   dispatch_receive<kPuts>(a, smem, read_call(a.call));
 }
 
-// Send and receive in one cooperative launch (every block resident: the receive half waits
-// for this PE's own arrival, raised by the last block of the send half). One launch gap less.
+// Send and receive in one launch of a resident grid (the receive half waits for this PE's own
+// arrival, raised by the last block of the send half; LLPlacement). One launch gap less.
 template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendArgs send,
                                                                  LLDispatchReceiveArgs receive) {
@@ -889,7 +889,7 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
 }
 
 // Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
-// block resident (a cooperative launch): a peer's blocks wait for the gate words that this
+// block resident (LLPlacement): a peer's blocks wait for the gate words that this
 // rank's first blocks write.
 template <bool kPuts>
 __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
@@ -1159,7 +1159,7 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   profile_end(ctx, kProfLLCombineReceive);
 }
 
-// Both halves of a combine in one cooperative launch (see ll_dispatch_kernel).
+// Both halves of a combine in one launch of a resident grid (see ll_dispatch_kernel).
 template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArgs send,
                                                                 LLCombineReceiveArgs receive) {
@@ -1186,9 +1186,9 @@ cudaError_t allow_shared_memory(const void* kernel, size_t smem) {
   return status;
 }
 
-// Blocks of a cooperative launch of `kernel`: `wanted`, capped at what the device holds at once
+// Blocks of a resident grid of `kernel`: `wanted`, capped at what the device holds at once
 // (0 when it cannot tell). Call allow_shared_memory first.
-int cooperative_grid(const void* kernel, size_t smem, int wanted) {
+int resident_grid(const void* kernel, size_t smem, int wanted) {
   static std::map<std::pair<const void*, size_t>, int> resident;  // blocks the device holds
   int most = 0;
   {
@@ -1215,7 +1215,16 @@ int cooperative_grid(const void* kernel, size_t smem, int wanted) {
 // taken in pairs of a GPC leave more room for those than blocks placed one by one (the split
 // combine beside the benchmark's GEMM: 126.3 -> 123.2 µs steady, the dispatch 0.5-1.5 µs;
 // clusters of four gained no more; benchmarks/RESULTS.md).
-unsigned ll_cluster(int grid, bool beside_work) { return beside_work && grid % 2 == 0 ? 2 : 1; }
+unsigned ll_cluster(int grid, LLPlacement placement) {
+  return placement == LLPlacement::kBesideWork && grid % 2 == 0 ? 2 : 1;
+}
+
+cudaError_t launch_fused(const void* kernel, int grid, size_t smem, void** args,
+                         cudaStream_t stream, LLPlacement placement) {
+  return launch_grid_after_previous(kernel, dim3(grid), dim3(kLLThreads), smem, stream, args,
+                                    placement != LLPlacement::kAlone,
+                                    ll_cluster(grid, placement));
+}
 
 }  // namespace
 
@@ -1242,7 +1251,7 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
 
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream,
-                               bool beside_work) {
+                               LLPlacement placement) {
   const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.num_experts,
                                                  send.cached);
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
@@ -1251,7 +1260,7 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
       send.ctx.spans_nodes ? ll_dispatch_kernel<true> : ll_dispatch_kernel<false>);
   cudaError_t status = allow_shared_memory(kernel, smem);
   if (status != cudaSuccess) return status;
-  const int grid = cooperative_grid(kernel, smem, receive.num_blocks);
+  const int grid = resident_grid(kernel, smem, receive.num_blocks);
   if (grid < 1) {  // cannot hold the grid at once: two launches
     status = launch_ll_dispatch_send(send, stream);
     return status != cudaSuccess ? status : launch_ll_dispatch_receive(receive, stream);
@@ -1259,22 +1268,20 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
   LLDispatchSendArgs s = send;
   LLDispatchReceiveArgs r = receive;
   void* args[] = {&s, &r};
-  return launch_cooperative_after_previous(kernel, dim3(grid), dim3(kLLThreads), smem, stream,
-                                           args, ll_cluster(grid, beside_work));
+  return launch_fused(kernel, grid, smem, args, stream, placement);
 }
 
 // The combine kernels need every block resident (a peer's blocks wait for the gate words that
-// this rank's first blocks write; the fused receive waits for its own send): always cooperative.
+// this rank's first blocks write; the fused receive waits for its own send): always one grid.
 namespace {
 
-cudaError_t launch_cooperative(const void* kernel, int wanted, size_t smem, void** args,
-                               cudaStream_t stream, bool beside_work) {
+cudaError_t launch_resident(const void* kernel, int wanted, size_t smem, void** args,
+                            cudaStream_t stream, LLPlacement placement) {
   const cudaError_t status = allow_shared_memory(kernel, smem);
   if (status != cudaSuccess) return status;
-  const int grid = cooperative_grid(kernel, smem, wanted);
+  const int grid = resident_grid(kernel, smem, wanted);
   if (grid < 1) return cudaErrorCooperativeLaunchTooLarge;
-  return launch_cooperative_after_previous(kernel, dim3(grid), dim3(kLLThreads), smem, stream,
-                                           args, ll_cluster(grid, beside_work));
+  return launch_fused(kernel, grid, smem, args, stream, placement);
 }
 
 size_t combine_send_smem(const LLCombineSendArgs& a) {
@@ -1284,14 +1291,14 @@ size_t combine_send_smem(const LLCombineSendArgs& a) {
 }  // namespace
 
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
-                              cudaStream_t stream, bool beside_work) {
+                              cudaStream_t stream, LLPlacement placement) {
   LLCombineSendArgs s = send;
   LLCombineReceiveArgs r = receive;
   void* args[] = {&s, &r};
   const void* kernel = reinterpret_cast<const void*>(
       send.ctx.spans_nodes ? ll_combine_kernel<true> : ll_combine_kernel<false>);
-  return launch_cooperative(kernel, receive.num_blocks, combine_send_smem(send), args, stream,
-                            beside_work);
+  return launch_resident(kernel, receive.num_blocks, combine_send_smem(send), args, stream,
+                         placement);
 }
 
 }  // namespace jax_ep

@@ -138,13 +138,23 @@ constexpr size_t kLLMaxSendSmem = 200 * 1024;  // what the launchers allow
 
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaStream_t stream);
-// Both halves in one cooperative launch (the fused calls); two launches where the device
-// cannot hold the grid at once. beside_work: a split call's kernel, run beside the program's
-// work (its blocks in clusters of two, see ll_cluster).
+// Where a fused kernel runs, which decides how its grid is launched (every block must be
+// resident: the receive half waits for the send half's blocks).
+enum class LLPlacement {
+  kAlone,       // the program's stream, no kernel of ours beside it: a plain launch of a grid
+                // the device holds (a cooperative launch costs 1-1.6 µs a call)
+  kBesideOwn,   // the program's stream while a split call's kernel may run beside it:
+                // cooperative, so that neither holds part of its grid waiting for the rest
+  kBesideWork,  // a split call's kernel, beside the program's work: cooperative, its blocks in
+                // clusters of two (see ll_cluster)
+};
+
+// Both halves in one launch (the fused calls); two launches where the device cannot hold the
+// grid at once.
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream,
-                               bool beside_work = false);
+                               LLPlacement placement);
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
-                              cudaStream_t stream, bool beside_work = false);
+                              cudaStream_t stream, LLPlacement placement);
 
 }  // namespace jax_ep
