@@ -58,8 +58,16 @@ def show(name, events, calls, shown):
     """Prints the per-call profile, then `shown` calls from the middle of the GPU timeline:
     start, idle before, duration, name of every activity."""
     ours = [i for i, e in enumerate(events) if is_ours(e[2])]
-    if not ours and events:
+    if not ours and events:  # work of XLA's own: a stretch from the middle of the timeline
         print(f"\n=== {name}: no jax_ep kernel among {len(events)} GPU activities")
+        per_call = max(1, len(events) // calls)
+        start = (calls // 2) * per_call
+        t0 = prev_end = events[start][0]
+        for s, d, n, *stream in events[start:start + shown * per_call]:
+            where = f"   [{stream[0]}]" if stream else ""
+            print(f"    {(s - t0) / 1e3:7.1f} {(s - prev_end) / 1e3:7.1f} {d / 1e3:6.1f}   "
+                  f"{kernel_name(n)}{where}")
+            prev_end = max(prev_end, s + d)
         return
     print(f"\n=== {name}: {len(events)} GPU activities, {len(ours)} of them jax_ep kernels")
     if not ours or len(ours) % calls:
@@ -193,8 +201,14 @@ def main():
         f = jax.jit(smap(looped(body, args.calls, chained),
                          in_specs=(P(AXIS),) * len(operands)))
         wall = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
-        events = gpu_events(f, *operands, streams=name.endswith("_beside"))
+        events = gpu_events(f, *operands,
+                            streams=name.endswith("_beside") or name in ("ll_split", "matmul"))
         if jax.process_index() == 0:
+            if os.environ.get("TRACE_HLO"):
+                text = f.lower(*operands).compile().as_text()
+                print(f"  command buffers in the program: {text.count('command_buffer')}")
+                with open(f"{os.environ['TRACE_HLO']}_{name}.txt", "w") as fh:
+                    fh.write(text)
             print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace)")
             show(name, events, args.calls, args.show)
             if name.endswith("_beside"):
