@@ -11,6 +11,7 @@
 #include "handlers/common.h"
 #include "handlers/handlers.h"
 #include "kernels/buffer_layout.h"
+#include "kernels/launch.h"
 #include "kernels/low_latency.h"
 #include "runtime/diagnostics.h"
 #include "runtime/runtime.h"
@@ -195,13 +196,15 @@ class SplitCalls {
 
   // Any other call of that kind on the program's stream: after the split calls of the kind in
   // flight (they take call numbers from the same counter). `placement`: kBesideOwn where a
-  // split call's kernel of either kind may run beside it (one in flight, or a captured
-  // program, which cannot tell), else kAlone.
+  // kernel of ours that waits for other blocks may run beside it (a split call's in flight, a
+  // captured program, which cannot tell, or any such kernel ever launched on a stream other
+  // than this one and the split calls'), else kAlone.
   ffi::Error order(cudaStream_t program, int kind, LLPlacement& placement) {
     std::lock_guard<std::mutex> lock(mutex_);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cudaError_t status = cudaStreamIsCapturing(program, &capture);
-    bool beside = capture != cudaStreamCaptureStatusNone;
+    bool beside = capture != cudaStreamCaptureStatusNone ||
+                  !KernelStreams::get().only_on(program, stream_);
     for (const Pending& p : pending_) beside = beside || p.done != nullptr;
     placement = beside ? LLPlacement::kBesideOwn : LLPlacement::kAlone;
     if (status == cudaSuccess) status = order_after_own(program, kind);

@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <mutex>
+
 namespace jax_ep {
 
 // The GPU's SM count (queried once; 1 if the query fails).
@@ -15,6 +18,42 @@ inline int multiprocessors() {
   }();
   return count;
 }
+
+// The streams this process's kernels that wait for other blocks (their own or a peer's) were
+// launched on: a low-latency call skips the cooperative launch only where none of them can run
+// beside it on another stream (LLPlacement). Programs with every call on XLA's compute stream
+// see one stream (and the split calls' own); a call on another stream (Config.stream,
+// jax_ep.on_stream) makes the low-latency calls cooperative from then on.
+class KernelStreams {
+ public:
+  static KernelStreams& get() {
+    static KernelStreams* one = new KernelStreams;  // never destroyed
+    return *one;
+  }
+  void note(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stream == a_ || stream == b_ || many_) return;
+    if (a_ == kNone) {
+      a_ = stream;
+    } else if (b_ == kNone) {
+      b_ = stream;
+    } else {
+      many_ = true;
+    }
+  }
+  // Whether every such kernel so far ran on `one` or `other`.
+  bool only_on(cudaStream_t one, cudaStream_t other) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto in = [&](cudaStream_t s) { return s == kNone || s == one || s == other; };
+    return !many_ && in(a_) && in(b_);
+  }
+
+ private:
+  static inline const cudaStream_t kNone = reinterpret_cast<cudaStream_t>(~uintptr_t(0));
+  std::mutex mutex_;
+  cudaStream_t a_ = kNone, b_ = kNone;
+  bool many_ = false;
+};
 
 // Kernels are launched to start while the kernel before them drains (programmatic stream
 // serialization; each such kernel waits in wait_previous_kernel before reading anything):
@@ -33,6 +72,7 @@ inline bool programmatic_launch_on(cudaStream_t stream) {
 inline cudaLaunchConfig_t config_after_previous(dim3 grid, dim3 block, size_t smem,
                                                 cudaStream_t stream, bool cooperative,
                                                 cudaLaunchAttribute* attributes) {
+  KernelStreams::get().note(stream);
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <vector>
 
+#include "kernels/launch.h"
 #include "runtime/host_times.h"
 #include "runtime/runtime.h"
 #include "transport/copy_engine.h"
@@ -350,6 +351,7 @@ void release_copy_engine_graphs() { graph_cache().clear(); }
 
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
   HostTimer timer(kHostGuard);
+  KernelStreams::get().note(stream);  // it waits for the peers
   wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine);
   return cudaGetLastError();
 }
