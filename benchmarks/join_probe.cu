@@ -10,20 +10,11 @@
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 benchmarks/join_probe.cu -o build/join_probe && build/join_probe
 #include <cuda.h>
-#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 
-#define CHECK(x)                                                                            \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "probe_common.cuh"
 
 namespace {
 
