@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from functools import partial
 
@@ -209,12 +210,14 @@ def profile_body(body, chained, axis_name, smap, a):
     return kernel_phases(one, *a)
 
 
-def gpu_events(f, *a, streams=False):
+def gpu_events(f, *a, streams=False, host=None):
     """Runs f once (after a warm-up) under the JAX profiler and returns the GPU activity of
     this process's first GPU as sorted (start ns, duration ns, name): every kernel, copy and
     memset, as CUPTI records it; `streams`: (start, duration, name, the trace's line, i.e.
-    the stream it ran on). Nsight Systems cannot write reports on the device machines; this
-    can."""
+    the stream it ran on). `host`: a regular expression; then also the host's events whose
+    names match it (XLA's thunks, CUDA API calls), as (start, duration, name, "host " + the
+    thread's line), in a second list. Nsight Systems cannot write reports on the device
+    machines; this can."""
     import glob
     import os
     import tempfile
@@ -230,10 +233,16 @@ def gpu_events(f, *a, streams=False):
         data = jax.profiler.ProfileData.from_file(paths[0])
     planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
                     key=lambda p: p.name)
-    if not planes:
-        return []
-    return sorted((e.start_ns, e.duration_ns, e.name) + ((line.name,) if streams else ())
-                  for line in planes[0].lines for e in line.events)
+    gpu = [] if not planes else sorted(
+        (e.start_ns, e.duration_ns, e.name) + ((line.name,) if streams else ())
+        for line in planes[0].lines for e in line.events)
+    if host is None:
+        return gpu
+    wanted = re.compile(host)
+    on_host = sorted((e.start_ns, e.duration_ns, e.name, f"host {line.name}")
+                     for p in data.planes if p.name.startswith("/host")
+                     for line in p.lines for e in line.events if wanted.search(e.name))
+    return gpu, on_host
 
 
 def is_ours(name):

@@ -49,14 +49,19 @@ def parse_args():
                    help="rows; dispatch* take JAX_EP_DISPATCH's path (fused by default)")
     p.add_argument("--calls", type=int, default=100, help="chained calls in the traced program")
     p.add_argument("--show", type=int, default=2, help="calls printed (from the middle)")
+    p.add_argument("--host", default=None, metavar="REGEX",
+                   help="also print the host's events whose names match (XLA's thunks, CUDA "
+                        "API calls such as 'cu.*Launch|cu.*Event'), in the shown calls' window "
+                        "and the 100 µs before it: whether the GPU waited for the host")
     p.add_argument("--show-schedule", type=int, default=40,
                    help="instructions of the _beside rows' compiled schedule printed")
     return p.parse_args()
 
 
-def show(name, events, calls, shown):
+def show(name, events, calls, shown, host=()):
     """Prints the per-call profile, then `shown` calls from the middle of the GPU timeline:
-    start, idle before, duration, name of every activity."""
+    start, idle before, duration, name of every activity; `host`: host events to print among
+    them (idle column blank)."""
     ours = [i for i, e in enumerate(events) if is_ours(e[2])]
     if not ours and events:  # work of XLA's own: a stretch from the middle of the timeline
         print(f"\n=== {name}: no jax_ep kernel among {len(events)} GPU activities")
@@ -79,9 +84,18 @@ def show(name, events, calls, shown):
     c0 = max(0, calls // 2 - shown // 2)
     window = events[starts[c0]:starts[min(c0 + shown, calls)]]
     t0, prev_end = window[0][0], window[0][0]
+    t1 = window[-1][0] + window[-1][1]
+    merged = sorted([(e, False) for e in window] +
+                    [(e, True) for e in host if t0 - 100_000 <= e[0] <= t1])
+    if host and not any(on_host for _, on_host in merged):
+        print(f"    no host event in the window ({t0}..{t1} ns); the host's run "
+              f"{host[0][0]}..{host[-1][0]} ns")
     print("      start    idle    dur   name" + ("   [stream]" if len(window[0]) > 3 else ""))
-    for s, d, n, *stream in window:
+    for (s, d, n, *stream), on_host in merged:
         where = f"   [{stream[0]}]" if stream else ""
+        if on_host:
+            print(f"    {(s - t0) / 1e3:7.1f}         {d / 1e3:6.1f}   {n[:60]}{where}")
+            continue
         print(f"    {(s - t0) / 1e3:7.1f} {(s - prev_end) / 1e3:7.1f} {d / 1e3:6.1f}   "
               f"{kernel_name(n)}{where}")
         prev_end = max(prev_end, s + d)
@@ -202,7 +216,9 @@ def main():
                          in_specs=(P(AXIS),) * len(operands)))
         wall = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
         events = gpu_events(f, *operands,
-                            streams=name.endswith("_beside") or name in ("ll_split", "matmul"))
+                            streams=name.endswith("_beside") or name in ("ll_split", "matmul"),
+                            host=args.host)
+        events, host = events if args.host else (events, [])
         if jax.process_index() == 0:
             if os.environ.get("TRACE_HLO"):
                 text = f.lower(*operands).compile().as_text()
@@ -210,7 +226,7 @@ def main():
                 with open(f"{os.environ['TRACE_HLO']}_{name}.txt", "w") as fh:
                     fh.write(text)
             print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace)")
-            show(name, events, args.calls, args.show)
+            show(name, events, args.calls, args.show, host)
             if name.endswith("_beside"):
                 print_schedule(f, operands, args.show_schedule)
 
