@@ -988,10 +988,10 @@ def test_low_latency_interleaved_split_calls():
         assert_sums_close(b, backs_r[i], jnp.bfloat16)
 
 
-def test_low_latency_fused_calls_beside_split_ones():
-    """Fused calls of one op while a split call of the other is in flight (its kernel beside
-    them on the extension's stream: both grids launched cooperatively), and fused calls with
-    none in flight (plain launches), against the reference."""
+def test_low_latency_fused_calls_between_split_ones():
+    """Fused calls of one op placed between a split send and receive of the other (they wait
+    for the split kernel: beside it, the ranks deadlocked), and fused calls with none in
+    flight (plain launches), against the reference."""
     n = 3
     xs, idxs, ws, ys, E, M = _ll_series(n)
     barrier = jax.lax.optimization_barrier
@@ -1002,12 +1002,12 @@ def test_low_latency_fused_calls_beside_split_ones():
         o0 = jax_ep.low_latency_dispatch(xs[0], idxs[0], **kw)  # nothing in flight
         pending = jax_ep.low_latency_dispatch_send(xs[1], _after(idxs[1], o0), **kw)
         y0, pending = barrier((ys[0], pending))
-        b0 = jax_ep.low_latency_combine(y0, ws[0], o0.handle)  # beside the split dispatch
+        b0 = jax_ep.low_latency_combine(y0, ws[0], o0.handle)  # waits for the split dispatch
         b0, pending = barrier((b0, pending))
         o1 = jax_ep.low_latency_dispatch_receive(pending)
         sent = jax_ep.low_latency_combine_send(_after(ys[1], b0), ws[1], o1.handle)
         x2, sent = barrier((xs[2], sent))
-        o2 = jax_ep.low_latency_dispatch(x2, _after(idxs[2], o1), **kw)  # beside the combine
+        o2 = jax_ep.low_latency_dispatch(x2, _after(idxs[2], o1), **kw)  # waits for the split send
         o2, sent = barrier((o2, sent))
         b1 = jax_ep.low_latency_combine_receive(sent, o1.handle)
         b2 = jax_ep.low_latency_combine(_after(ys[2], b1), ws[2], o2.handle)  # none in flight

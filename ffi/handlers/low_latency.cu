@@ -130,8 +130,8 @@ bool group_off_node(const char* op, const EpGroup& group) {
 // few SMs by default (config.LOW_LATENCY_SPLIT_DISPATCH_BLOCKS, ..._COMBINE_BLOCKS), leaving
 // that work the others. (A wait of the program's stream until the kernel's first block ran, so
 // that the work after it could not take every SM first, cost 3 to 6 µs a call and won on no
-// measured row.) Under stream capture the kernel runs on the program's stream instead. While a
-// split kernel is in flight, fused calls launch cooperatively (LLPlacement::kBesideOwn).
+// measured row.) Under stream capture the kernel runs on the program's stream instead. A fused
+// call waits for the split kernels in flight (SplitCalls::order).
 constexpr int kSplitDispatch = 0, kSplitCombine = 1;
 
 class SplitCalls {
@@ -194,20 +194,24 @@ class SplitCalls {
                    "copied, or one received already, cannot be received)");
   }
 
-  // Any other call of that kind on the program's stream: after the split calls of the kind in
-  // flight (they take call numbers from the same counter). `placement`: kBesideOwn where a
-  // kernel of ours that waits for other blocks may run beside it (a split call's in flight, a
-  // captured program, which cannot tell, or any such kernel ever launched on a stream other
-  // than this one and the split calls'), else kAlone.
-  ffi::Error order(cudaStream_t program, int kind, LLPlacement& placement) {
+  // Any other call on the program's stream: after the split calls in flight, of either op.
+  // Those of its own op take call numbers from the same counter. Those of the other op would
+  // otherwise run beside it, each grid waiting for a peer's: a peer whose fused grid took
+  // every SM first starves its own split kernel of SMs, while here the split kernel holds the
+  // SMs the fused grid waits for, and neither ends (both grids launched cooperatively do not
+  // prevent it; found on two GPUs). `placement`: kBesideOwn where a kernel of ours that waits
+  // for other blocks may still run beside it (a captured program, which cannot tell, or any
+  // such kernel ever launched on a stream other than this one and the split calls'), else
+  // kAlone.
+  ffi::Error order(cudaStream_t program, LLPlacement& placement) {
     std::lock_guard<std::mutex> lock(mutex_);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cudaError_t status = cudaStreamIsCapturing(program, &capture);
-    bool beside = capture != cudaStreamCaptureStatusNone ||
-                  !KernelStreams::get().only_on(program, stream_);
-    for (const Pending& p : pending_) beside = beside || p.done != nullptr;
+    const bool beside = capture != cudaStreamCaptureStatusNone ||
+                        !KernelStreams::get().only_on(program, stream_);
     placement = beside ? LLPlacement::kBesideOwn : LLPlacement::kAlone;
-    if (status == cudaSuccess) status = order_after_own(program, kind);
+    if (status == cudaSuccess && capture == cudaStreamCaptureStatusNone)
+      status = order_after_split(program);
     return cuda_error(status, "low-latency call");
   }
 
@@ -234,16 +238,16 @@ class SplitCalls {
     return cudaSuccess;
   }
 
-  // (a captured program cannot wait for work outside its graph: it runs its split dispatches
-  // on its own stream, and one in flight from outside it is not ordered)
-  cudaError_t order_after_own(cudaStream_t program, int kind) {
-    bool in_flight = false;
-    for (const Pending& p : pending_) in_flight = in_flight || (p.kind == kind && p.done);
-    if (!in_flight) return cudaSuccess;
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    const cudaError_t status = cudaStreamIsCapturing(program, &capture);
-    if (status != cudaSuccess || capture != cudaStreamCaptureStatusNone) return status;
-    return cudaStreamWaitEvent(program, latest_[kind], 0);
+  // (a captured program cannot wait for work outside its graph: it runs its split kernels on
+  // its own stream, and one in flight from outside it is not ordered)
+  cudaError_t order_after_split(cudaStream_t program) {
+    bool in_flight[2] = {false, false};
+    for (const Pending& p : pending_) in_flight[p.kind] = in_flight[p.kind] || p.done != nullptr;
+    cudaError_t status = cudaSuccess;
+    for (int kind : {kSplitDispatch, kSplitCombine})
+      if (in_flight[kind] && status == cudaSuccess)
+        status = cudaStreamWaitEvent(program, latest_[kind], 0);
+    return status;
   }
 
   cudaError_t ready() {
@@ -477,7 +481,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
         });
   }
   LLPlacement placement = LLPlacement::kAlone;
-  if (auto err = SplitCalls::get().order(stream, kSplitDispatch, placement); err.failure())
+  if (auto err = SplitCalls::get().order(stream, placement); err.failure())
     return err;
   return cuda_error(launch_ll_dispatch(send, receive, stream, placement), "low_latency_dispatch");
 }
@@ -614,7 +618,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
                                                                LLPlacement::kBesideWork);
                                     });
   LLPlacement placement = LLPlacement::kAlone;
-  if (auto err = SplitCalls::get().order(stream, kSplitCombine, placement); err.failure())
+  if (auto err = SplitCalls::get().order(stream, placement); err.failure())
     return err;
   return cuda_error(launch_ll_combine(send, receive, stream, placement), "low_latency_combine");
 }
