@@ -96,6 +96,20 @@ def seconds_per_call(f, *a, calls, repeats):
     return float(np.median(times))
 
 
+def enqueue_seconds_per_call(f, *a, calls, repeats):
+    """Median over `repeats` of the time f(*a) takes to return (XLA's thread enqueueing the
+    program: the thunks run on the caller's thread) / calls, each run waited for before the
+    next. Near seconds_per_call, the chain is bound by the host, not the GPU."""
+    jax.block_until_ready(f(*a))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = f(*a)
+        times.append((time.perf_counter() - t0) / calls)
+        jax.block_until_ready(out)
+    return float(np.median(times))
+
+
 # Slots of Control::profile (ffi/kernels/buffer_layout.h, ProfileSlot).
 KERNELS = ["dispatch_stage", "dispatch_gather", "cached_stage", "cached_gather",
            "combine_stage", "combine_reduce", "dispatch_fused", "ll_dispatch_send",

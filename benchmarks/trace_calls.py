@@ -31,6 +31,7 @@ import jax_ep
 
 from timing import (
     call_profile,
+    enqueue_seconds_per_call,
     gpu_events,
     is_ours,
     kernel_name,
@@ -53,9 +54,26 @@ def parse_args():
                    help="also print the host's events whose names match (XLA's thunks, CUDA "
                         "API calls such as 'cu.*Launch|cu.*Event'), in the shown calls' window "
                         "and the 100 µs before it: whether the GPU waited for the host")
+    p.add_argument("--marginal", action="store_true",
+                   help="also time a chain of twice the calls: (its time less the chain's) / "
+                        "calls, a call's cost without the program's launch and the ranks' "
+                        "skew at its start")
     p.add_argument("--show-schedule", type=int, default=40,
                    help="instructions of the _beside rows' compiled schedule printed")
     return p.parse_args()
+
+
+def print_gemm_cycles(events):
+    """The spread of the cycle over the whole traced chain, from one GEMM's start to the next
+    (the rows with a matmul): a mean above the median means some calls ran much longer (a
+    rank waiting for a late peer, a host late to enqueue)."""
+    starts = [s for s, _, n, *_ in events if "gemm" in n.lower()]
+    if len(starts) < 3:
+        return
+    cycles = np.diff(starts) / 1e3
+    p10, p50, p90 = np.percentile(cycles, [10, 50, 90])
+    print(f"  GEMM to GEMM, {len(cycles)} cycles: mean {cycles.mean():.1f}, p10 {p10:.1f}, "
+          f"median {p50:.1f}, p90 {p90:.1f}, max {cycles.max():.1f} µs")
 
 
 def show(name, events, calls, shown, host=()):
@@ -215,6 +233,13 @@ def main():
         f = jax.jit(smap(looped(body, args.calls, chained),
                          in_specs=(P(AXIS),) * len(operands)))
         wall = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
+        enqueue = enqueue_seconds_per_call(f, *operands, calls=args.calls, repeats=5)
+        marginal = None
+        if args.marginal:
+            f2 = jax.jit(smap(looped(body, 2 * args.calls, chained),
+                              in_specs=(P(AXIS),) * len(operands)))
+            wall2 = seconds_per_call(f2, *operands, calls=2 * args.calls, repeats=5)
+            marginal = 2 * wall2 - wall
         events = gpu_events(f, *operands,
                             streams=name.endswith("_beside") or name in ("ll_split", "matmul"),
                             host=args.host)
@@ -225,8 +250,12 @@ def main():
                 print(f"  command buffers in the program: {text.count('command_buffer')}")
                 with open(f"{os.environ['TRACE_HLO']}_{name}.txt", "w") as fh:
                     fh.write(text)
-            print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace)")
+            print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace), "
+                  f"{enqueue * 1e6:.1f} µs per call to enqueue it (the host's share)"
+                  + (f", {marginal * 1e6:.1f} µs per call more in a chain of twice the calls"
+                     if marginal is not None else ""))
             show(name, events, args.calls, args.show, host)
+            print_gemm_cycles(events)
             if name.endswith("_beside"):
                 print_schedule(f, operands, args.show_schedule)
 
