@@ -204,6 +204,26 @@ def _stamped_rows(f, *a):
     return profile_rows(module.profile_read())
 
 
+def ring_cycles(f, *a):
+    """Runs f once (after a warm-up) and returns the µs from one call's kernel entering to the
+    next call's (the first block of the kernel that most calls stamp), from the kernels' own
+    stamps in the profile ring: the GPU's cycle without a profiler's cost on the host. f's
+    handler calls must fit the ring (kProfileCalls - 1 rows; a low-latency call takes two,
+    one per half) or older calls' stamps mix in. Empty without the CUDA extension."""
+    try:
+        rows = _stamped_rows(f, *a)
+    except (ImportError, AttributeError, TypeError):
+        return np.zeros(0)
+    enters = {}
+    for _, row in rows:
+        for kernel, v in row:
+            enters.setdefault(kernel, []).append(v[0])
+    if not enters:
+        return np.zeros(0)
+    most = max(enters.values(), key=len)
+    return np.diff(sorted(most)) / 1e3
+
+
 def kernel_phases(f, *a):
     """Runs f once (after a warm-up) and returns [(kernel, (enter, waited, first end, last
     end, retired) µs from the earliest start)] for the kernels it ran, from the phase

@@ -35,9 +35,11 @@ from timing import (
     gpu_events,
     is_ours,
     kernel_name,
+    kernel_phases,
     looped,
     print_call_profiles,
     put,
+    ring_cycles,
     seconds_per_call,
 )
 
@@ -58,6 +60,12 @@ def parse_args():
                    help="also time a chain of twice the calls: (its time less the chain's) / "
                         "calls, a call's cost without the program's launch and the ranks' "
                         "skew at its start")
+    p.add_argument("--ring-calls", type=int, default=15,
+                   help="calls of the chain timed by the kernels' own stamps (at most 15: "
+                        "the profile ring holds 62 halves of calls)")
+    p.add_argument("--phases", action="store_true",
+                   help="print every rank's kernel phases (µs) in the stamped chain, call by "
+                        "call: entered (from the first), past its wait for peers, done")
     p.add_argument("--show-schedule", type=int, default=40,
                    help="instructions of the _beside rows' compiled schedule printed")
     return p.parse_args()
@@ -240,6 +248,13 @@ def main():
                               in_specs=(P(AXIS),) * len(operands)))
             wall2 = seconds_per_call(f2, *operands, calls=2 * args.calls, repeats=5)
             marginal = 2 * wall2 - wall
+        ring_chain = jax.jit(smap(looped(body, args.ring_calls, chained),
+                                  in_specs=(P(AXIS),) * len(operands)))
+        cycles = ring_cycles(ring_chain, *operands)
+        if args.phases:  # every rank's, call by call
+            for kernel, (enter, waited, _, last, _) in kernel_phases(ring_chain, *operands):
+                print(f"  {name} phases, rank {jax.process_index()}: {kernel} entered "
+                      f"{enter:8.1f}, waited {waited - enter:6.1f}, done {last - enter:6.1f}")
         events = gpu_events(f, *operands,
                             streams=name.endswith("_beside") or name in ("ll_split", "matmul"),
                             host=args.host)
@@ -256,6 +271,13 @@ def main():
                      if marginal is not None else ""))
             show(name, events, args.calls, args.show, host)
             print_gemm_cycles(events)
+            if len(cycles) > 2:
+                cycles = cycles[1:]  # the first carries the ranks' skew at the start
+                p10, p50, p90 = np.percentile(cycles, [10, 50, 90])
+                print(f"  the kernels' own stamps, no profiler, {len(cycles)} cycles of a chain "
+                      f"of {args.ring_calls}: "
+                      f"mean {cycles.mean():.1f}, p10 {p10:.1f}, median {p50:.1f}, "
+                      f"p90 {p90:.1f}, max {cycles.max():.1f} µs")
             if name.endswith("_beside"):
                 print_schedule(f, operands, args.show_schedule)
 
