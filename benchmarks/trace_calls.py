@@ -49,7 +49,8 @@ AXIS = "ep"
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="ll_fp8,ll_dc,ll_split,matmul,dispatch,dispatch_fp8",
-                   help="rows; dispatch* take JAX_EP_DISPATCH's path (fused by default)")
+                   help="rows; dispatch* take JAX_EP_DISPATCH's path (fused by default); also "
+                        "ll_split_combine, dispatch_beside, combine_beside")
     p.add_argument("--calls", type=int, default=100, help="chained calls in the traced program")
     p.add_argument("--show", type=int, default=2, help="calls printed (from the middle)")
     p.add_argument("--host", default=None, metavar="REGEX",
@@ -230,6 +231,32 @@ def main():
               "dispatch": (dispatch, big[:3]),
               "dispatch_fp8": (partial(dispatch, fp8=True), big[:3]),
               "dispatch_beside": (dispatch_beside, big[:3] + (xm, weight_bf16))}
+    if "ll_split_combine" in args.rows.split(","):  # one dispatch's handle, reused
+        from jax_ep._types import LowLatencyConfig, LowLatencyHandle
+
+        ll_config = LowLatencyConfig(num_experts=E, num_ranks=R, num_tokens=T_ll, hidden=H,
+                                     num_topk=K, max_tokens_per_rank=T_ll, use_fp8=False,
+                                     axis_name=AXIS, backend="auto")
+
+        @jax.jit
+        @partial(smap, in_specs=(P(AXIS),) * 2)
+        def handle_arrays(x, idx):
+            o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
+            h = o.handle
+            return (jnp.where((h.src_rank >= 0)[..., None], o.x, 0), h.topk_idx, h.send_slot,
+                    h.src_rank, h.src_token, h.src_k, h.recv_count, h.pair_row)
+
+        def ll_split_combine(x, y, w, weight, *h):  # as bench_low_latency's combine split row
+            handle = LowLatencyHandle(*h, config=ll_config)
+            pending = jax_ep.low_latency_combine_send(y, w, handle)
+            x_after, pending = jax.lax.optimization_barrier((x, pending))
+            s = matmul(x_after, None, weight)
+            s, pending = jax.lax.optimization_barrier((s, pending))
+            return jax_ep.low_latency_combine_receive(pending, handle), s
+
+        arrays = handle_arrays(small[0], small[1])
+        bodies["ll_split_combine"] = (ll_split_combine,
+                                      (small[0], arrays[0], small[2], weight) + arrays[1:])
     if "combine_beside" in args.rows.split(","):
         bodies["combine_beside"] = (combine_beside,
                                     dispatched(*big[:3]) + (xm, weight_bf16))
@@ -256,7 +283,8 @@ def main():
                 print(f"  {name} phases, rank {jax.process_index()}: {kernel} entered "
                       f"{enter:8.1f}, waited {waited - enter:6.1f}, done {last - enter:6.1f}")
         events = gpu_events(f, *operands,
-                            streams=name.endswith("_beside") or name in ("ll_split", "matmul"),
+                            streams=name.endswith("_beside") or
+                            name in ("ll_split", "ll_split_combine", "matmul"),
                             host=args.host)
         events, host = events if args.host else (events, [])
         if jax.process_index() == 0:
