@@ -57,10 +57,6 @@ def parse_args():
                    help="also print the host's events whose names match (XLA's thunks, CUDA "
                         "API calls such as 'cu.*Launch|cu.*Event'), in the shown calls' window "
                         "and the 100 µs before it: whether the GPU waited for the host")
-    p.add_argument("--marginal", action="store_true",
-                   help="also time a chain of twice the calls: (its time less the chain's) / "
-                        "calls, a call's cost without the program's launch and the ranks' "
-                        "skew at its start")
     p.add_argument("--ring-calls", type=int, default=15,
                    help="calls of the chain timed by the kernels' own stamps (at most 15: "
                         "the profile ring holds 62 halves of calls)")
@@ -72,17 +68,21 @@ def parse_args():
     return p.parse_args()
 
 
+def spread(cycles):
+    """Mean, p10, median, p90 and max of cycles (µs): a mean above the median means some
+    calls ran much longer (a rank waiting for a late peer, a host late to enqueue)."""
+    p10, p50, p90 = np.percentile(cycles, [10, 50, 90])
+    return (f"mean {cycles.mean():.1f}, p10 {p10:.1f}, median {p50:.1f}, p90 {p90:.1f}, "
+            f"max {cycles.max():.1f} µs")
+
+
 def print_gemm_cycles(events):
     """The spread of the cycle over the whole traced chain, from one GEMM's start to the next
-    (the rows with a matmul): a mean above the median means some calls ran much longer (a
-    rank waiting for a late peer, a host late to enqueue)."""
+    (the rows with a matmul)."""
     starts = [s for s, _, n, *_ in events if "gemm" in n.lower()]
-    if len(starts) < 3:
-        return
-    cycles = np.diff(starts) / 1e3
-    p10, p50, p90 = np.percentile(cycles, [10, 50, 90])
-    print(f"  GEMM to GEMM, {len(cycles)} cycles: mean {cycles.mean():.1f}, p10 {p10:.1f}, "
-          f"median {p50:.1f}, p90 {p90:.1f}, max {cycles.max():.1f} µs")
+    if len(starts) >= 3:
+        cycles = np.diff(starts) / 1e3
+        print(f"  GEMM to GEMM, {len(cycles)} cycles: {spread(cycles)}")
 
 
 def show(name, events, calls, shown, host=()):
@@ -269,12 +269,6 @@ def main():
                          in_specs=(P(AXIS),) * len(operands)))
         wall = seconds_per_call(f, *operands, calls=args.calls, repeats=5)
         enqueue = enqueue_seconds_per_call(f, *operands, calls=args.calls, repeats=5)
-        marginal = None
-        if args.marginal:
-            f2 = jax.jit(smap(looped(body, 2 * args.calls, chained),
-                              in_specs=(P(AXIS),) * len(operands)))
-            wall2 = seconds_per_call(f2, *operands, calls=2 * args.calls, repeats=5)
-            marginal = 2 * wall2 - wall
         ring_chain = jax.jit(smap(looped(body, args.ring_calls, chained),
                                   in_specs=(P(AXIS),) * len(operands)))
         cycles = ring_cycles(ring_chain, *operands)
@@ -294,18 +288,13 @@ def main():
                 with open(f"{os.environ['TRACE_HLO']}_{name}.txt", "w") as fh:
                     fh.write(text)
             print(f"\n{name}: {wall * 1e6:.1f} µs per call by the wall clock (no trace), "
-                  f"{enqueue * 1e6:.1f} µs per call to enqueue it (the host's share)"
-                  + (f", {marginal * 1e6:.1f} µs per call more in a chain of twice the calls"
-                     if marginal is not None else ""))
+                  f"{enqueue * 1e6:.1f} µs per call to enqueue it (the host's share)")
             show(name, events, args.calls, args.show, host)
             print_gemm_cycles(events)
             if len(cycles) > 2:
                 cycles = cycles[1:]  # the first carries the ranks' skew at the start
-                p10, p50, p90 = np.percentile(cycles, [10, 50, 90])
                 print(f"  the kernels' own stamps, no profiler, {len(cycles)} cycles of a chain "
-                      f"of {args.ring_calls}: "
-                      f"mean {cycles.mean():.1f}, p10 {p10:.1f}, median {p50:.1f}, "
-                      f"p90 {p90:.1f}, max {cycles.max():.1f} µs")
+                      f"of {args.ring_calls}: {spread(cycles)}")
             if name.endswith("_beside"):
                 print_schedule(f, operands, args.show_schedule)
 
