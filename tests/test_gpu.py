@@ -1020,6 +1020,36 @@ def test_low_latency_fused_calls_between_split_ones():
         assert_sums_close(backs[i], backs_r[i], jnp.bfloat16)
 
 
+def test_calls_on_two_streams_in_one_program_match_reference():
+    """A normal-mode dispatch and combine on XLA's stream 1 (Config.stream) and low-latency
+    calls on the program's stream in one program, neither needing the other's results: each
+    kernel of ours waits for those enqueued before it on the other stream (side by side, ranks
+    that met them in opposite orders could each hold SMs the other's kernel waits for); values
+    against the reference."""
+    E, x, idx, w, _ = stream_case(12)
+    xs, idxs, ws, ys, E_ll, M = _ll_series(2)
+    side = jax_ep.Config(stream=1)
+
+    def fn(backend, x, idx, w, xs, idxs, ws, ys):
+        kw = dict(num_experts=E, axis_name=AXIS, backend=backend, config=side)
+        ll = dict(num_experts=E_ll, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
+                  backend=backend)
+        a = jax_ep.dispatch(x, idx, w, **kw)
+        o0 = jax_ep.low_latency_dispatch(xs[0], idxs[0], **ll)
+        y = jax_ep.combine(a.x * 2, a.handle)
+        b0 = jax_ep.low_latency_combine(ys[0], ws[0], o0.handle)
+        o1 = jax_ep.low_latency_dispatch(xs[1], idxs[1], **ll)
+        b1 = jax_ep.low_latency_combine(ys[1], ws[1], o1.handle)
+        return y, (o0, o1), (b0, b1)
+
+    (y, outs, backs), (y_r, outs_r, backs_r) = both(fn, x, idx, w, xs, idxs, ws, ys)
+    assert_sums_close(y, y_r, jnp.float32)
+    for i in range(2):
+        used = np.asarray(outs_r[i].handle.src_rank) >= 0
+        assert_trees_equal(_ll_used(outs[i], used), _ll_used(outs_r[i], used), fp8_steps=True)
+        assert_sums_close(backs[i], backs_r[i], jnp.bfloat16)
+
+
 def test_low_latency_pending_received_twice_is_refused():
     """A pending split dispatch passed to two receives: each receive returns its operand's
     buffers, so XLA copies them for at least one of the two, and that receive reports that the

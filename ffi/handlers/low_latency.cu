@@ -166,6 +166,7 @@ class SplitCalls {
     cudaError_t status = cudaEventRecord(inputs, program);
     if (status == cudaSuccess) status = cudaStreamWaitEvent(stream_, inputs, 0);
     events_.push_back(inputs);  // reusable once the wait is enqueued
+    if (status == cudaSuccess) status = KernelStreams::get().order(stream_, program);
     if (status == cudaSuccess) status = launch(stream_);
     if (status == cudaSuccess) status = cudaEventRecord(done, stream_);
     if (status == cudaSuccess) status = cudaEventRecord(latest_[kind], stream_);
@@ -187,6 +188,7 @@ class SplitCalls {
       if (done == nullptr) return ffi::Error::Success();  // ran on the program's stream
       const cudaError_t status = cudaStreamWaitEvent(program, done, 0);
       events_.push_back(done);
+      if (status == cudaSuccess && !in_flight()) KernelStreams::get().joined(program, stream_);
       return cuda_error(status, op);
     }
     return invalid(std::string(op) + ": its rows are not those of a send in flight: pass the "
@@ -210,8 +212,11 @@ class SplitCalls {
     const bool beside = capture != cudaStreamCaptureStatusNone ||
                         !KernelStreams::get().only_on(program, stream_);
     placement = beside ? LLPlacement::kBesideOwn : LLPlacement::kAlone;
-    if (status == cudaSuccess && capture == cudaStreamCaptureStatusNone)
+    if (status == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
       status = order_after_split(program);
+      // (KernelStreams would otherwise make the program's stream wait for stream_ again)
+      if (status == cudaSuccess) KernelStreams::get().joined(program, stream_);
+    }
     return cuda_error(status, "low-latency call");
   }
 
@@ -236,6 +241,12 @@ class SplitCalls {
       return program != nullptr ? cudaStreamWaitEvent(program, done, 0) : cudaSuccess;
     }
     return cudaSuccess;
+  }
+
+  bool in_flight() const {
+    for (const Pending& p : pending_)
+      if (p.done != nullptr) return true;
+    return false;
   }
 
   // (a captured program cannot wait for work outside its graph: it runs its split kernels on

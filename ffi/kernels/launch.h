@@ -19,19 +19,54 @@ inline int multiprocessors() {
   return count;
 }
 
-// The streams this process's kernels that wait for other blocks (their own or a peer's) were
-// launched on: a low-latency call skips the cooperative launch only where none of them can run
-// beside it on another stream (LLPlacement). Programs with every call on XLA's compute stream
-// see one stream (and the split calls' own); a call on another stream (Config.stream,
-// jax_ep.on_stream) makes the low-latency calls cooperative from then on.
+// The streams this process's kernels were launched on, and the order between them. A kernel of
+// ours that waits for other blocks (its own or a peer's) must not run beside another such
+// kernel: each could hold part of the SMs the other waits for, and on two ranks that met them
+// in opposite orders neither would end. So a kernel launched on a stream other than the last
+// one ours used first waits for that stream's work so far (an event), which puts this process's
+// kernels in the order its handlers enqueued them, the same on every rank of an SPMD program;
+// programs with every call on one stream pay nothing. Not across a CUDA graph's capture (a
+// captured stream cannot wait for work outside its graph): there, and wherever kernels of ours
+// ran on more than the program's stream and the split calls' own, a low-latency call stays a
+// cooperative launch (LLPlacement).
 class KernelStreams {
  public:
   static KernelStreams& get() {
     static KernelStreams* one = new KernelStreams;  // never destroyed
     return *one;
   }
-  void note(cudaStream_t stream) {
+  // Before a launch on `stream`: it waits for the last stream's work unless that is `stream`
+  // or `joined` (a stream the caller has made `stream` wait for already).
+  cudaError_t order(cudaStream_t stream, cudaStream_t joined = kNone) {
     std::lock_guard<std::mutex> lock(mutex_);
+    note(stream);
+    const cudaStream_t last = last_;
+    last_ = stream;
+    if (last == kNone || last == stream || last == joined || captured(stream) || captured(last))
+      return cudaSuccess;
+    cudaError_t status = cudaSuccess;
+    if (event_ == nullptr) status = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+    if (status == cudaSuccess) status = cudaEventRecord(event_, last);
+    // (the wait takes the event's state now: the next record may reuse it at once)
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, event_, 0);
+    return status;
+  }
+  // `stream` has waited for `other`'s kernels of ours so far (a split call's receive).
+  void joined(cudaStream_t stream, cudaStream_t other) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (last_ == other) last_ = stream;
+  }
+  // Whether every such kernel so far ran on `one` or `other`.
+  bool only_on(cudaStream_t one, cudaStream_t other) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto in = [&](cudaStream_t s) { return s == kNone || s == one || s == other; };
+    return !many_ && in(a_) && in(b_);
+  }
+
+  static inline const cudaStream_t kNone = reinterpret_cast<cudaStream_t>(~uintptr_t(0));
+
+ private:
+  void note(cudaStream_t stream) {
     if (stream == a_ || stream == b_ || many_) return;
     if (a_ == kNone) {
       a_ = stream;
@@ -41,18 +76,16 @@ class KernelStreams {
       many_ = true;
     }
   }
-  // Whether every such kernel so far ran on `one` or `other`.
-  bool only_on(cudaStream_t one, cudaStream_t other) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto in = [&](cudaStream_t s) { return s == kNone || s == one || s == other; };
-    return !many_ && in(a_) && in(b_);
+  static bool captured(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+           capture != cudaStreamCaptureStatusNone;
   }
 
- private:
-  static inline const cudaStream_t kNone = reinterpret_cast<cudaStream_t>(~uintptr_t(0));
   std::mutex mutex_;
-  cudaStream_t a_ = kNone, b_ = kNone;
+  cudaStream_t a_ = kNone, b_ = kNone, last_ = kNone;
   bool many_ = false;
+  cudaEvent_t event_ = nullptr;
 };
 
 // Kernels are launched to start while the kernel before them drains (programmatic stream
@@ -68,11 +101,11 @@ inline bool programmatic_launch_on(cudaStream_t stream) {
 }
 
 // The configuration of a launch that may start while the previous kernel on the stream
-// drains; cooperative: every block resident as well. `attributes` (two) must outlive it.
+// drains; cooperative: every block resident as well. `attributes` (two) must outlive it. The
+// caller orders the stream first (KernelStreams::order).
 inline cudaLaunchConfig_t config_after_previous(dim3 grid, dim3 block, size_t smem,
                                                 cudaStream_t stream, bool cooperative,
                                                 cudaLaunchAttribute* attributes) {
-  KernelStreams::get().note(stream);
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -91,6 +124,8 @@ inline cudaLaunchConfig_t config_after_previous(dim3 grid, dim3 block, size_t sm
 template <typename... Params, typename... Args>
 cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                   cudaStream_t stream, Args... args) {
+  if (cudaError_t status = KernelStreams::get().order(stream); status != cudaSuccess)
+    return status;
   cudaLaunchAttribute attributes[2];
   const cudaLaunchConfig_t config =
       config_after_previous(grid, block, smem, stream, /*cooperative=*/false, attributes);
@@ -106,6 +141,8 @@ cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 blo
 inline cudaError_t launch_grid_after_previous(const void* kernel, dim3 grid, dim3 block,
                                               size_t smem, cudaStream_t stream, void** args,
                                               bool cooperative, unsigned cluster = 1) {
+  if (cudaError_t status = KernelStreams::get().order(stream); status != cudaSuccess)
+    return status;
   cudaLaunchAttribute attributes[3];
   cudaLaunchConfig_t config =
       config_after_previous(grid, block, smem, stream, cooperative, attributes);

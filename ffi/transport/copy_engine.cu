@@ -351,7 +351,9 @@ void release_copy_engine_graphs() { graph_cache().clear(); }
 
 cudaError_t copy_engine_guard(const PeerContext& ctx, bool combine, cudaStream_t stream) {
   HostTimer timer(kHostGuard);
-  KernelStreams::get().note(stream);  // it waits for the peers
+  // it waits for the peers
+  if (cudaError_t status = KernelStreams::get().order(stream); status != cudaSuccess)
+    return status;
   wait_peers_finished<<<1, 32, 0, stream>>>(ctx, combine);
   return cudaGetLastError();
 }
