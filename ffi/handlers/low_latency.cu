@@ -201,18 +201,16 @@ class SplitCalls {
   // otherwise run beside it, each grid waiting for a peer's: a peer whose fused grid took
   // every SM first starves its own split kernel of SMs, while here the split kernel holds the
   // SMs the fused grid waits for, and neither ends (both grids launched cooperatively do not
-  // prevent it; found on two GPUs). `placement`: kBesideOwn where a kernel of ours that waits
-  // for other blocks may still run beside it (a captured program, which cannot tell, or any
-  // such kernel ever launched on a stream other than this one and the split calls'), else
-  // kAlone.
+  // prevent it; found on two GPUs). Kernels of ours on other streams are ordered too
+  // (KernelStreams). `placement`: kBesideOwn in a captured program, which cannot order its
+  // kernels after work outside its graph, else kAlone.
   ffi::Error order(cudaStream_t program, LLPlacement& placement) {
     std::lock_guard<std::mutex> lock(mutex_);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cudaError_t status = cudaStreamIsCapturing(program, &capture);
-    const bool beside = capture != cudaStreamCaptureStatusNone ||
-                        !KernelStreams::get().only_on(program, stream_);
-    placement = beside ? LLPlacement::kBesideOwn : LLPlacement::kAlone;
-    if (status == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
+    const bool captured = status != cudaSuccess || capture != cudaStreamCaptureStatusNone;
+    placement = captured ? LLPlacement::kBesideOwn : LLPlacement::kAlone;
+    if (!captured) {
       status = order_after_split(program);
       // (KernelStreams would otherwise make the program's stream wait for stream_ again)
       if (status == cudaSuccess) KernelStreams::get().joined(program, stream_);

@@ -19,16 +19,14 @@ inline int multiprocessors() {
   return count;
 }
 
-// The streams this process's kernels were launched on, and the order between them. A kernel of
-// ours that waits for other blocks (its own or a peer's) must not run beside another such
-// kernel: each could hold part of the SMs the other waits for, and on two ranks that met them
-// in opposite orders neither would end. So a kernel launched on a stream other than the last
-// one ours used first waits for that stream's work so far (an event), which puts this process's
-// kernels in the order its handlers enqueued them, the same on every rank of an SPMD program;
-// programs with every call on one stream pay nothing. Not across a CUDA graph's capture (a
-// captured stream cannot wait for work outside its graph): there, and wherever kernels of ours
-// ran on more than the program's stream and the split calls' own, a low-latency call stays a
-// cooperative launch (LLPlacement).
+// The order of this process's kernels across streams. A kernel of ours that waits for other
+// blocks (its own or a peer's) must not run beside another such kernel: each could hold part of
+// the SMs the other waits for, and on two ranks that met them in opposite orders neither would
+// end. So a kernel launched on a stream other than the last one ours used first waits for that
+// stream's work so far (an event), which puts this process's kernels in the order its handlers
+// enqueued them, the same on every rank of an SPMD program; programs with every call on one
+// stream pay nothing. Not across a CUDA graph's capture (a captured stream cannot wait for
+// work outside its graph): there a low-latency call stays a cooperative launch (LLPlacement).
 class KernelStreams {
  public:
   static KernelStreams& get() {
@@ -39,7 +37,6 @@ class KernelStreams {
   // or `joined` (a stream the caller has made `stream` wait for already).
   cudaError_t order(cudaStream_t stream, cudaStream_t joined = kNone) {
     std::lock_guard<std::mutex> lock(mutex_);
-    note(stream);
     const cudaStream_t last = last_;
     last_ = stream;
     if (last == kNone || last == stream || last == joined || captured(stream) || captured(last))
@@ -56,26 +53,10 @@ class KernelStreams {
     std::lock_guard<std::mutex> lock(mutex_);
     if (last_ == other) last_ = stream;
   }
-  // Whether every such kernel so far ran on `one` or `other`.
-  bool only_on(cudaStream_t one, cudaStream_t other) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto in = [&](cudaStream_t s) { return s == kNone || s == one || s == other; };
-    return !many_ && in(a_) && in(b_);
-  }
 
   static inline const cudaStream_t kNone = reinterpret_cast<cudaStream_t>(~uintptr_t(0));
 
  private:
-  void note(cudaStream_t stream) {
-    if (stream == a_ || stream == b_ || many_) return;
-    if (a_ == kNone) {
-      a_ = stream;
-    } else if (b_ == kNone) {
-      b_ = stream;
-    } else {
-      many_ = true;
-    }
-  }
   static bool captured(cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     return cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
@@ -83,8 +64,7 @@ class KernelStreams {
   }
 
   std::mutex mutex_;
-  cudaStream_t a_ = kNone, b_ = kNone, last_ = kNone;
-  bool many_ = false;
+  cudaStream_t last_ = kNone;
   cudaEvent_t event_ = nullptr;
 };
 

@@ -143,9 +143,10 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaSt
 enum class LLPlacement {
   kAlone,       // the program's stream, no kernel of ours beside it: a plain launch of a grid
                 // the device holds (a cooperative launch costs 1-1.6 µs a call)
-  kBesideOwn,   // the program's stream while another kernel of ours may run beside it (one
-                // on another stream, or in a captured program): cooperative, so that it never
-                // holds part of its grid waiting for the rest
+  kBesideOwn,   // the program's stream while another kernel of ours may run beside it (in a
+                // captured program, whose kernels KernelStreams cannot order after work
+                // outside its graph): cooperative, so that it never holds part of its grid
+                // waiting for the rest
   kBesideWork,  // a split call's kernel, beside the program's work: cooperative, its blocks in
                 // clusters of two (see ll_cluster)
 };
