@@ -100,16 +100,25 @@ inline cudaLaunchConfig_t config_after_previous(dim3 grid, dim3 block, size_t sm
   return config;
 }
 
-// Launches `kernel` so that it may start while the previous kernel on the stream drains.
+// Launches `kernel` so that it may start while the previous kernel on the stream drains, for a
+// kernel that waits for no other block (it ends whatever runs beside it, so it is left out of
+// the order across streams: work of ours on another stream need not wait for it).
+template <typename... Params, typename... Args>
+cudaError_t launch_local_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block,
+                                        size_t smem, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attributes[2];
+  const cudaLaunchConfig_t config =
+      config_after_previous(grid, block, smem, stream, /*cooperative=*/false, attributes);
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// Any other kernel of ours: after those of ours on other streams (KernelStreams).
 template <typename... Params, typename... Args>
 cudaError_t launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                   cudaStream_t stream, Args... args) {
   if (cudaError_t status = KernelStreams::get().order(stream); status != cudaSuccess)
     return status;
-  cudaLaunchAttribute attributes[2];
-  const cudaLaunchConfig_t config =
-      config_after_previous(grid, block, smem, stream, /*cooperative=*/false, attributes);
-  return cudaLaunchKernelEx(&config, kernel, args...);
+  return launch_local_after_previous(kernel, grid, block, smem, stream, args...);
 }
 
 // A grid of at most the blocks the device holds at once, the arguments as an array;

@@ -58,9 +58,9 @@ cudaError_t launch(const void* x, int64_t rows, int64_t hidden, bool ue8m0, void
   // enough warps to keep HBM busy (8 blocks an SM), each looping over the rest
   const int blocks = static_cast<int>(
       std::min<size_t>((chunks + per_block - 1) / per_block, size_t(multiprocessors()) * 8));
-  return launch_after_previous(quantize_fp8_kernel<T>, blocks, kThreads, 0, stream,
-                               static_cast<const T*>(x), chunks, ue8m0,
-                               static_cast<int4*>(data), scales);
+  return launch_local_after_previous(quantize_fp8_kernel<T>, blocks, kThreads, 0, stream,
+                                     static_cast<const T*>(x), chunks, ue8m0,
+                                     static_cast<int4*>(data), scales);
 }
 
 }  // namespace
