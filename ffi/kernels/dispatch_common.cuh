@@ -57,6 +57,9 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
     weights[i] = a.topk_weights[i];
   }
   profile_end(ctx, kProfDispatchStage);
+  // the lean push raises ready itself once this kernel is over (its block 0): the peers' stores
+  // wait only for the tagged words, their metadata warps for ready
+  if (a.lean) return;
   if (last_block(ctx, 0) && threadIdx.x == 0) {
     const int me = pe_of(ctx, ctx.rank);
     const XlaInputs inputs =
@@ -172,9 +175,25 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
     total = __reduce_add_sync(0xffffffffu, total);
     if (lane == 0) counts[w] = before;
     if (blockIdx.x == gridDim.x - 1 && lane < R) {
-      const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
-      region<int32_t>(ctx, lane, matrix)[size_t(ctx.rank) * R + w] = total;
+      if (kPull && a.lean) {
+        store_relaxed(&control_of(ctx, lane)->lean_totals[ctx.rank][w],
+                      uint64_t(uint32_t(call)) << 32 | uint32_t(total));
+      } else {
+        const size_t matrix = kPull ? a.plan.matrix : a.push.matrix;
+        region<int32_t>(ctx, lane, matrix)[size_t(ctx.rank) * R + w] = total;
+      }
     }
+  }
+  if (kPull && a.lean && blockIdx.x == gridDim.x - 1 && threadIdx.x < R) {
+    // where this PE's rows go this call, tagged as the totals (0: the landing area)
+    const uint64_t tag = uint64_t(uint32_t(call)) << 32;
+    const uint64_t x = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
+    const uint64_t scales = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
+    uint64_t* words = control_of(ctx, threadIdx.x)->lean_out[ctx.rank];
+    store_relaxed(words + 0, tag | (x & 0xffffffffu));
+    store_relaxed(words + 1, tag | x >> 32);
+    store_relaxed(words + 2, tag | (scales & 0xffffffffu));
+    store_relaxed(words + 3, tag | scales >> 32);
   }
   __syncthreads();
   const uint32_t below_lane = (1u << lane) - 1;

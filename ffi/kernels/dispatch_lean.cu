@@ -35,11 +35,16 @@ __device__ void write_row_metadata(const DispatchArgs& a, int i, int s, int posi
 }
 
 // Warps `warp` of `warps` take this PE's output rows 32 at a time, lane q the q-th row's
-// metadata; rows past the received ones get zeros (their scales too where `scales`).
-__device__ void write_metadata(const DispatchArgs& a, const GatherTables& tb, int warp,
-                               int warps, bool scales) {
+// metadata; rows past the received ones get zeros (their scales too where `scales`). The
+// sources' lists and ids are read once each source has raised ready for `call`.
+__device__ void write_metadata(const DispatchArgs& a, const GatherTables& tb, uint64_t call,
+                               int warp, int warps, bool scales) {
   const int R = a.ctx.num_ranks, L = a.num_experts / R, C = a.capacity, K = a.num_topk;
   const int lane = threadIdx.x % 32;
+  if (lane < R)
+    wait_flag(a.ctx, &control_of(a.ctx, a.ctx.rank)->ready[pe_of(a.ctx, lane)], call,
+              "dispatch", "data staged", lane);
+  __syncwarp();
   for (int j0 = warp * 32; j0 < C; j0 += warps * 32) {
     const int i = j0 + lane;
     bool unused = false;
@@ -54,9 +59,9 @@ __device__ void write_metadata(const DispatchArgs& a, const GatherTables& tb, in
   }
 }
 
-// Each destination's output as mapped here (published before ready) or its landing area;
-// this PE's own output directly.
-__device__ void load_targets(const DispatchArgs& a, char** rows, char** scales) {
+// Each destination's output as mapped here (Control::lean_out, tagged with the call) or its
+// landing area; this PE's own output directly.
+__device__ void load_targets(const DispatchArgs& a, uint32_t tag, char** rows, char** scales) {
   const PeerContext& ctx = a.ctx;
   const Control* mine = control_of(ctx, ctx.rank);
   if (threadIdx.x >= ctx.num_ranks) return;
@@ -66,8 +71,11 @@ __device__ void load_targets(const DispatchArgs& a, char** rows, char** scales) 
     scales[r] = reinterpret_cast<char*>(a.out_scales);
     return;
   }
-  const uint64_t x = __ldcg(&mine->xla_out_x[pe]);
-  const uint64_t sc = __ldcg(&mine->xla_out_scales[pe]);
+  uint64_t half[4];
+  for (int k = 0; k < 4; ++k)
+    half[k] = wait_tagged(ctx, &mine->lean_out[r][k], tag, "dispatch",
+                          "a destination's output address", r);
+  const uint64_t x = half[0] | half[1] << 32, sc = half[2] | half[3] << 32;
   if (x != 0 && !xla_mapped(ctx, pe)) {  // published, not mapped here
     report_timeout(ctx, "dispatch", "a peer's output outside the mapped XLA allocations", r, 0,
                    0);
@@ -188,23 +196,38 @@ __device__ void push_rows_quantized(const DispatchArgs& a, const GatherTables& t
 template <typename Quantized>
 __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   const PeerContext& ctx = a.ctx;
-  const uint64_t call = enter_after_ready(ctx, kProfDispatchGather, "dispatch");
+  wait_previous_kernel();  // the stage: this PE's places, lists and staged ids are written
+  const uint64_t call = current_call(ctx);
+  profile_mark(ctx, kProfDispatchGather, kEnter);
   const int R = ctx.num_ranks, me = ctx.rank;
+  Control* mine = control_of(ctx, me);
+  // ready covers only what the peers' metadata warps read (this PE's lists and staged ids), so
+  // it goes out here, off the stores' path: the stage kernel ends without a closing block
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfDispatchStage, kRetired);
+  }
   const bool scales_out = a.scales != nullptr || !std::is_void_v<Quantized>;
+  __shared__ int32_t matrix[kMaxStageRanks * kMaxStageRanks];
   __shared__ int32_t tables[2 * kMaxStageRanks + 1];
   __shared__ char* rows[kMaxStageRanks];
   __shared__ char* scales[kMaxStageRanks];
-  GatherTables tb;
-  build_tables<false>(a, region<int32_t>(ctx, me, a.plan.matrix), tables, tb);
-  load_targets(a, rows, scales);
+  const uint32_t tag = uint32_t(call);
+  for (int i = threadIdx.x; i < R * R; i += kThreads)
+    matrix[i] = int32_t(wait_tagged(ctx, &mine->lean_totals[i / R][i % R], tag, "dispatch",
+                                    "a source's row counts", i / R));
   __syncthreads();
+  GatherTables tb;
+  build_tables<false>(a, matrix, tables, tb);
+  load_targets(a, tag, rows, scales);
+  __syncthreads();
+  profile_mark(ctx, kProfDispatchGather, kWaited);
   const int warp_in_block = threadIdx.x / 32;
-  Control* mine = control_of(ctx, me);
   // Where this PE published its output the peers' rows land in place: the metadata first, on
   // a few warps, beside the others' stores. Else every warp stores first, so that no block
   // holds back this PE's pushed flag while waiting for a peer's.
   if (a.direct_out && warp_in_block < kMetadataWarps)
-    write_metadata(a, tb, blockIdx.x * kMetadataWarps + warp_in_block,
+    write_metadata(a, tb, call, blockIdx.x * kMetadataWarps + warp_in_block,
                    gridDim.x * kMetadataWarps, scales_out);
   if constexpr (std::is_void_v<Quantized>)
     push_rows(a, tb, rows, scales);
@@ -216,7 +239,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   if (!a.direct_out) {
     if (last_block_on(&mine->block_counter[kCounterLeanPush]) && threadIdx.x == 0)
       signal_all(ctx, Flag::kPushed, call);
-    write_metadata(a, tb, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps, scales_out);
+    write_metadata(a, tb, call, blockIdx.x * kWarps + warp_in_block, gridDim.x * kWarps,
+                   scales_out);
     // the peers' rows from the landing area, once each source's flag has come
     const int lane = threadIdx.x % 32;
     const int warp = blockIdx.x * kWarps + warp_in_block, warps = gridDim.x * kWarps;

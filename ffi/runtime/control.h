@@ -104,6 +104,14 @@ struct Control {
   uint32_t work_cursor[2];
   // Fused dispatch: chunks of each chunk range (a source's rows) already moved out.
   uint32_t chunk_cursor[kMaxStageRanks];
+  // rank_major's lean push, written by each source's stage as soon as it has its totals, with
+  // no flag or fence: each word carries its call (low 32 bits in the high half), so the
+  // stores, which need nothing else of a peer, wait for these words alone.
+  // lean_totals[s][w] = rank s's rows for rank w; lean_out[s] = the low and high halves of
+  // rank s's out_x and out_scales for the call (0: its landing area). Indexed by rank in the
+  // group.
+  uint64_t lean_totals[kMaxStageRanks][kMaxStageRanks];
+  uint64_t lean_out[kMaxStageRanks][4];
   // Copy-engine dispatch: landed[s][c] = 1 once PE s's copy engine has written chunk c of its
   // tokens into our landing area; this PE's last gather block sets them back to 0 (after all
   // landed) before it raises done, so PE s writes them again only in the next call (dispatch
