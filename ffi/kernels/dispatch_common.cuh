@@ -59,7 +59,10 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   profile_end(ctx, kProfDispatchStage);
   // the lean push raises ready itself once this kernel is over (its block 0): the peers' stores
   // wait only for the tagged words, their metadata warps for ready
-  if (a.lean) return;
+  if (a.lean) {
+    allow_next_kernel();
+    return;
+  }
   if (last_block(ctx, 0) && threadIdx.x == 0) {
     const int me = pe_of(ctx, ctx.rank);
     const XlaInputs inputs =
