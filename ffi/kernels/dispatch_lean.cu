@@ -59,11 +59,12 @@ __device__ void write_metadata(const DispatchArgs& a, const GatherTables& tb, ui
   }
 }
 
-// Each destination's output as mapped here (Control::lean_out, tagged with the call) or its
-// landing area; this PE's own output directly.
-__device__ void load_targets(const DispatchArgs& a, uint32_t tag, char** rows, char** scales) {
+// Each destination's output as mapped here (`halves`: the low and high halves of its out_x
+// and out_scales from Control::lean_out, 0 for its landing area) or its landing area; this
+// PE's own output directly.
+__device__ void load_targets(const DispatchArgs& a, const uint32_t* halves, char** rows,
+                             char** scales) {
   const PeerContext& ctx = a.ctx;
-  const Control* mine = control_of(ctx, ctx.rank);
   if (threadIdx.x >= ctx.num_ranks) return;
   const int r = threadIdx.x, pe = pe_of(ctx, r);
   if (r == ctx.rank) {
@@ -71,11 +72,8 @@ __device__ void load_targets(const DispatchArgs& a, uint32_t tag, char** rows, c
     scales[r] = reinterpret_cast<char*>(a.out_scales);
     return;
   }
-  uint64_t half[4];
-  for (int k = 0; k < 4; ++k)
-    half[k] = wait_tagged(ctx, &mine->lean_out[r][k], tag, "dispatch",
-                          "a destination's output address", r);
-  const uint64_t x = half[0] | half[1] << 32, sc = half[2] | half[3] << 32;
+  const uint32_t* h = halves + 4 * r;
+  const uint64_t x = h[0] | uint64_t(h[1]) << 32, sc = h[2] | uint64_t(h[3]) << 32;
   if (x != 0 && !xla_mapped(ctx, pe)) {  // published, not mapped here
     report_timeout(ctx, "dispatch", "a peer's output outside the mapped XLA allocations", r, 0,
                    0);
@@ -209,17 +207,27 @@ __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   }
   const bool scales_out = a.scales != nullptr || !std::is_void_v<Quantized>;
   __shared__ int32_t matrix[kMaxStageRanks * kMaxStageRanks];
+  __shared__ uint32_t halves[kMaxStageRanks * 4];
   __shared__ int32_t tables[2 * kMaxStageRanks + 1];
   __shared__ char* rows[kMaxStageRanks];
   __shared__ char* scales[kMaxStageRanks];
+  // every word in one round of loads (a thread each), not one dependent load after another
   const uint32_t tag = uint32_t(call);
-  for (int i = threadIdx.x; i < R * R; i += kThreads)
-    matrix[i] = int32_t(wait_tagged(ctx, &mine->lean_totals[i / R][i % R], tag, "dispatch",
-                                    "a source's row counts", i / R));
+  for (int i = threadIdx.x; i < R * R + 4 * R; i += kThreads) {
+    if (i < R * R) {
+      matrix[i] = int32_t(wait_tagged(ctx, &mine->lean_totals[i / R][i % R], tag, "dispatch",
+                                      "a source's row counts", i / R));
+    } else {
+      const int j = i - R * R, r = j / 4;
+      halves[j] = r == me ? 0u
+                          : wait_tagged(ctx, &mine->lean_out[r][j % 4], tag, "dispatch",
+                                        "a destination's output address", r);
+    }
+  }
   __syncthreads();
   GatherTables tb;
   build_tables<false>(a, matrix, tables, tb);
-  load_targets(a, tag, rows, scales);
+  load_targets(a, halves, rows, scales);
   __syncthreads();
   profile_mark(ctx, kProfDispatchGather, kWaited);
   const int warp_in_block = threadIdx.x / 32;
