@@ -199,12 +199,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   profile_mark(ctx, kProfDispatchGather, kEnter);
   const int R = ctx.num_ranks, me = ctx.rank;
   Control* mine = control_of(ctx, me);
-  // ready covers only what the peers' metadata warps read (this PE's lists and staged ids), so
-  // it goes out here, off the stores' path: the stage kernel ends without a closing block
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    signal_all(ctx, Flag::kReady, call);
-    profile_mark(ctx, kProfDispatchStage, kRetired);
-  }
   const bool scales_out = a.scales != nullptr || !std::is_void_v<Quantized>;
   __shared__ int32_t matrix[kMaxStageRanks * kMaxStageRanks];
   __shared__ uint32_t halves[kMaxStageRanks * 4];
@@ -230,6 +224,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_lean(DispatchArgs a) {
   load_targets(a, halves, rows, scales);
   __syncthreads();
   profile_mark(ctx, kProfDispatchGather, kWaited);
+  // ready covers only what the peers' metadata warps read (this PE's lists and staged ids), so
+  // it goes out here, from one warp that has nothing else to wait for yet (in place, a
+  // metadata warp, which waits for the peers' ready next): the stage kernel ends without a
+  // closing block, and no block's stores wait for its system fence
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    signal_all(ctx, Flag::kReady, call);
+    profile_mark(ctx, kProfDispatchStage, kRetired);
+  }
   const int warp_in_block = threadIdx.x / 32;
   // Where this PE published its output the peers' rows land in place: the metadata first, on
   // a few warps, beside the others' stores. Else every warp stores first, so that no block
