@@ -4,7 +4,9 @@
 //   1. stage   : wait until every peer finished the previous call, write what peers will read
 //                into this PE's symmetric buffer (dispatch: per-destination counts and token
 //                lists; combine: its rows, or for expert_major one partial sum per (source,
-//                token)), then raise ready[me] on every peer of the call's group;
+//                token)), then raise ready[me] on every peer of the call's group (the lean
+//                push's stage instead writes its totals and output addresses as words tagged
+//                with the call, which the stores wait for, and the push kernel raises ready);
 //   2. gather  : wait for every peer's ready flag, read what this PE needs straight from the
 //                peers' buffers into the XLA output (the pull paths), or store this PE's rows
 //                into the receivers' regions and move out the rows that have arrived in its
