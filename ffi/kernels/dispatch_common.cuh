@@ -70,14 +70,8 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
                                reinterpret_cast<uint64_t>(a.topk_idx),
                                reinterpret_cast<uint64_t>(a.topk_weights)}
                    : XlaInputs{0, 0, 0, 0};
-    for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
-      Control* peer = control_of(ctx, p);
-      peer->xla_in[me] = inputs;
-      if (a.lean) {  // where the lean push's sources store this PE's rows
-        peer->xla_out_x[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
-        peer->xla_out_scales[me] = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
-      }
-    }
+    for (int p = 0; p < ctx.num_ranks; ++p)  // before ready: its release orders these
+      control_of(ctx, p)->xla_in[me] = inputs;
     signal_all(ctx, Flag::kReady, call);
     profile_mark(ctx, kProfDispatchStage, kRetired);
   }
