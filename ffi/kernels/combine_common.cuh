@@ -28,12 +28,27 @@ __device__ __forceinline__ uint64_t enter_combine_stage(const CombineArgs& a) {
   return call;
 }
 
+// One thread: this PE's y and weights for the call (0, 0: staged) to every peer of the group,
+// this PE included, as words tagged with the call; the caller has fenced what they release.
+__device__ inline void publish_combine_inputs(const PeerContext& ctx, uint64_t call, uint64_t y,
+                                              uint64_t weights) {
+  const uint64_t tag = uint64_t(uint32_t(call)) << 32;
+  const int me = pe_of(ctx, ctx.rank);
+  for (int p = 0; p < ctx.num_ranks; ++p) {
+    uint64_t* words = control_of(ctx, p)->combine_in[me];
+    store_relaxed(words + 0, tag | (y & 0xffffffffu));
+    store_relaxed(words + 1, tag | y >> 32);
+    store_relaxed(words + 2, tag | (weights & 0xffffffffu));
+    store_relaxed(words + 3, tag | weights >> 32);
+  }
+}
+
 // The unstaged combine's opening, in the reduce kernel's block 0 (nothing to stage, so no
 // kernel of its own: as one, with its block arrival and the kernel boundary after it, it took
-// 5.9-6.1 µs of each call's GPU cycle on 2×H100; here 2 µs less per call): the work cursor
-// reset, every peer past the previous call, y and the weights published, then ready. Every
-// block, this one included, waits for this PE's own ready before claiming, so the reset
-// comes before every claim.
+// 5.9-6.1 µs of each call's GPU cycle on 2×H100): the work cursor reset, every peer past the
+// previous call, then y and the weights published as tagged words. A GPU-scope fence releases
+// the reset to this PE's blocks, which acquire this PE's own words before claiming; no system
+// fence or flag: the peers read y and the weights, which earlier kernels wrote, over NVLink.
 __device__ void open_unstaged_combine(const CombineArgs& a, uint64_t call) {
   const PeerContext& ctx = a.ctx;
   profile_mark(ctx, kProfCombineStage, kEnter);
@@ -41,13 +56,9 @@ __device__ void open_unstaged_combine(const CombineArgs& a, uint64_t call) {
   enter_call(ctx, call, "combine");
   profile_mark(ctx, kProfCombineStage, kWaited);
   if (threadIdx.x == 0) {
-    const int me = pe_of(ctx, ctx.rank);
-    for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
-      Control* peer = control_of(ctx, p);
-      peer->xla_rows[me] = reinterpret_cast<uint64_t>(a.y);
-      peer->xla_weights[me] = reinterpret_cast<uint64_t>(a.weights);
-    }
-    signal_all(ctx, Flag::kReady, call);
+    fence_acq_rel_gpu();
+    publish_combine_inputs(ctx, call, reinterpret_cast<uint64_t>(a.y),
+                           reinterpret_cast<uint64_t>(a.weights));
   }
   profile_end(ctx, kProfCombineStage);
   profile_mark(ctx, kProfCombineStage, kRetired);
@@ -156,7 +167,18 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   const uint64_t call = current_call(ctx);
   profile_mark(ctx, kProfCombineReduce, kEnter);
   if (!kCopy && a.unstaged && blockIdx.x == 0) open_unstaged_combine(a, call);
-  if (!kCopy) wait_all_ready(ctx, call, "combine");
+  // Pull: each source's y and weights as it published them (0: its staged copy), read where
+  // published, through its mapped XLA allocation; every word acquired, this PE's own included
+  // (it releases the work cursor's reset).
+  __shared__ uint32_t halves[kCopy ? 1 : 4 * kSources];
+  if (!kCopy) {
+    const Control* mine = control_of(ctx, ctx.rank);
+    for (int i = threadIdx.x; i < 4 * ctx.num_ranks; i += kThreads)
+      halves[i] = wait_tagged_acquire(ctx, &mine->combine_in[pe_of(ctx, i / 4)][i % 4],
+                                      uint32_t(call), "combine", "a source's rows published",
+                                      i / 4);
+    __syncthreads();
+  }
   profile_mark(ctx, kProfCombineReduce, kWaited);
   const RegionPlan plan = plan_combine(a.capacity, row_bytes);
   const int R = ctx.num_ranks, me = ctx.rank;
@@ -172,16 +194,13 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
     }
     __syncthreads();
   }
-  // Pull: a peer that published its y and weights (Control::xla_rows) is read there, through
-  // its mapped XLA allocation, instead of from its staged copy.
   __shared__ const char* unstaged_rows[kCopy ? 1 : kSources];
   __shared__ const float* unstaged_weights[kCopy ? 1 : kSources];
   if (!kCopy) {
     if (threadIdx.x < R) {
       const int pe = pe_of(ctx, threadIdx.x);
-      const Control* mine = control_of(ctx, me);
-      const uint64_t y = *reinterpret_cast<const volatile uint64_t*>(&mine->xla_rows[pe]);
-      const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(&mine->xla_weights[pe]);
+      const uint32_t* h = halves + 4 * threadIdx.x;
+      const uint64_t y = h[0] | uint64_t(h[1]) << 32, w = h[2] | uint64_t(h[3]) << 32;
       unstaged_rows[threadIdx.x] = nullptr;
       unstaged_weights[threadIdx.x] = nullptr;
       if (int(threadIdx.x) != me && y != 0) {

@@ -29,13 +29,8 @@ __global__ void __launch_bounds__(kThreads) combine_stage(CombineArgs a, size_t 
     weights[i] = a.weights[i];
   profile_end(ctx, kProfCombineStage);
   if (last_block(ctx, 4) && threadIdx.x == 0) {
-    const int me = pe_of(ctx, ctx.rank);
-    for (int p = 0; p < ctx.num_ranks; ++p) {  // before ready: its release orders these
-      Control* peer = control_of(ctx, p);
-      peer->xla_rows[me] = 0;
-      peer->xla_weights[me] = 0;
-    }
-    signal_all(ctx, Flag::kReady, call);
+    fence_acq_rel_system();  // the staged rows and weights, before the words that release them
+    publish_combine_inputs(ctx, call, 0, 0);
     profile_mark(ctx, kProfCombineStage, kRetired);
   }
 }

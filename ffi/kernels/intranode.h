@@ -147,7 +147,7 @@ struct CombineArgs {
   // rank_major: rows pushed into the owners' [source][token] slots (plan_combine_push)
   bool push;
   // The pull path with y and weights inside this PE's mapped XLA allocation: the peers read
-  // them there (Control::xla_rows) instead of from a staged copy.
+  // them there (Control::combine_in) instead of from a staged copy.
   bool unstaged;
 };
 

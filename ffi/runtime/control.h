@@ -69,11 +69,12 @@ struct Control {
   // node's PEs to its buffer over: the node exchange (kernels/node_exchange.cu) puts into a PE
   // only after this, since done[] does not cross nodes.
   uint64_t entered[kMaxRanks];
-  // The pull combine's unstaged sources: xla_rows[s] / xla_weights[s] = the addresses (in PE
-  // s's own address space) of its y and weights for the current call, 0 when it staged them
-  // (written before ready[s]; see XlaWindow).
-  uint64_t xla_rows[kMaxRanks];
-  uint64_t xla_weights[kMaxRanks];
+  // The pull combine's sources: combine_in[s] = the low and high halves of PE s's y and
+  // weights for the current call (in its own address space, see XlaWindow; 0 where it staged
+  // them), each word tagged with the call (its low 32 bits in the high half). An unstaged
+  // source writes them as its reduce kernel opens, a staged one once its rows are staged (after
+  // a system fence); the reduce waits for them alone, acquiring (no ready flag).
+  uint64_t combine_in[kMaxRanks][4];
   // The fused dispatch's direct rows (rank_major): xla_out_x[s] / xla_out_scales[s] = PE s's
   // outputs for the current call, in its own address space, 0 when its rows go through the
   // push region (written before ready[s]).

@@ -193,6 +193,23 @@ __device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p
   return uint32_t(v);
 }
 
+// wait_tagged with acquire loads: what the writer wrote (or observed) before a release (a
+// fence, then the word) is visible after it returns.
+__device__ inline uint32_t wait_tagged_acquire(const PeerContext& ctx, const uint64_t* p,
+                                               uint32_t tag, const char* op, const char* what,
+                                               int peer) {
+  uint64_t v = load_acquire(p);
+  if (uint32_t(v >> 32) == tag) return uint32_t(v);
+  const uint64_t start = global_timer_ns();
+  while (uint32_t((v = load_acquire(p)) >> 32) != tag) {
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      report_timeout(ctx, op, what, peer, tag, v >> 32);
+      trap_after_report();
+    }
+  }
+  return uint32_t(v);
+}
+
 // One thread: the program's EP axis index must be this PE's rank in the group (else a message
 // and a trap).
 __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
