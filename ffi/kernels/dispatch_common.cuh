@@ -14,12 +14,40 @@ namespace {
 
 // ------------------------------------------------------------------------------ stage
 
+// Pull mode: this PE's ids and weights staged for the destinations (their rows' metadata),
+// unless they read them in place; `thread` of `threads` taking part in each block, 16 bytes
+// of each a thread where the arrays allow (one round of loads for the whole copy).
+__device__ __forceinline__ void stage_ids(const DispatchArgs& a, int thread, int threads) {
+  if (a.in_place) return;
+  const PeerContext& ctx = a.ctx;
+  const size_t n = size_t(a.num_tokens) * a.num_topk;
+  int32_t* ids = region<int32_t>(ctx, ctx.rank, a.plan.meta_ids);
+  float* weights = region<float>(ctx, ctx.rank, a.plan.meta_weights);
+  const size_t first = size_t(blockIdx.x) * threads + thread, stride = size_t(gridDim.x) * threads;
+  const bool wide = n % 4 == 0 && (reinterpret_cast<uintptr_t>(a.topk_idx) |
+                                   reinterpret_cast<uintptr_t>(a.topk_weights)) % 16 == 0;
+  if (wide) {
+    for (size_t v = first; v < n / 4; v += stride) {
+      const int4 i4 = reinterpret_cast<const int4*>(a.topk_idx)[v];
+      const float4 w4 = reinterpret_cast<const float4*>(a.topk_weights)[v];
+      reinterpret_cast<int4*>(ids)[v] = i4;
+      reinterpret_cast<float4*>(weights)[v] = w4;
+    }
+    return;
+  }
+  for (size_t i = first; i < n; i += stride) {
+    ids[i] = a.topk_idx[i];
+    weights[i] = a.topk_weights[i];
+  }
+}
+
 // The end of every stage kernel: pull mode stages this PE's tokens once (every destination
-// reads the rows it needs) with their ids and weights; then the last block raises ready[me].
-template <bool kPull>
+// reads the rows it needs) with their ids and weights (kIdsStaged: the kernel staged those
+// already); then the last block raises ready[me].
+template <bool kPull, bool kIdsStaged = false>
 __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
   const PeerContext& ctx = a.ctx;
-  const int T = a.num_tokens, K = a.num_topk;
+  const int T = a.num_tokens;
   if (!kPull) {  // push mode stages nothing: the rows go out once every count is known
     profile_end(ctx, kProfDispatchStage);
     if (last_block(ctx, 0) && threadIdx.x == 0) {
@@ -49,13 +77,7 @@ __device__ void finish_stage(const DispatchArgs& a, uint64_t call) {
                reinterpret_cast<const char*>(a.scales) + t * a.scale_row_bytes,
                a.scale_row_bytes, lane, 32);
   }
-  int32_t* ids = region<int32_t>(ctx, ctx.rank, a.plan.meta_ids);
-  float* weights = region<float>(ctx, ctx.rank, a.plan.meta_weights);
-  for (int i = blockIdx.x * kThreads + threadIdx.x; i < T * K && !a.in_place;
-       i += gridDim.x * kThreads) {
-    ids[i] = a.topk_idx[i];
-    weights[i] = a.topk_weights[i];
-  }
+  if (!kIdsStaged) stage_ids(a, threadIdx.x, kThreads);
   profile_end(ctx, kProfDispatchStage);
   // the lean push raises ready itself once this kernel is over (its block 0): the peers' stores
   // wait only for the tagged words, their metadata warps for ready
@@ -148,6 +170,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   __shared__ int warp_counts[kWarps][kMaxStageRanks];
   if (threadIdx.x < kMaxStageRanks) counts[threadIdx.x] = 0;
   __syncthreads();
+  // The ids' copy needs no count: the threads past a block's span of tokens (the same in
+  // every block, so that the blocks split the copy evenly) do it beside the count; where
+  // every thread counts, all of them do it after the count, before the barrier.
+  const int spare = kThreads - span;
+  if (kPull && spare > 0 && int(threadIdx.x) >= span) stage_ids(a, threadIdx.x - span, spare);
   uint32_t first_mask = 0;  // this thread's first token's (the only one where T <= grid * 512)
   for (int t = begin + threadIdx.x; t < end; t += kThreads) {
     const uint32_t mask = rank_mask(a, t, L);
@@ -157,6 +184,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   }
   __syncthreads();
   if (threadIdx.x < R) control->stage_counts[blockIdx.x * R + threadIdx.x] = counts[threadIdx.x];
+  if (kPull && spare <= 0) stage_ids(a, threadIdx.x, kThreads);
   grid_barrier(ctx);
 
   // counts[w] <- tokens for w in the CTAs before this one; the last CTA publishes the totals.
@@ -222,7 +250,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
       for (int v = 0; v < kWarps; ++v) counts[threadIdx.x] += warp_counts[v][threadIdx.x];
     __syncthreads();
   }
-  finish_stage<kPull>(a, call);
+  finish_stage<kPull, /*kIdsStaged=*/true>(a, call);
 }
 
 // expert_major stage spread over the whole grid, the pairs' twin of dispatch_stage_ranks
