@@ -322,9 +322,11 @@ def test_dispatch_use_fp8_matches_reference(layout, dtype, H, dispatch_mode):
 
 def test_quantize_fp8_kernel_gradient_is_the_reference():
     """The kernel's VJP is that of XLA's ops at the same x, for given cotangents of the data
-    and the scales. Each block's largest element is left out: there x / scale is 448 up to
-    the last bit of the reciprocal, on clip's boundary, where the gradient of XLA's ops
-    itself turns on that bit."""
+    and the scales, to a few ulps: the two programs are compiled apart, and XLA may fuse (and
+    contract multiply-adds) differently in each (2 ulps seen on one H200 shared by two
+    ranks). Each block's largest element is left out: there x / scale is 448 up to the last
+    bit of the reciprocal, on clip's boundary, where the gradient of XLA's ops itself turns on
+    that bit."""
     R = num_ranks()
     rng = np.random.default_rng(32)
     x = rng.standard_normal((R, 16, 256)).astype(np.float32)
@@ -338,7 +340,7 @@ def test_quantize_fp8_kernel_gradient_is_the_reference():
     got, want = both(fn, x, g_data, g_scales)
     blocks = np.abs(x).reshape(R, 16, 2, 128)
     interior = (blocks < blocks.max(-1, keepdims=True)).reshape(x.shape)
-    np.testing.assert_array_equal(np.asarray(got)[interior], np.asarray(want)[interior])
+    np.testing.assert_array_max_ulp(np.asarray(got)[interior], np.asarray(want)[interior], 4)
 
 
 @pytest.mark.parametrize("H,fp8", [(7168, False), (7168, True), (2100, False)])
