@@ -50,6 +50,12 @@ import oracle  # noqa: E402
 from ep import AXIS, SHARED_GPUS, run  # noqa: E402
 from test_reference import make_inputs  # noqa: E402
 
+# A test whose CUDA program holds XLA collectives of its own (psum, pmean: NCCL) cannot run
+# where ranks share a GPU (`jax_ep.launch --gpus`): NCCL refuses two ranks on one device.
+needs_nccl = pytest.mark.skipif(
+    SHARED_GPUS, reason="the program holds XLA collectives (NCCL), which refuse two ranks on "
+    "one GPU (jax_ep.launch --gpus): run it with a GPU per rank")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def runtime():
@@ -555,6 +561,7 @@ def test_calls_on_a_second_stream_match_reference():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@needs_nccl
 def test_work_on_a_second_stream_beside_the_calls_matches_reference():
     """jax_ep.on_stream: matmuls (and their backward) on XLA's stream 1 beside a dispatch and
     a combine on the program's stream, one with a weight the same on every rank (a shared
@@ -580,6 +587,7 @@ def test_work_on_a_second_stream_beside_the_calls_matches_reference():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@needs_nccl
 def test_work_on_a_stream_differentiated_outside_shard_map():
     """jax_ep.on_stream's work in a loss differentiated from outside shard_map (jax.grad of a
     shard_map'd loss, as a training step is usually written): the work's forward and backward
@@ -1137,6 +1145,7 @@ def test_low_latency_too_small_buffer_is_an_error_naming_the_bytes():
     test_low_latency_drops_duplicate_experts()  # the runtime still works
 
 
+@needs_nccl
 @pytest.mark.parametrize("dtype,factor", [(jnp.bfloat16, None), (jnp.bfloat16, 1.5),
                                           (jnp.float32, None)])
 def test_moe_layer_matches_reference(dtype, factor):
@@ -1179,6 +1188,7 @@ def test_moe_layer_matches_reference(dtype, factor):
                                    rtol=tol, atol=tol)
 
 
+@needs_nccl
 def test_nnx_module_matches_reference():
     """jax_ep.nnx.MoE on the kernels (global arrays over every process's GPU, nnx.jit): output
     and parameter gradients equal to the same module on the reference backend."""
