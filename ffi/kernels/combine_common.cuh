@@ -174,9 +174,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
   if (!kCopy) {
     const Control* mine = control_of(ctx, ctx.rank);
     for (int i = threadIdx.x; i < 4 * ctx.num_ranks; i += kThreads)
-      halves[i] = wait_tagged_acquire(ctx, &mine->combine_in[pe_of(ctx, i / 4)][i % 4],
-                                      uint32_t(call), "combine", "a source's rows published",
-                                      i / 4);
+      halves[i] = wait_tagged</*kAcquire=*/true>(ctx, &mine->combine_in[pe_of(ctx, i / 4)][i % 4],
+                                                 uint32_t(call), "combine",
+                                                 "a source's rows published", i / 4);
     __syncthreads();
   }
   profile_mark(ctx, kProfCombineReduce, kWaited);

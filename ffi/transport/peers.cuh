@@ -178,30 +178,17 @@ __device__ inline void wait_flag(const PeerContext& ctx, const uint64_t* flag, u
 }
 
 // Spins until the word at p carries `tag` in its high half and returns its low half; after
-// ctx.timeout_ns reports the peer and traps (as wait_flag).
+// ctx.timeout_ns reports the peer and traps (as wait_flag). kAcquire: acquire loads, so that
+// what the writer wrote (or observed) before a release (a fence, then the word) is visible
+// after it returns.
+template <bool kAcquire = false>
 __device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p, uint32_t tag,
                                        const char* op, const char* what, int peer) {
-  uint64_t v = load_relaxed(p);
+  auto load = [p] { return kAcquire ? load_acquire(p) : load_relaxed(p); };
+  uint64_t v = load();
   if (uint32_t(v >> 32) == tag) return uint32_t(v);
   const uint64_t start = global_timer_ns();
-  while (uint32_t((v = load_relaxed(p)) >> 32) != tag) {
-    if (global_timer_ns() - start > ctx.timeout_ns) {
-      report_timeout(ctx, op, what, peer, tag, v >> 32);
-      trap_after_report();
-    }
-  }
-  return uint32_t(v);
-}
-
-// wait_tagged with acquire loads: what the writer wrote (or observed) before a release (a
-// fence, then the word) is visible after it returns.
-__device__ inline uint32_t wait_tagged_acquire(const PeerContext& ctx, const uint64_t* p,
-                                               uint32_t tag, const char* op, const char* what,
-                                               int peer) {
-  uint64_t v = load_acquire(p);
-  if (uint32_t(v >> 32) == tag) return uint32_t(v);
-  const uint64_t start = global_timer_ns();
-  while (uint32_t((v = load_acquire(p)) >> 32) != tag) {
+  while (uint32_t((v = load()) >> 32) != tag) {
     if (global_timer_ns() - start > ctx.timeout_ns) {
       report_timeout(ctx, op, what, peer, tag, v >> 32);
       trap_after_report();
