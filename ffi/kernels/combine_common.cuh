@@ -32,15 +32,9 @@ __device__ __forceinline__ uint64_t enter_combine_stage(const CombineArgs& a) {
 // this PE included, as words tagged with the call; the caller has fenced what they release.
 __device__ inline void publish_combine_inputs(const PeerContext& ctx, uint64_t call, uint64_t y,
                                               uint64_t weights) {
-  const uint64_t tag = uint64_t(uint32_t(call)) << 32;
   const int me = pe_of(ctx, ctx.rank);
-  for (int p = 0; p < ctx.num_ranks; ++p) {
-    uint64_t* words = control_of(ctx, p)->combine_in[me];
-    store_relaxed(words + 0, tag | (y & 0xffffffffu));
-    store_relaxed(words + 1, tag | y >> 32);
-    store_relaxed(words + 2, tag | (weights & 0xffffffffu));
-    store_relaxed(words + 3, tag | weights >> 32);
-  }
+  for (int p = 0; p < ctx.num_ranks; ++p)
+    store_tagged_pair(control_of(ctx, p)->combine_in[me], call, y, weights);
 }
 
 // The unstaged combine's opening, in the reduce kernel's block 0 (nothing to stage, so no
@@ -200,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce(CombineArgs a, size_t
     if (threadIdx.x < R) {
       const int pe = pe_of(ctx, threadIdx.x);
       const uint32_t* h = halves + 4 * threadIdx.x;
-      const uint64_t y = h[0] | uint64_t(h[1]) << 32, w = h[2] | uint64_t(h[3]) << 32;
+      const uint64_t y = tagged_pair_value(h, 0), w = tagged_pair_value(h, 1);
       unstaged_rows[threadIdx.x] = nullptr;
       unstaged_weights[threadIdx.x] = nullptr;
       if (int(threadIdx.x) != me && y != 0) {

@@ -211,14 +211,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_stage_ranks(DispatchArgs a)
   }
   if (kPull && a.lean && blockIdx.x == gridDim.x - 1 && threadIdx.x < R) {
     // where this PE's rows go this call, tagged as the totals (0: the landing area)
-    const uint64_t tag = uint64_t(uint32_t(call)) << 32;
     const uint64_t x = a.direct_out ? reinterpret_cast<uint64_t>(a.out_x) : 0;
     const uint64_t scales = a.direct_out ? reinterpret_cast<uint64_t>(a.out_scales) : 0;
-    uint64_t* words = control_of(ctx, threadIdx.x)->lean_out[ctx.rank];
-    store_relaxed(words + 0, tag | (x & 0xffffffffu));
-    store_relaxed(words + 1, tag | x >> 32);
-    store_relaxed(words + 2, tag | (scales & 0xffffffffu));
-    store_relaxed(words + 3, tag | scales >> 32);
+    store_tagged_pair(control_of(ctx, threadIdx.x)->lean_out[ctx.rank], call, x, scales);
   }
   __syncthreads();
   const uint32_t below_lane = (1u << lane) - 1;

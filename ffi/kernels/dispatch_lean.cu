@@ -73,7 +73,7 @@ __device__ void load_targets(const DispatchArgs& a, const uint32_t* halves, char
     return;
   }
   const uint32_t* h = halves + 4 * r;
-  const uint64_t x = h[0] | uint64_t(h[1]) << 32, sc = h[2] | uint64_t(h[3]) << 32;
+  const uint64_t x = tagged_pair_value(h, 0), sc = tagged_pair_value(h, 1);
   if (x != 0 && !xla_mapped(ctx, pe)) {  // published, not mapped here
     report_timeout(ctx, "dispatch", "a peer's output outside the mapped XLA allocations", r, 0,
                    0);

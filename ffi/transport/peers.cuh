@@ -197,6 +197,22 @@ __device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p
   return uint32_t(v);
 }
 
+// Two 64-bit values (addresses) as four words tagged with `call`, their low halves first: a
+// reader waits for each word (wait_tagged) and joins them with tagged_pair_value.
+__device__ inline void store_tagged_pair(uint64_t* words, uint64_t call, uint64_t a,
+                                         uint64_t b) {
+  const uint64_t tag = uint64_t(uint32_t(call)) << 32;
+  store_relaxed(words + 0, tag | (a & 0xffffffffu));
+  store_relaxed(words + 1, tag | a >> 32);
+  store_relaxed(words + 2, tag | (b & 0xffffffffu));
+  store_relaxed(words + 3, tag | b >> 32);
+}
+
+// Value i (0 or 1) of a pair stored by store_tagged_pair, from the four words' low halves.
+__device__ __forceinline__ uint64_t tagged_pair_value(const uint32_t* halves, int i) {
+  return halves[2 * i] | uint64_t(halves[2 * i + 1]) << 32;
+}
+
 // One thread: the program's EP axis index must be this PE's rank in the group (else a message
 // and a trap).
 __device__ inline void check_rank(const PeerContext& ctx, const char* op) {
