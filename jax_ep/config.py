@@ -45,20 +45,14 @@ DEFAULT_TIMEOUT_S = 100.0
 # CTAs of the SM data paths where nothing else is measured better.
 DEFAULT_BLOCKS = 64
 # CTAs of a split low-latency call (its kernel runs beside the work between send and receive,
-# which takes the other SMs; the GEMM of the benchmark's matmul holds 120 of 132 SMs for its
-# whole length, so fewer CTAs leave it more, but the kernel, sharing HBM with it, may then
-# outlast it). Decode shapes, send -> matmul -> receive, steady µs (benchmarks/RESULTS.md):
-# - 2xH100 (2026-11-28, c1652e3), beside a 99 µs matmul: the dispatch 115.5-116.0 with 8,
-#   119.3-120.9 with 16, 120.5-121.4 with 12, 120.7-121.7 with 32 (in one lease of four, and
-#   the day before, 8 and 16 tied); the combine 138.5 with 8, 122.3-123.2 with 16, 122.2-122.6
-#   with 32.
-# - 2xH200 (2026-11-28, 9f8d7fb), beside a 91-94 µs matmul: the dispatch 117.4-117.9 with 8,
-#   116.4-117.1 with 12, 111.4-111.7 with 16, 113.1-113.5 with 32; the combine 116.2-116.3
-#   with 16, 113.1-113.4 with 32 (likely the kernel at 8 CTAs outlasting the shorter GEMM;
-#   no trace taken).
-LOW_LATENCY_SPLIT_BLOCKS = {"dispatch": 8, "combine": 32}
-# GPUs (a piece of jax's device_kind) whose measured table picks other counts.
-LOW_LATENCY_SPLIT_BLOCKS_BY_GPU = {"H200": {"dispatch": 16}}
+# which takes the other SMs), 2×H100, decode shapes, beside a 99 µs matmul, steady (2026-11-28,
+# c1652e3, benchmarks/RESULTS.md): send -> matmul -> receive 115.5-116.0 µs with 8, 119.3-120.9
+# with 16, 120.5-121.4 with 12, 120.7-121.7 with 32 (in one lease of four, and the day before,
+# 8 and 16 tied); combine send -> matmul -> receive 138.5 with 8, 122.3-123.2 with 16,
+# 122.2-122.6 with 32. The matmul's GEMM holds 120 SMs; fewer CTAs leave it more, but the
+# kernel, sharing HBM with it, may then outlast it (the combine's at 8).
+LOW_LATENCY_SPLIT_DISPATCH_BLOCKS = 8
+LOW_LATENCY_SPLIT_COMBINE_BLOCKS = 16
 # Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
 # combine reads y in place and is rank_major's default: 209 µs against the push's 240 on
 # 2×H100 at DeepSeek-V3 shapes with 64 CTAs. Where they do not, the pull stages y first and
@@ -381,28 +375,11 @@ def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout,
                   copy_chunk_mb=copy_chunk_mb(config), timeout_s=timeout_s(config))
 
 
-def split_blocks(split: str, device_kind: str = "") -> int:
-    """The CTAs of a split low-latency call (``split`` "dispatch" or "combine") where no
-    config sets them, on a GPU whose jax ``device_kind`` is given."""
-    for gpu, counts in LOW_LATENCY_SPLIT_BLOCKS_BY_GPU.items():
-        if gpu in device_kind.upper() and split in counts:
-            return counts[split]
-    return LOW_LATENCY_SPLIT_BLOCKS[split]
-
-
-def _device_kind() -> str:
-    try:
-        return jax.devices()[0].device_kind
-    except RuntimeError:
-        return ""
-
-
-def resolve_low_latency(config: Config | None, *, split: str | None = None,
-                        device_kind: str | None = None) -> Config:
+def resolve_low_latency(config: Config | None, *, split: str | None = None) -> Config:
     """A low-latency call's fields: its CTAs (given or ``JAX_EP_NUM_BLOCKS``; else, for a
-    split call (``split`` "dispatch" or "combine"), ``split_blocks`` on this process's GPU
-    (``device_kind``: another's), and None for the others: one per SM, the kernels' own) and
-    its timeout; it has no data path to choose."""
+    split call (``split`` "dispatch" or "combine"), ``LOW_LATENCY_SPLIT_DISPATCH_BLOCKS`` or
+    ``LOW_LATENCY_SPLIT_COMBINE_BLOCKS``, and None for the others: one per SM, the kernels'
+    own) and its timeout; it has no data path to choose."""
     if split not in (None, "dispatch", "combine"):
         raise ValueError(f"split: 'dispatch', 'combine' or None, got {split!r}")
     given = _field(config, "num_blocks")
@@ -410,7 +387,8 @@ def resolve_low_latency(config: Config | None, *, split: str | None = None,
     if given is None and value not in ("", "0"):
         given = Config(num_blocks=int(value)).num_blocks
     if given is None and split is not None:
-        given = split_blocks(split, _device_kind() if device_kind is None else device_kind)
+        given = (LOW_LATENCY_SPLIT_DISPATCH_BLOCKS if split == "dispatch"
+                 else LOW_LATENCY_SPLIT_COMBINE_BLOCKS)
     return Config(num_blocks=given, copy_chunk_mb=DEFAULT_COPY_CHUNK_MB,
                   timeout_s=timeout_s(config))
 

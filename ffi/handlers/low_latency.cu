@@ -127,11 +127,11 @@ bool group_off_node(const char* op, const EpGroup& group) {
 // written by that kernel, and the receive returns them (aliased): XLA reads none of them before
 // the receive. The send's operands are operands of the receive as well, so XLA keeps them alive
 // and unchanged until then. The kernel is enqueued before the work after the send and takes
-// few SMs by default (config.split_blocks, by GPU), leaving that work the others. (A wait of
-// the program's stream until the kernel's first block ran, so that the work after it could
-// not take every SM first, cost 3 to 6 µs a call and won on no measured row.) Under stream
-// capture the kernel runs on the program's stream instead. A fused call waits for the split
-// kernels in flight (SplitCalls::order).
+// few SMs by default (config.LOW_LATENCY_SPLIT_DISPATCH_BLOCKS, ..._COMBINE_BLOCKS), leaving
+// that work the others. (A wait of the program's stream until the kernel's first block ran, so
+// that the work after it could not take every SM first, cost 3 to 6 µs a call and won on no
+// measured row.) Under stream capture the kernel runs on the program's stream instead. A fused
+// call waits for the split kernels in flight (SplitCalls::order).
 constexpr int kSplitDispatch = 0, kSplitCombine = 1;
 
 class SplitCalls {
