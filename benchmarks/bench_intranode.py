@@ -73,6 +73,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
+    build_line,
     call_profile,
     copy_host_breakdown,
     gpu_events,
@@ -350,6 +351,7 @@ def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
               f"tokens/rank {mean_recv:.0f} ({bytes_bf16 / 1e6:.1f} MB BF16); "
               f"{args.iters} chained calls per timing; peers reach XLA's arrays directly: "
               f"{'yes' if jax_ep.runtime.xla_windows_open() else 'no (staged copies)'}")
+        print(build_line())
         steady = f"{args.rounds}×{args.iters}"
         print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} | "
               f"{steady + ' µs':>11s} | {steady + ' GB/s':>12s} | {'GPU µs/call':>11s} | "

@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ep  # noqa: E402
 
 from timing import (  # noqa: E402
+    build_line,
     call_profile,
     ep_mesh,
     gpu_events,
@@ -284,6 +285,7 @@ def main():
     if jax.process_index() == 0:
         print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "
               f"top-{K} of {E}; per call, jitted loop of {args.calls}")
+        print(build_line())
         if args.node_size is not None:
             # records put to ranks of other nodes, per rank: one per (token, distinct rank);
             # the combine sends one partial row per (token, expert rank) back

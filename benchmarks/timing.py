@@ -124,6 +124,14 @@ def _native_module():
     return _native.load()[0]
 
 
+def build_line():
+    """The extension the run times, and whether it was built from this checkout's sources."""
+    from jax_ep import _native
+
+    module, why = _native.load()
+    return _native.provenance(module) if module is not None else f"jax_ep._C: {why[:100]}"
+
+
 def host_times_reset():
     """Forgets the handlers' recorded host times (CUDA backend; no-op without the extension)."""
     module = _native_module()

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "handlers/handlers.h"
+#include "jax_ep_source_hash.h"  // generated: ffi/source_hash.cmake
 #include "kernels/buffer_layout.h"
 #include "runtime/diagnostics.h"
 #include "runtime/host_times.h"
@@ -145,6 +146,8 @@ NB_MODULE(_C, m) {
   m.def("handler_calls", &handler_calls,
         "{target name: executions of its FFI handler in this process} (diagnostic)");
   m.def("cuda_architectures", [] { return std::string(JAX_EP_CUDA_ARCHS); });
+  m.def("source_hash", [] { return std::string(JAX_EP_SOURCE_HASH); },
+        "SHA-256 of the sources it was built from (ffi/source_hash.cmake)");
   m.def("create_unique_id", [] {
     std::string id = jax_ep::create_unique_id();
     return nb::bytes(id.data(), id.size());

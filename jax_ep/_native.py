@@ -11,9 +11,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import importlib
 import os
 import threading
+import warnings
 
 import jax
 
@@ -39,11 +41,51 @@ def _preload_nvshmem_host() -> None:
                 continue
 
 
+# The files the extension is built from, as ffi/source_hash.cmake hashes them.
+_HASHED_SUFFIXES = (".cu", ".cuh", ".h", ".cc", ".map", ".cmake")
+
+
+def source_hash_of_checkout(root: str | None = None) -> str | None:
+    """The extension's source hash of the checkout at ``root`` (default: the one this package
+    is imported from), computed as the build computes it (ffi/source_hash.cmake); None where
+    there are no sources (an installed wheel)."""
+    if root is None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ffi = os.path.join(root, "ffi")
+    if not (os.path.isdir(ffi) and os.path.isfile(os.path.join(root, "CMakeLists.txt"))):
+        return None
+    files = ["CMakeLists.txt"]
+    for folder, _, names in os.walk(ffi):
+        files += [os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/")
+                  for n in names if n.endswith(_HASHED_SUFFIXES)]
+    lines = []
+    for f in sorted(files):
+        with open(os.path.join(root, f), "rb") as fh:
+            lines.append(f"{f}:{hashlib.sha256(fh.read()).hexdigest()}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def provenance(module) -> str:
+    """Where the loaded extension comes from and whether it was built from this checkout."""
+    built = getattr(module, "source_hash", lambda: None)()
+    here = source_hash_of_checkout()
+    if built is None:
+        state = "built before extensions reported their sources"
+    elif here is None:
+        state = f"sources {built[:12]}"
+    elif built == here:
+        state = f"sources {built[:12]}, this checkout's"
+    else:
+        state = (f"sources {built[:12]}, NOT this checkout's ({here[:12]}): a stale or foreign "
+                 "build")
+    return f"jax_ep._C at {module.__file__} ({state})"
+
+
 @functools.cache
 def _load():
     _preload_nvshmem_host()
     try:
-        return importlib.import_module("jax_ep._C"), ""
+        module = importlib.import_module("jax_ep._C")
     except ImportError as e:
         why = (f"the CUDA extension jax_ep._C is not available ({e}); it is built at install "
                "time when nvcc, jaxlib and nvidia-nvshmem-cu12/13 are present")
@@ -51,6 +93,12 @@ def _load():
             why += ("; an undefined symbol means it was built against another NVSHMEM than the "
                     "one installed: rebuild it against this one (README, GPU path)")
         return None, why
+    here, built = source_hash_of_checkout(), getattr(module, "source_hash", lambda: None)()
+    if here is not None and built != here:
+        # A run of another build than the sources beside it measures and tests that build.
+        warnings.warn(f"{provenance(module)}; rebuild it from this checkout (README) unless "
+                      "that build is the one meant", stacklevel=2)
+    return module, ""
 
 
 def load():

@@ -23,3 +23,11 @@ elif os.environ.get("JAX_EP_SHARED_GPUS") == "1":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count="
                                f"{os.environ['JAX_EP_WORLD_SIZE']}")
+
+
+def pytest_report_header(config):
+    """Which CUDA extension the tests run, and whether it was built from this checkout."""
+    from jax_ep import _native
+
+    module, why = _native.load()
+    return _native.provenance(module) if module is not None else f"jax_ep._C: {why[:120]}"

@@ -7,8 +7,10 @@ Without the extension (no nvcc at install time) or without a GPU, the tests say 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -108,6 +110,55 @@ def test_extension_built_against_another_nvshmem_is_named(monkeypatch):
     loaded, reason = _native._load.__wrapped__()  # uncached: the real load is kept
     assert loaded is None
     assert "jax_ep._C" in reason and "built against another NVSHMEM" in reason
+
+
+def _checkout_root():
+    return os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__)))
+
+
+def test_the_checkout_is_hashed_as_the_build_hashes_it(tmp_path):
+    """jax_ep/_native.py and ffi/source_hash.cmake (the build's) give one hash."""
+    cmake = shutil.which("cmake")
+    root = _checkout_root()
+    if cmake is None or _native.source_hash_of_checkout(root) is None:
+        pytest.skip("needs cmake and a source checkout")
+    out = tmp_path / "hash.h"
+    subprocess.run([cmake, f"-DROOT={root}", f"-DOUT={out}", "-P",
+                    os.path.join(root, "ffi", "source_hash.cmake")], check=True)
+    assert f'"{_native.source_hash_of_checkout(root)}"' in out.read_text()
+
+
+def test_the_hash_follows_the_extensions_sources_only(tmp_path):
+    (tmp_path / "ffi" / "kernels").mkdir(parents=True)
+    (tmp_path / "CMakeLists.txt").write_text("project(x)\n")
+    kernel = tmp_path / "ffi" / "kernels" / "k.cu"
+    kernel.write_text("__global__ void k() {}\n")
+    first = _native.source_hash_of_checkout(str(tmp_path))
+    (tmp_path / "ffi" / "notes.py").write_text("# not a source of the extension\n")
+    assert _native.source_hash_of_checkout(str(tmp_path)) == first
+    kernel.write_text("__global__ void k() { }\n")
+    assert _native.source_hash_of_checkout(str(tmp_path)) != first
+    assert _native.source_hash_of_checkout(str(tmp_path / "ffi")) is None  # not a checkout
+
+
+def test_a_stale_extension_is_named_when_loaded(monkeypatch):
+    if _native.source_hash_of_checkout() is None:
+        pytest.skip("an installed package: no sources beside it")
+    stale = types.SimpleNamespace(__file__="/somewhere/_C.so", source_hash=lambda: "0" * 64)
+    monkeypatch.setattr(_native.importlib, "import_module", lambda name: stale)
+    with pytest.warns(UserWarning, match="NOT this checkout's .*stale or foreign build"):
+        loaded, reason = _native._load.__wrapped__()  # uncached: the real load is kept
+    assert loaded is stale and reason == ""
+    assert "/somewhere/_C.so" in _native.provenance(stale)
+
+
+@needs_module
+def test_the_extension_was_built_from_this_checkout():
+    """A stale build (an extension left beside newer sources) would test and time old code."""
+    here = _native.source_hash_of_checkout()
+    if here is None:
+        pytest.skip("an installed package: no sources beside it")
+    assert module.source_hash() == here, _native.provenance(module)
 
 
 def numpy_layout(topk_idx, num_experts, num_ranks):
