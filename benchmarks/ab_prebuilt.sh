@@ -33,6 +33,6 @@ for run in "$@"; do
   log=$OUT/ab/${i}_$name.log
   (export ${settings//,/ } AB_UNSET=; eval "timeout ${AB_TIMEOUT:-240} $PY -m jax_ep.launch -n $N \
     ${AB_BENCH:?AB_BENCH names the benchmark and its arguments}") >"$log" 2>&1
-  grep -E "^\[rank 0\] (\| [a-zA-Z]|.*FAILED)" "$log" | grep -v "| operation" | sed 's/^\[rank 0\] //' |
+  grep -E "^\[rank 0\] (\| [a-zA-Z]|.*FAILED|jax_ep._C)" "$log" | grep -v "| operation" | sed 's/^\[rank 0\] //' |
     cut -c1-140
 done
