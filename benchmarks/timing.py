@@ -128,8 +128,7 @@ def build_line():
     """The extension the run times, and whether it was built from this checkout's sources."""
     from jax_ep import _native
 
-    module, why = _native.load()
-    return _native.provenance(module) if module is not None else f"jax_ep._C: {why[:100]}"
+    return _native.build_line()
 
 
 def host_times_reset():

@@ -65,9 +65,13 @@ def source_hash_of_checkout(root: str | None = None) -> str | None:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
+def _built_hash(module) -> str | None:
+    return getattr(module, "source_hash", lambda: None)()  # None: built before it was recorded
+
+
 def provenance(module) -> str:
     """Where the loaded extension comes from and whether it was built from this checkout."""
-    built = getattr(module, "source_hash", lambda: None)()
+    built = _built_hash(module)
     here = source_hash_of_checkout()
     if built is None:
         state = "built before extensions reported their sources"
@@ -93,8 +97,8 @@ def _load():
             why += ("; an undefined symbol means it was built against another NVSHMEM than the "
                     "one installed: rebuild it against this one (README, GPU path)")
         return None, why
-    here, built = source_hash_of_checkout(), getattr(module, "source_hash", lambda: None)()
-    if here is not None and built != here:
+    here = source_hash_of_checkout()
+    if here is not None and _built_hash(module) != here:
         # A run of another build than the sources beside it measures and tests that build.
         warnings.warn(f"{provenance(module)}; rebuild it from this checkout (README) unless "
                       "that build is the one meant", stacklevel=2)
@@ -104,6 +108,12 @@ def _load():
 def load():
     """``(module, "")``, or ``(None, reason)`` when the extension cannot be imported."""
     return _load()
+
+
+def build_line() -> str:
+    """One line for logs: the extension this process runs (provenance), or why there is none."""
+    module, why = load()
+    return provenance(module) if module is not None else f"jax_ep._C: {why[:120]}"
 
 
 def gpu_present() -> bool:

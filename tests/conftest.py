@@ -29,5 +29,4 @@ def pytest_report_header(config):
     """Which CUDA extension the tests run, and whether it was built from this checkout."""
     from jax_ep import _native
 
-    module, why = _native.load()
-    return _native.provenance(module) if module is not None else f"jax_ep._C: {why[:120]}"
+    return _native.build_line()
