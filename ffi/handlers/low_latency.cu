@@ -130,9 +130,9 @@ bool group_off_node(const char* op, const EpGroup& group) {
 // few SMs by default (config.LOW_LATENCY_SPLIT_DISPATCH_BLOCKS, ..._COMBINE_BLOCKS), leaving
 // that work the others. (A wait of the program's stream until the kernel's first block ran, so
 // that the work after it could not take every SM first, cost 3 to 6 µs a call and won on no
-// measured row.) Under stream capture the kernel runs on the program's stream instead. A fused
-// call waits for the split kernels in flight (SplitCalls::order).
-constexpr int kSplitDispatch = 0, kSplitCombine = 1;
+// measured row.) Under stream capture the kernel runs on the program's stream instead. Any
+// later kernel of ours on the program's stream waits for the split kernels in flight
+// (KernelStreams, launch.h).
 
 class SplitCalls {
  public:
@@ -142,10 +142,9 @@ class SplitCalls {
   }
 
   // Launches a split send's fused kernel: launch(stream) with its arguments; `out` (its first
-  // result row) names it for its receive; kind: kSplitDispatch or kSplitCombine.
+  // result row) names it for its receive.
   template <typename Launch>
-  ffi::Error launch(cudaStream_t program, int kind, const void* out, const char* op,
-                    Launch launch) {
+  ffi::Error launch(cudaStream_t program, const void* out, const char* op, Launch launch) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (auto err = cuda_error(cudaStreamIsCapturing(program, &capture), op); err.failure())
       return err;
@@ -157,7 +156,7 @@ class SplitCalls {
       return err;
     if (capture != cudaStreamCaptureStatusNone) {
       if (auto err = cuda_error(launch(program), op); err.failure()) return err;
-      pending_.push_back(Pending{out, kind, nullptr});
+      pending_.push_back(Pending{out, nullptr});
       return ffi::Error::Success();
     }
     if (auto err = cuda_error(ready(), op); err.failure()) return err;
@@ -169,12 +168,11 @@ class SplitCalls {
     if (status == cudaSuccess) status = KernelStreams::get().order(stream_, program);
     if (status == cudaSuccess) status = launch(stream_);
     if (status == cudaSuccess) status = cudaEventRecord(done, stream_);
-    if (status == cudaSuccess) status = cudaEventRecord(latest_[kind], stream_);
     if (status != cudaSuccess) {
       events_.push_back(done);
       return cuda_error(status, op);
     }
-    pending_.push_back(Pending{out, kind, done});
+    pending_.push_back(Pending{out, done});
     return ffi::Error::Success();
   }
 
@@ -196,32 +194,9 @@ class SplitCalls {
                    "copied, or one received already, cannot be received)");
   }
 
-  // Any other call on the program's stream: after the split calls in flight, of either op.
-  // Those of its own op take call numbers from the same counter. Those of the other op would
-  // otherwise run beside it, each grid waiting for a peer's: a peer whose fused grid took
-  // every SM first starves its own split kernel of SMs, while here the split kernel holds the
-  // SMs the fused grid waits for, and neither ends (both grids launched cooperatively do not
-  // prevent it; found on two GPUs). Kernels of ours on other streams are ordered too
-  // (KernelStreams). `placement`: kBesideOwn in a captured program, which cannot order its
-  // kernels after work outside its graph, else kAlone.
-  ffi::Error order(cudaStream_t program, LLPlacement& placement) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    cudaError_t status = cudaStreamIsCapturing(program, &capture);
-    const bool captured = status != cudaSuccess || capture != cudaStreamCaptureStatusNone;
-    placement = captured ? LLPlacement::kBesideOwn : LLPlacement::kAlone;
-    if (!captured) {
-      status = order_after_split(program);
-      // (KernelStreams would otherwise make the program's stream wait for stream_ again)
-      if (status == cudaSuccess) KernelStreams::get().joined(program, stream_);
-    }
-    return cuda_error(status, "low-latency call");
-  }
-
  private:
   struct Pending {
     const void* out;
-    int kind;
     cudaEvent_t done;  // nullptr: the kernel ran on the program's stream
   };
 
@@ -247,26 +222,12 @@ class SplitCalls {
     return false;
   }
 
-  // (a captured program cannot wait for work outside its graph: it runs its split kernels on
-  // its own stream, and one in flight from outside it is not ordered)
-  cudaError_t order_after_split(cudaStream_t program) {
-    bool in_flight[2] = {false, false};
-    for (const Pending& p : pending_) in_flight[p.kind] = in_flight[p.kind] || p.done != nullptr;
-    cudaError_t status = cudaSuccess;
-    for (int kind : {kSplitDispatch, kSplitCombine})
-      if (in_flight[kind] && status == cudaSuccess)
-        status = cudaStreamWaitEvent(program, latest_[kind], 0);
-    return status;
-  }
-
   cudaError_t ready() {
     if (stream_ != nullptr) return cudaSuccess;
     int least = 0, greatest = 0;
     cudaError_t status = cudaDeviceGetStreamPriorityRange(&least, &greatest);
     if (status == cudaSuccess)
       status = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest);
-    for (cudaEvent_t& e : latest_)
-      if (status == cudaSuccess) status = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     if (status != cudaSuccess) stream_ = nullptr;
     return status;
   }
@@ -284,10 +245,26 @@ class SplitCalls {
 
   std::mutex mutex_;
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t latest_[2] = {nullptr, nullptr};  // after the last kernel of each kind on stream_
   std::vector<cudaEvent_t> events_;  // free for reuse
   std::vector<Pending> pending_;
 };
+
+// How a fused call's kernel is launched on the program's stream. Its launch waits for every
+// kernel of ours on other streams so far (KernelStreams), the split kernels in flight among
+// them: those of its own op take call numbers from the same counter, and one of the other op
+// would otherwise run beside it, each grid waiting for a peer's (a peer whose fused grid took
+// every SM first starves its own split kernel of SMs, while here the split kernel holds the
+// SMs the fused grid waits for, and neither ends; both grids launched cooperatively did not
+// prevent it on two GPUs). So nothing of ours runs beside it (kAlone), except in a captured
+// program, which cannot wait for work outside its graph (kBesideOwn: cooperative).
+ffi::Error fused_placement(cudaStream_t program, LLPlacement& placement) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t status = cudaStreamIsCapturing(program, &capture);
+  placement = status == cudaSuccess && capture == cudaStreamCaptureStatusNone
+                  ? LLPlacement::kAlone
+                  : LLPlacement::kBesideOwn;
+  return cuda_error(status, "low-latency call");
+}
 
 ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                               ffi::Buffer<ffi::S32> slots_in, ffi::Buffer<ffi::S32> rank,
@@ -484,14 +461,12 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     if (receive.src_rank == nullptr)
       return invalid("low_latency_dispatch (send): a split dispatch returns the handle's arrays");
     return SplitCalls::get().launch(
-        stream, kSplitDispatch, receive.out_x, "low_latency_dispatch (send)",
-        [&](cudaStream_t on) {
+        stream, receive.out_x, "low_latency_dispatch (send)", [&](cudaStream_t on) {
           return launch_ll_dispatch(send, receive, on, LLPlacement::kBesideWork);
         });
   }
   LLPlacement placement = LLPlacement::kAlone;
-  if (auto err = SplitCalls::get().order(stream, placement); err.failure())
-    return err;
+  if (auto err = fused_placement(stream, placement); err.failure()) return err;
   return cuda_error(launch_ll_dispatch(send, receive, stream, placement), "low_latency_dispatch");
 }
 
@@ -620,15 +595,13 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
     return invalid("low_latency_combine: the result does not match y");
   receive.ctx.profile = send.ctx.profile;  // one call, one profile row
   if (kSplit)
-    return SplitCalls::get().launch(stream, kSplitCombine, receive.out,
-                                    "low_latency_combine (send)",
+    return SplitCalls::get().launch(stream, receive.out, "low_latency_combine (send)",
                                     [&](cudaStream_t on) {
                                       return launch_ll_combine(send, receive, on,
                                                                LLPlacement::kBesideWork);
                                     });
   LLPlacement placement = LLPlacement::kAlone;
-  if (auto err = SplitCalls::get().order(stream, placement); err.failure())
-    return err;
+  if (auto err = fused_placement(stream, placement); err.failure()) return err;
   return cuda_error(launch_ll_combine(send, receive, stream, placement), "low_latency_combine");
 }
 
