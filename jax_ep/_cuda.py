@@ -517,8 +517,8 @@ def _ll_attrs(config: LowLatencyConfig, *, split=None):
     return dict(num_experts=np.int64(config.num_experts),
                 max_tokens=np.int64(config.max_tokens_per_rank),
                 group=_group(config.axis_name, config.num_ranks),
-                tuning=_config.tuning_attributes(_config.resolve_low_latency(config.tuning,
-                                                                             split=split)))
+                tuning=_config.tuning_attributes(_config.resolve_low_latency(
+                    config.tuning, split=split, device_kind=jax.local_devices()[0].device_kind)))
 
 
 def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):

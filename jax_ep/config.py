@@ -45,14 +45,20 @@ DEFAULT_TIMEOUT_S = 100.0
 # CTAs of the SM data paths where nothing else is measured better.
 DEFAULT_BLOCKS = 64
 # CTAs of a split low-latency call (its kernel runs beside the work between send and receive,
-# which takes the other SMs), 2×H100, decode shapes, beside a 99 µs matmul, steady (2026-11-28,
-# c1652e3, benchmarks/RESULTS.md): send -> matmul -> receive 115.5-116.0 µs with 8, 119.3-120.9
-# with 16, 120.5-121.4 with 12, 120.7-121.7 with 32 (in one lease of four, and the day before,
-# 8 and 16 tied); combine send -> matmul -> receive 138.5 with 8, 122.3-123.2 with 16,
-# 122.2-122.6 with 32. The matmul's GEMM holds 120 SMs; fewer CTAs leave it more, but the
-# kernel, sharing HBM with it, may then outlast it (the combine's at 8).
-LOW_LATENCY_SPLIT_DISPATCH_BLOCKS = 8
-LOW_LATENCY_SPLIT_COMBINE_BLOCKS = 16
+# which takes the other SMs), decode shapes, beside the benchmark's matmul (XLA's one-wave GEMM
+# on 120 SMs), steady (benchmarks/RESULTS.md). Fewer CTAs leave the GEMM more SMs, but the
+# kernel, sharing HBM with it, may then outlast it; where that turns depends on the device:
+# - 2×H100 (2026-11-28, c1652e3; 99 µs matmul): send -> matmul -> receive 115.5-116.0 µs with
+#   8, 119.3-120.9 with 16, 120.5-121.4 with 12, 120.7-121.7 with 32 (in one lease of four,
+#   and the day before, 8 and 16 tied); combine send -> matmul -> receive 138.5 with 8,
+#   122.3-123.2 with 16, 122.2-122.6 with 32.
+# - 2×H200 (2026-11-28, 6a28c1a / cadafe7, two runs each; 92.6-93.1 µs matmul): send 117.0-
+#   117.3 with 8, 116.0-116.3 with 12, 108.8-110.7 with 16, 111.3-111.7 with 32; combine
+#   117.2-117.8 with 16, 110.9-112.2 with 32.
+# So the combine takes 32 everywhere, the dispatch 16 on an H200 and 8 elsewhere.
+LOW_LATENCY_SPLIT_DISPATCH_BLOCKS = {"H200": 16}  # device kind contains -> CTAs
+LOW_LATENCY_SPLIT_DISPATCH_BLOCKS_ELSEWHERE = 8
+LOW_LATENCY_SPLIT_COMBINE_BLOCKS = 32
 # Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
 # combine reads y in place and is rank_major's default: 209 µs against the push's 240 on
 # 2×H100 at DeepSeek-V3 shapes with 64 CTAs. Where they do not, the pull stages y first and
@@ -375,9 +381,19 @@ def resolve(config: Config | None, *, num_ranks, num_topk, num_experts, layout,
                   copy_chunk_mb=copy_chunk_mb(config), timeout_s=timeout_s(config))
 
 
-def resolve_low_latency(config: Config | None, *, split: str | None = None) -> Config:
+def split_dispatch_blocks(device_kind: str) -> int:
+    """CTAs of a split low-latency dispatch on a device of this kind (``Device.device_kind``):
+    ``LOW_LATENCY_SPLIT_DISPATCH_BLOCKS``' entry whose name the kind contains, else
+    ``LOW_LATENCY_SPLIT_DISPATCH_BLOCKS_ELSEWHERE``."""
+    kind = device_kind.upper()
+    return next((blocks for name, blocks in LOW_LATENCY_SPLIT_DISPATCH_BLOCKS.items()
+                 if name in kind), LOW_LATENCY_SPLIT_DISPATCH_BLOCKS_ELSEWHERE)
+
+
+def resolve_low_latency(config: Config | None, *, split: str | None = None,
+                        device_kind: str = "") -> Config:
     """A low-latency call's fields: its CTAs (given or ``JAX_EP_NUM_BLOCKS``; else, for a
-    split call (``split`` "dispatch" or "combine"), ``LOW_LATENCY_SPLIT_DISPATCH_BLOCKS`` or
+    split call (``split`` "dispatch" or "combine"), ``split_dispatch_blocks(device_kind)`` or
     ``LOW_LATENCY_SPLIT_COMBINE_BLOCKS``, and None for the others: one per SM, the kernels'
     own) and its timeout; it has no data path to choose."""
     if split not in (None, "dispatch", "combine"):
@@ -387,7 +403,7 @@ def resolve_low_latency(config: Config | None, *, split: str | None = None) -> C
     if given is None and value not in ("", "0"):
         given = Config(num_blocks=int(value)).num_blocks
     if given is None and split is not None:
-        given = (LOW_LATENCY_SPLIT_DISPATCH_BLOCKS if split == "dispatch"
+        given = (split_dispatch_blocks(device_kind) if split == "dispatch"
                  else LOW_LATENCY_SPLIT_COMBINE_BLOCKS)
     return Config(num_blocks=given, copy_chunk_mb=DEFAULT_COPY_CHUNK_MB,
                   timeout_s=timeout_s(config))
