@@ -50,9 +50,10 @@ def looped(body, calls, chained=0, rounds=1):
     loop is unrolled in Python rather than a `fori_loop`: XLA:GPU reads a while loop's
     predicate back to the host every iteration, which would add tens of microseconds of loop
     overhead to every call. `rounds` > 1 runs that unrolled chain `rounds` times in a
-    `fori_loop` (calls * rounds calls in all): the program's launch (~1 ms on two processes)
-    and the predicate's read-back are then spread over that many calls, which measures the
-    steady state of a long run of calls. The program returns (the first row of operand
+    `fori_loop` (calls * rounds calls in all): the program's fixed cost (0.1–0.2 ms over two
+    processes for a low-latency chain, benchmarks/program_launch.py) and the predicate's
+    read-back are then spread over that many calls, which measures the steady state of a long
+    run of calls. The program returns (the first row of operand
     `chained`, that end value): a small output whatever the operands' sizes.
     """
 
