@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import types
 
 import numpy as np
@@ -70,14 +71,30 @@ def test_ffi_targets_are_capsules():
     assert module.buffer_bytes() == 0
 
 
+_BEFORE_INITIALIZE = """
+from jax_ep import _native
+module, why = _native.load()
+assert set(module.handler_calls()) == set(module.ffi_targets())
+assert all(v == 0 for v in module.handler_calls().values()), module.handler_calls()
+assert module.low_latency_calls() == []  # no low-latency buffer
+try:
+    module.profile_read()
+except RuntimeError as e:
+    assert "not initialised" in str(e), e
+else:
+    raise AssertionError("profile_read before initialize returned")
+"""
+
+
 @needs_module
 def test_diagnostics_before_initialize():
-    # one counter per FFI target, nothing run yet in this (CPU) process
-    assert set(module.handler_calls()) == set(module.ffi_targets())
-    assert all(v == 0 for v in module.handler_calls().values())
-    assert module.low_latency_calls() == []  # no low-latency buffer
-    with pytest.raises(RuntimeError, match="not initialised"):
-        module.profile_read()
+    # one counter per FFI target, all zero, in a process that has run no handler: a fresh one,
+    # since earlier tests of this session (the GPU suite's) may have run handlers here
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_EP_RANK", None)  # not one of the launcher's ranks
+    done = subprocess.run([sys.executable, "-c", _BEFORE_INITIALIZE], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_dispatch_paths_are_checked(monkeypatch):
