@@ -5,8 +5,9 @@
 The benchmarks' "µs per call" is the wall clock of one program of N chained calls over N, so
 it carries the program's fixed cost F (host dispatch, the first kernel's launch, the ranks'
 skew at the start, the wait for the end) once per N calls. This times chains of 1, 10 and 100
-calls of a local op (no communication), of a low-latency FP8 dispatch and of a padded
-``jax.lax.all_to_all``, fits wall = F + N·t, and records on every process the monotonic clock
+calls of a local op (no communication), of a low-latency FP8 dispatch, of a padded
+``jax.lax.all_to_all`` and (``--normal``) of a normal-mode BF16 dispatch at DeepSeek-V3 shapes,
+fits wall = F + N·t, and records on every process the monotonic clock
 (system-wide on one host) when the call was made, when it returned (enqueued) and when the
 results were ready, to give the ranks' skew at each execution's start and end.
 """
@@ -24,6 +25,9 @@ p.add_argument("--hidden", type=int, default=7168)
 p.add_argument("--calls", default="1,10,100")
 p.add_argument("--aligned", action="store_true",
                help="also time each execution started after a host barrier of the processes")
+p.add_argument("--normal", action="store_true",
+               help="also a normal-mode BF16 dispatch chain at --normal-tokens per rank")
+p.add_argument("--normal-tokens", type=int, default=4096)
 args = p.parse_args()
 
 import jax  # noqa: E402
@@ -81,15 +85,28 @@ def main():
         return jax.lax.all_to_all(x[: R * (C // R)].reshape(R, C // R, H), AXIS, 0, 0,
                                   tiled=True)
 
+    chains = [("local op", local, (x, idx_d)), ("LL dispatch FP8", dispatch, (x, idx_d)),
+              ("all_to_all", padded, (x, idx_d))]
+    if args.normal:
+        Tn = args.normal_tokens
+        idx_n, x_n, w_n, idx_nd = random_routing(rng, R, Tn, H, E, K, shard)
+        in_rank = ((idx_n.reshape(R, Tn, K) // (E // R))[..., None] == np.arange(R)).any(2)
+        capacity = int(in_rank.sum(1).sum(0).max())  # tight: nothing dropped
+
+        def normal(x, idx, w):
+            return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                   capacity=capacity).num_received
+
+        chains.append(("normal dispatch BF16", normal, (x_n, idx_nd, w_n)))
     lines = []
-    for name, body in [("local op", local), ("LL dispatch FP8", dispatch),
-                       ("all_to_all", padded)]:
+    for name, body, operands in chains:
         fits = []
         for mode in [False, True] if args.aligned else [False]:
             walls = {}
             for n in [int(c) for c in args.calls.split(",")]:
-                f = jax.jit(smap(looped(body, n, chained=0), in_specs=(P(AXIS), P(AXIS))))
-                c = clocks(f, (x, idx_d), args.repeats, mode)
+                f = jax.jit(smap(looped(body, n, chained=0),
+                                 in_specs=(P(AXIS),) * len(operands)))
+                c = clocks(f, operands, args.repeats, mode)
                 every = multihost_utils.process_allgather(c)  # [P, repeats, 3]
                 wall = np.median(c[:, 2] - c[:, 0]) / 1e3
                 start_skew = np.median(every[:, :, 0].max(0) - every[:, :, 0].min(0)) / 1e3
