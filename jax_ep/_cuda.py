@@ -509,6 +509,14 @@ def _nodes_cached_dispatch(x, handle: DispatchHandle):
 # custom call, so XLA cannot put other calls between them.
 
 
+def _gpu_kind() -> str:
+    """This process's GPU model as JAX names it ("NVIDIA H200"), "" where JAX has no GPU."""
+    try:
+        return jax.local_devices(backend="gpu")[0].device_kind
+    except RuntimeError:
+        return ""
+
+
 def _ll_attrs(config: LowLatencyConfig, *, split=None):
     limit = _limits()["low_latency_max_topk"]
     if config.num_topk > limit:
@@ -518,7 +526,7 @@ def _ll_attrs(config: LowLatencyConfig, *, split=None):
                 max_tokens=np.int64(config.max_tokens_per_rank),
                 group=_group(config.axis_name, config.num_ranks),
                 tuning=_config.tuning_attributes(_config.resolve_low_latency(
-                    config.tuning, split=split, device_kind=jax.local_devices()[0].device_kind)))
+                    config.tuning, split=split, device_kind=_gpu_kind())))
 
 
 def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
