@@ -79,10 +79,8 @@ def main():
     def dispatch(x, idx):
         return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **ll).recv_count
 
-    C = T
-
-    def padded(x, idx):
-        return jax.lax.all_to_all(x[: R * (C // R)].reshape(R, C // R, H), AXIS, 0, 0,
+    def padded(x, idx):  # every rank's T rows in R equal blocks, one to each rank
+        return jax.lax.all_to_all(x[: R * (T // R)].reshape(R, T // R, H), AXIS, 0, 0,
                                   tiled=True)
 
     chains = [("local op", local, (x, idx_d)), ("LL dispatch FP8", dispatch, (x, idx_d)),
@@ -91,7 +89,7 @@ def main():
         Tn = args.normal_tokens
         idx_n, x_n, w_n, idx_nd = random_routing(rng, R, Tn, H, E, K, shard)
         in_rank = ((idx_n.reshape(R, Tn, K) // (E // R))[..., None] == np.arange(R)).any(2)
-        capacity = int(in_rank.sum(1).sum(0).max())  # tight: nothing dropped
+        capacity = int(in_rank.sum((0, 1)).max())  # rows each rank receives: nothing dropped
 
         def normal(x, idx, w):
             return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
