@@ -190,7 +190,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             s, pending = jax.lax.optimization_barrier((s, pending))
             return jax_ep.low_latency_combine_receive(pending, handle), s
 
-        for blocks in ((None, 32, 16) if jax.default_backend() == "gpu" else ()):
+        for blocks in ((None, 40, 32, 24, 16) if jax.default_backend() == "gpu" else ()):
             record("combine send -> matmul -> receive" + (f", {blocks} CTAs" if blocks else ""),
                    partial(combine_overlapped, blocks=blocks), x, arrays[0], w, weight,
                    *arrays[1:], chained=0)
@@ -201,7 +201,8 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
     if jax.default_backend() == "gpu":  # the split dispatch's kernel beside the matmul
-        for blocks in (32, 16, 12, 8):  # the default: config.split_dispatch_blocks, by device
+        # the default: config.split_dispatch_blocks, by device
+        for blocks in (32, 24, 20, 16, 12, 8):
             record(f"send FP8 -> matmul -> receive, {blocks} CTAs",
                    partial(dispatch_overlapped, blocks=blocks), x, idx_d, weight, chained=0)
     if jax.default_backend() == "gpu":

@@ -67,7 +67,8 @@ def _resolve_backend(name: str) -> str:
 
 
 def _backend_module(name: str):
-    return _cuda_module() if name == "cuda" else _reference
+    # a config built outside the public calls may still name "auto"
+    return _cuda_module() if _resolve_backend(name) == "cuda" else _reference
 
 
 # ----------------------------------------------------------------------------- validation

@@ -235,3 +235,14 @@ def test_low_latency_calls_take_no_stream():
 
     with pytest.raises(ValueError, match="Config.stream applies to dispatch and combine"):
         run(fn, R, np.ones((R, T, H), np.float32), np.zeros((R, T, K), np.int32))
+
+
+def test_a_config_naming_auto_takes_the_backend_auto_resolves_to():
+    # handles and configs built outside the public calls (benchmarks, saved handles) may keep
+    # "auto": it must mean what it means in the public calls, never silently the reference
+    from jax_ep import api
+
+    resolved = api._resolve_backend("auto")
+    assert api._backend_module("auto") is api._backend_module(resolved)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        api._backend_module("tpu")
