@@ -54,7 +54,9 @@ DEFAULT_BLOCKS = 64
 #   122.3-123.2 with 16, 122.2-122.6 with 32.
 # - 2×H200 (2026-11-28, 6a28c1a's and cadafe7's kernels, two runs each; 92.6-93.1 µs matmul):
 #   send 117.0-118.0 with 8, 115.9-116.3 with 12, 108.8-110.7 with 16, 111.3-111.7 with 32;
-#   combine 117.2-117.8 with 16, 110.9-112.2 with 32.
+#   combine 117.2-117.8 with 16, 110.9-112.2 with 32. A later run (4679ada's kernels, 92.4 µs
+#   matmul): send 117.3 with 8 and 12, 112.1 with 16, 111.9 with 20, 112.7 with 24, 113.9
+#   with 32; combine 115.1 with 16, 112.6 with 24, 113.9 with 32, 113.8 with 40.
 # So the combine takes 32 everywhere, the dispatch 16 on an H200 and 8 elsewhere.
 LOW_LATENCY_SPLIT_DISPATCH_BLOCKS = {"H200": 16}  # device kind contains -> CTAs
 LOW_LATENCY_SPLIT_DISPATCH_BLOCKS_ELSEWHERE = 8
