@@ -252,14 +252,9 @@ def profile_body(body, chained, axis_name, smap, a):
     return kernel_phases(one, *a)
 
 
-def gpu_events(f, *a, streams=False, host=None):
-    """Runs f once (after a warm-up) under the JAX profiler and returns the GPU activity of
-    this process's first GPU as sorted (start ns, duration ns, name): every kernel, copy and
-    memset, as CUPTI records it; `streams`: (start, duration, name, the trace's line, i.e.
-    the stream it ran on). `host`: a regular expression; then also the host's events whose
-    names match it (XLA's thunks, CUDA API calls), as (start, duration, name, "host " + the
-    thread's line), in a second list. Nsight Systems cannot write reports on the device
-    machines; this can."""
+def _profiled(f, *a):
+    """f run once (after a warm-up) under the JAX profiler: its ProfileData, None if the
+    profiler wrote nothing."""
     import glob
     import os
     import tempfile
@@ -270,11 +265,41 @@ def gpu_events(f, *a, streams=False, host=None):
         jax.block_until_ready(f(*a))
         jax.profiler.stop_trace()
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return []
-        data = jax.profiler.ProfileData.from_file(paths[0])
-    planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
-                    key=lambda p: p.name)
+        return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+
+
+def _gpu_planes(data):
+    return sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
+                  key=lambda p: p.name)
+
+
+def kernel_details(f, *a):
+    """{kernel_name: CUPTI's launch details} of every kernel f runs on this process's first
+    GPU: grid, block, registers a thread and shared memory a block, i.e. whether a kernel's
+    blocks leave room beside another's on an SM (XLA's persistent GEMMs hold every SM)."""
+    data = _profiled(f, *a)
+    planes = [] if data is None else _gpu_planes(data)
+    found = {}
+    for line in planes[0].lines if planes else ():
+        for e in line.events:
+            details = dict(e.stats).get("kernel_details")
+            if details:
+                found.setdefault(kernel_name(e.name), details)
+    return found
+
+
+def gpu_events(f, *a, streams=False, host=None):
+    """Runs f once (after a warm-up) under the JAX profiler and returns the GPU activity of
+    this process's first GPU as sorted (start ns, duration ns, name): every kernel, copy and
+    memset, as CUPTI records it; `streams`: (start, duration, name, the trace's line, i.e.
+    the stream it ran on). `host`: a regular expression; then also the host's events whose
+    names match it (XLA's thunks, CUDA API calls), as (start, duration, name, "host " + the
+    thread's line), in a second list. Nsight Systems cannot write reports on the device
+    machines; this can."""
+    data = _profiled(f, *a)
+    if data is None:
+        return []
+    planes = _gpu_planes(data)
     gpu = [] if not planes else sorted(
         (e.start_ns, e.duration_ns, e.name) + ((line.name,) if streams else ())
         for line in planes[0].lines for e in line.events)

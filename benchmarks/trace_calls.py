@@ -34,6 +34,7 @@ from timing import (
     enqueue_seconds_per_call,
     gpu_events,
     is_ours,
+    kernel_details,
     kernel_name,
     kernel_phases,
     looped,
@@ -63,6 +64,9 @@ def parse_args():
     p.add_argument("--phases", action="store_true",
                    help="print every rank's kernel phases (µs) in the stamped chain, call by "
                         "call: entered (from the first), past its wait for peers, done")
+    p.add_argument("--kernels", action="store_true",
+                   help="print each kernel's grid, block, registers and shared memory (CUPTI's "
+                        "launch details): whether its blocks leave room beside another's")
     p.add_argument("--show-schedule", type=int, default=40,
                    help="instructions of the _beside rows' compiled schedule printed")
     return p.parse_args()
@@ -297,6 +301,11 @@ def main():
                       f"of {args.ring_calls}: {spread(cycles)}")
             if name.endswith("_beside"):
                 print_schedule(f, operands, args.show_schedule)
+        if args.kernels:  # a trace of its own, on every rank (the profiler is per process)
+            details = kernel_details(f, *operands)
+            if jax.process_index() == 0:
+                for kernel, text in sorted(details.items()):
+                    print(f"  {kernel[:48]:48s} {text}")
 
 
 if __name__ == "__main__":

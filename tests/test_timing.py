@@ -170,3 +170,34 @@ def test_a_chain_keeps_every_call_and_adds_no_op_between_them():
     if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11):
         compiled = f.lower(jnp.arange(64, dtype=jnp.int32)).compile().as_text()
         assert compiled.count("reduce(") >= 5, compiled
+
+
+def test_kernel_details_reads_cuptis_launch_details(monkeypatch):
+    # made-up profile data: a GPU plane with a kernel carrying CUPTI's details, a memset
+    # without, and a host plane that must be ignored
+    class Event:
+        def __init__(self, name, stats):
+            self.name, self.stats = name, list(stats.items())
+
+    class Line:
+        def __init__(self, events):
+            self.events = events
+
+    class Plane:
+        def __init__(self, name, lines):
+            self.name, self.lines = name, lines
+
+    class Data:
+        planes = [
+            Plane("/host:CPU", [Line([Event("_ZN6jax_ep4hostEv", {"kernel_details": "x"})])]),
+            Plane("/device:GPU:0", [Line([
+                Event("sm90_gemm", {"kernel_details": "regs:168 grid:132,1,1 block:384,1,1"}),
+                Event("Memset 3", {}),
+                Event("sm90_gemm", {"kernel_details": "a later launch"}),
+            ])]),
+        ]
+
+    monkeypatch.setattr(timing, "_profiled", lambda f, *a: Data())
+    assert timing.kernel_details(None) == {"sm90_gemm": "regs:168 grid:132,1,1 block:384,1,1"}
+    monkeypatch.setattr(timing, "_profiled", lambda f, *a: None)
+    assert timing.kernel_details(None) == {}
