@@ -67,8 +67,9 @@ def _resolve_backend(name: str) -> str:
 
 
 def _backend_module(name: str):
-    # a config built outside the public calls may still name "auto"
-    return _cuda_module() if _resolve_backend(name) == "cuda" else _reference
+    if name not in ("cuda", "reference"):  # a config built outside the public calls: "auto"
+        name = _resolve_backend(name)
+    return _cuda_module() if name == "cuda" else _reference
 
 
 # ----------------------------------------------------------------------------- validation
