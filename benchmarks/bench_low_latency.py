@@ -77,6 +77,7 @@ from timing import (  # noqa: E402
     host_us_per_call,
     is_ours,
     jax_baselines,
+    kernel_details,
     looped,
     print_call_profiles,
     print_phases,
@@ -198,7 +199,8 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
         rows.append(("jax_ep low_latency_combine BF16 (alone)",) + (float("nan"),) * 3)
         if jax.process_index() == 0:
             print(f"combine alone FAILED: {type(e).__name__}: {str(e)[:400]}")
-    record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None)
+    record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None,
+           kernels=True)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
     if jax.default_backend() == "gpu":  # the split dispatch's kernel beside the matmul
         # the default: config.split_dispatch_blocks, by device
@@ -244,12 +246,14 @@ def main():
     rng = np.random.default_rng(0)
     idx, x, w, idx_d = random_routing(rng, R, T, H, E, K, shard)
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
-    rows, profiles, call_profiles = [], [], []
+    rows, profiles, call_profiles, details = [], [], [], []
     wanted = [piece.strip() for piece in args.rows.split(",") if piece.strip()]
 
-    def record(name, f, *a, chained=1, marker=is_ours):
+    def record(name, f, *a, chained=1, marker=is_ours, kernels=False):
         """Times f; with --profile on a GPU also its kernels' phases (jax_ep's) and the per-call
-        GPU time of the kernels `marker` picks (None: none). Rows --rows leaves out: skipped."""
+        GPU time of the kernels `marker` picks (None: none); `kernels`: on a GPU also every
+        kernel's launch details (how many SMs a GEMM leaves beside it). Rows --rows leaves
+        out: skipped."""
         if wanted and not any(piece in name for piece in wanted):
             return
         try:
@@ -269,6 +273,8 @@ def main():
                 gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
                 call_profiles.append((name, gpu))
             rows.append((name, t * 1e6, steady, gpu["cycle"] if gpu else float("nan"), host))
+            if kernels and jax.default_backend() == "gpu":
+                details.append((name, kernel_details(looped_f, *a)))
         except Exception as e:  # a failing row must not hide the others
             rows.append((name,) + (float("nan"),) * 4)
             if jax.process_index() == 0:
@@ -309,6 +315,9 @@ def main():
               "all calls (--rounds; the launch spread over them); GPU µs/call: the GPU's cycle "
               "per call in a profiler trace of the first program (--profile; details below); "
               "host µs/call: median host time of jax_ep's handlers per call (enqueueing it)")
+        for name, found in details:  # CUPTI's launch details of the row's kernels
+            for kernel, text in sorted(found.items()):
+                print(f"{name}: {kernel[:48]} {text}")
     if profiles:  # every rank: one rank's receive waits on the others' sends
         print_phases(profiles)
         if jax.process_index() == 0:
