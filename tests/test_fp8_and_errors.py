@@ -244,5 +244,8 @@ def test_a_config_naming_auto_takes_the_backend_auto_resolves_to():
 
     resolved = api._resolve_backend("auto")
     assert api._backend_module("auto") is api._backend_module(resolved)
+    # a backend's own name is taken as it is: "cuda" lowers where the extension cannot run
+    assert api._backend_module("cuda") is api._cuda_module()
+    assert api._backend_module("reference") is api._reference
     with pytest.raises(ValueError, match="backend must be one of"):
         api._backend_module("tpu")
