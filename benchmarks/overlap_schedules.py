@@ -6,9 +6,13 @@ stream only between that call's start and its done).
 
     python -m jax_ep.launch -n 2 benchmarks/overlap_schedules.py [--calls 50]
 
-The work is an independent [1024, H] @ [H, H] matmul, as bench_intranode's rows; the combine's
-operands come from one dispatch done before the timing. DeepSeek-V3 shapes (4096 tokens per
-rank, H 7168, top-8 of 256).
+The work (``--work``) is an independent [1024, H] @ [H, H] matmul, as bench_intranode's rows
+(``matmul``), or expert GEMMs of the MoE layer's shapes on 3840 rows: 12 experts' [320, H] @
+[H, 2048] blocks as ``experts.swiglu_mlp_padded``'s batched einsum (``batched``), or the same
+rows as one grouped GEMM through ``experts.grouped_matmul`` (``grouped``: its Pallas kernel on
+a Hopper GPU). ``--kernels`` prints each kernel's grid, registers and shared memory in the work
+alone (whether it holds every SM). The combine's operands come from one dispatch done before
+the timing. DeepSeek-V3 shapes (4096 tokens per rank, H 7168, top-8 of 256).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from trace_calls import print_schedule
 
 import jax_ep
 
-from timing import ep_mesh, looped, put, random_routing, seconds_per_call
+from timing import ep_mesh, kernel_details, looped, put, random_routing, seconds_per_call
 
 AXIS = "ep"
 ARRANGEMENTS = {  # name: (the jax_ep call's stream, the work's stream); 0: the program's
@@ -42,6 +46,9 @@ def main():
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--show-schedule", type=int, default=12)
+    p.add_argument("--work", default="matmul", choices=["matmul", "batched", "grouped"])
+    p.add_argument("--kernels", action="store_true",
+                   help="print the kernels of the work alone (CUPTI's launch details)")
     args = p.parse_args()
     if "JAX_EP_RANK" in os.environ:
         from jax_ep import launch
@@ -55,12 +62,27 @@ def main():
     _, shard, smap = ep_mesh(R, AXIS)
     rng = np.random.default_rng(0)
     idx_np, x, w, idx = random_routing(rng, R, T, H, E, K, shard)
-    weight = put((rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16), shard)
     capacity = int(((idx_np // (E // R))[..., None] == np.arange(R)).any(1).sum(0).max())
-    M = min(1024, T)
+    # xm passes the chain's barrier: no call is hoisted or merged.
+    if args.work == "matmul":
+        M, shape = min(1024, T), (R * H, H)
 
-    def work(xm, weight):  # xm passes the chain's barrier: no call is hoisted or merged
-        return jnp.sum(jnp.dot(xm, weight, preferred_element_type=jnp.float32))
+        def work(xm, weight):
+            return jnp.sum(jnp.dot(xm, weight, preferred_element_type=jnp.float32))
+    else:  # 12 experts x 320 rows: the layer's expert blocks at a capacity factor of 1.25
+        experts_here, block, ffn = 12, 320, 2048
+        M, shape = min(experts_here * block, T), (R * experts_here, H, ffn)
+        sizes = np.full(experts_here, M // experts_here, np.int32)
+        sizes[-1] += M - sizes.sum()
+
+        def work(xm, weight):
+            if args.work == "batched":
+                out = jnp.einsum("lch,lhf->lcf", xm[:experts_here * (M // experts_here)]
+                                 .reshape(experts_here, -1, H), weight)
+            else:
+                out = jax_ep.experts.grouped_matmul(xm, weight, jnp.asarray(sizes))
+            return jnp.sum(out.astype(jnp.float32))
+    weight = put((rng.standard_normal(shape) / np.sqrt(H)).astype(jnp.bfloat16), shard)
 
     xm = jax.jit(smap(lambda x: x[:M], in_specs=P(AXIS)))(x)
 
@@ -100,12 +122,18 @@ def main():
             print(f"\n{name}: {t * 1e6:.1f} µs per call", flush=True)
             if schedule and args.show_schedule > 0:
                 print_schedule(f, operands, args.show_schedule)
+        return f
 
-    run("matmul alone", work, (xm, weight), 0, schedule=False)
+    alone = run(f"{args.work} alone", work, (xm, weight), 0, schedule=False)
+    if args.kernels:
+        details = kernel_details(alone, xm, weight)
+        if jax.process_index() == 0:
+            for name, line in sorted(details.items()):
+                print(f"  {name:48s} {line}")
     for kind, make in (("combine", combine), ("dispatch", dispatch)):
         run(f"{kind} alone", *make(0, -1), schedule=False)
         for name, (call_stream, work_stream) in ARRANGEMENTS.items():
-            run(f"{kind} + matmul, {name}", *make(call_stream, work_stream))
+            run(f"{kind} + {args.work}, {name}", *make(call_stream, work_stream))
 
 
 if __name__ == "__main__":
