@@ -317,7 +317,8 @@ def main():
     # ------------------------------------------------------------------ baselines
     if not args.skip_baselines:
         jax_baselines(R, H, in_rank, counts, x, shard, record, AXIS)
-    report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}")
+    report(rows, R, T, H, K, E, mean_recv, bytes_bf16, f"backend={backend}",
+           held=jax_ep.runtime.xla_window_holds(x))
     if args.node_size is not None and jax.process_index() == 0:
         # a token crosses to each other node holding one of its experts once (the node
         # exchange), and one partial row per (token, node) comes back
@@ -344,13 +345,16 @@ def main():
         print_call_profiles(call_profiles)
 
 
-def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what):
+def report(rows, R, T, H, K, E, mean_recv, bytes_bf16, what, held=True):
     if jax.process_index() == 0:
+        windows = jax_ep.runtime.xla_windows_open()
+        reach = ("no (staged copies)" if not windows else
+                 "yes" if held else "yes, but x lies outside them (staged copies)")
         print(f"\n{R}×{jax.devices()[0].device_kind} {what}, {jax.process_count()} process(es), "
               f"T={T}/rank H={H} top-{K} of {E} ({args.routing} routing); mean received "
               f"tokens/rank {mean_recv:.0f} ({bytes_bf16 / 1e6:.1f} MB BF16); "
               f"{args.iters} chained calls per timing; peers reach XLA's arrays directly: "
-              f"{'yes' if jax_ep.runtime.xla_windows_open() else 'no (staged copies)'}")
+              f"{reach}")
         print(build_line())
         steady = f"{args.rounds}×{args.iters}"
         print(f"| {'operation':52s} | {'µs':>9s} | {'GB/s logical':>12s} | "

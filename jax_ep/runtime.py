@@ -36,6 +36,7 @@ import os
 import socket
 import sys
 import threading
+import warnings
 
 import numpy as np
 
@@ -52,6 +53,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
 _generation = 0  # initialize() calls so far: a fresh key-value namespace for each
 _atexit_registered = False
 _xla_windows_open = False
+_xla_window = (0, 0)  # this process's allocation of XLA's memory that its peers map: base, size
 
 
 def default_buffer_bytes() -> int:
@@ -322,6 +324,12 @@ def initialize(buffer_bytes: int | None = None, *, num_tokens: int | None = None
     global _xla_windows_open
     _xla_windows_open = _map_xla_windows(module, client, rank, world, generation, local[0],
                                          nodes, init_timeout_s)
+    if _xla_windows_open and os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        warnings.warn(
+            "XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every array an allocation of its own, so "
+            "the peers' windows into XLA's memory hold none of the calls' arrays and every "
+            "normal-mode call stages its transfers (slower; docs/design.md, section 5.4). XLA's "
+            "default allocator keeps its arrays in the mapped region.", stacklevel=2)
     module.set_diagnostics(float(fault_exit_s), bool(log_calls))
     _native.register(force=True)
     if not _atexit_registered:
@@ -335,6 +343,20 @@ def xla_windows_open() -> bool:
     return _xla_windows_open
 
 
+def xla_window_holds(array) -> bool:
+    """Whether every shard of ``array`` on this process lies in the allocation of XLA's memory
+    that this process's peers map, so that they reach it in place; a call's array outside it
+    takes the staged transfers. Under XLA's platform allocator no array does."""
+    base, size = _xla_window
+    if not _xla_windows_open or size == 0:
+        return False
+    for shard in array.addressable_shards:
+        start = shard.data.unsafe_buffer_pointer()
+        if not base <= start <= start + shard.data.nbytes <= base + size:
+            return False
+    return True
+
+
 def _map_xla_windows(module, client, rank, world, generation, device, nodes,
                      timeout_s) -> bool:
     """Maps every process's allocation of XLA's device memory into the other processes of its
@@ -345,9 +367,12 @@ def _map_xla_windows(module, client, rank, world, generation, device, nodes,
 
     probe = jax.device_put(jnp.zeros((1,), jnp.int32), device).block_until_ready()
     fd, base, size = module.export_xla_window(int(probe.unsafe_buffer_pointer()))
+    global _xla_window
     try:
-        return _open_xla_windows(module, client, rank, world, generation, (fd, base, size),
-                                 nodes, timeout_s)
+        opened = _open_xla_windows(module, client, rank, world, generation, (fd, base, size),
+                                   nodes, timeout_s)
+        _xla_window = (int(base), int(size)) if opened else (0, 0)
+        return opened
     finally:
         if fd >= 0:
             os.close(fd)
@@ -488,11 +513,11 @@ def finalize() -> None:
 
     Collective (every process calls it); idempotent. Runs at exit by itself.
     """
-    global _topology, _xla_windows_open
+    global _topology, _xla_windows_open, _xla_window
     module, _ = _native.load()
     if module is not None and module.is_initialized():
         module.finalize()
-    _topology, _xla_windows_open = None, False
+    _topology, _xla_windows_open, _xla_window = None, False, (0, 0)
 
 
 def _finalize_at_exit() -> None:

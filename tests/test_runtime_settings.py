@@ -318,3 +318,24 @@ def test_xla_windows_give_up_at_once_where_a_descriptor_cannot_be_sent(monkeypat
     for read_end, write_end in pipes:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_an_array_is_held_by_the_window_only_where_it_lies_inside_it(monkeypatch):
+    import jax.numpy as jnp
+
+    x = jnp.arange(1024, dtype=jnp.float32).block_until_ready()
+    start, nbytes = x.unsafe_buffer_pointer(), x.nbytes
+    monkeypatch.setattr(runtime, "_xla_windows_open", False)
+    monkeypatch.setattr(runtime, "_xla_window", (start, nbytes))
+    assert not runtime.xla_window_holds(x)  # no window open: nothing is reached in place
+    monkeypatch.setattr(runtime, "_xla_windows_open", True)
+    assert runtime.xla_window_holds(x)
+    monkeypatch.setattr(runtime, "_xla_window", (start - 4096, 4096 + nbytes))
+    assert runtime.xla_window_holds(x)
+    # the platform allocator's case: the window is another allocation, or ends inside x
+    monkeypatch.setattr(runtime, "_xla_window", (start + nbytes, 1 << 20))
+    assert not runtime.xla_window_holds(x)
+    monkeypatch.setattr(runtime, "_xla_window", (start, nbytes - 4))
+    assert not runtime.xla_window_holds(x)
+    monkeypatch.setattr(runtime, "_xla_window", (0, 0))
+    assert not runtime.xla_window_holds(x)
