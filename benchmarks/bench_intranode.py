@@ -44,6 +44,9 @@ def parse_args():
                    "with its combine in every --combine-modes), comma-separated")
     p.add_argument("--combine-modes", default="push,pull,copy",
                    help="combine modes to time (JAX_EP_COMBINE values), comma-separated")
+    p.add_argument("--gemm-sms", type=int, default=None,
+                   help="the independent matmul through jax_ep.experts.batched_matmul sized "
+                        "for this many SMs (0: every SM); default XLA's dot")
     p.add_argument("--independent-rows", type=int, default=1024,
                    help="rows M of an independent matmul ([M, H] @ [H, H]) timed alone and in "
                         "the same call as the default dispatch: what XLA overlaps; 0: off")
@@ -263,6 +266,10 @@ def main():
         # layer's next projection beside its tokens' dispatch): whatever overlaps shows as
         # less than the rows alone. x is new to XLA every call (the chain's barrier), so no
         # call's matmul is merged or hoisted.
+        if args.gemm_sms is not None:  # jax_ep's GEMM, sized to leave the calls SMs
+            return jnp.sum(jax_ep.experts.batched_matmul(
+                x[None], weight[None], sm_count=args.gemm_sms,
+                preferred_element_type=jnp.float32, backend="cuda"))
         return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
 
     xm = jax.jit(smap(lambda x: x[:M], in_specs=P(AXIS)))(x)  # the matmul's rows

@@ -39,6 +39,9 @@ def parse_args():
                    help="also time the chain run this many times in one program (fori_loop): "
                         "the steady state of a long run of calls; 1: off")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--gemm-sms", type=int, default=None,
+                   help="the independent matmul through jax_ep.experts.batched_matmul sized "
+                        "for this many SMs (0: every SM); default XLA's dot")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--cpu-devices", type=int, default=4)
     p.add_argument("--baselines-only", action="store_true",
@@ -112,6 +115,10 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
                  .astype(np.float32), shard)
 
     def matmul(x, idx, weight):  # x is the chained argument: one matmul per call
+        if args.gemm_sms is not None:  # jax_ep's GEMM (TF32), sized to leave the calls SMs
+            return jnp.sum(jax_ep.experts.batched_matmul(
+                x.astype(weight.dtype)[None], weight[None], sm_count=args.gemm_sms,
+                backend="cuda"))
         return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
 
     def dispatch_overlapped(x, idx, weight, blocks=None):

@@ -18,6 +18,11 @@ weight, one jitted program. The ways:
   f  a with the shared expert as a call on XLA's stream 1 (``jax_ep.on_stream``) and jax_ep's
      calls on the program's stream: XLA starts the shared expert first, so the dispatch and
      the combine may run beside it (``--ways a,e,f``)
+  g  a with the expert GEMMs through ``jax_ep.experts.batched_matmul`` (cuBLASLt) on every SM
+     (padded experts only)
+  s  f through ``jax_ep.moe.shared_expert_beside``: the shared expert's GEMMs through
+     ``jax_ep.experts.batched_matmul`` sized for the SMs the calls leave, so that the calls
+     beside it get SMs (``moe_layer(shared_beside=True)``; ``--ways a,f,s``)
 
 Run:
 
@@ -79,6 +84,8 @@ WAYS = {
     "d": "all_to_all, capacity-padded",
     "e": "jax_ep expert_major on XLA's stream 1",
     "f": "jax_ep expert_major, shared expert on stream 1",
+    "g": "jax_ep expert_major, jax_ep's GEMMs (cuBLASLt)",
+    "s": "jax_ep expert_major, shared expert on stream 1 on fewer SMs",
 }
 
 
@@ -317,7 +324,7 @@ def routed_d(s: Setup, x, topk_idx, gates, expert_fn):
 
 
 ROUTED = {"a": routed_a, "b": routed_b, "c": routed_c, "d": routed_d, "e": routed_e,
-          "f": routed_a}
+          "f": routed_a, "g": routed_a, "s": routed_a}
 
 
 # ----------------------------------------------------------------------------- layer and loss
@@ -335,12 +342,14 @@ def layer(s: Setup, way, params, x):
         if s.gemm_impl == "grouped":
             return ep_experts.swiglu_mlp(rows, *w, group_sizes)
         y, over = ep_experts.swiglu_mlp_padded(rows, *w, group_sizes,
-                                               capacity=s.expert_capacity)
+                                               capacity=s.expert_capacity,
+                                               gemm_sms=0 if way == "g" else None)
         overflow.append(over)
         return y
 
     shared = [params[n] for n in ("shared_gate", "shared_up", "shared_down")] if s.shared else []
-    side = jax_ep.on_stream(shared_swiglu) if way == "f" else shared_swiglu
+    side = {"f": jax_ep.on_stream(shared_swiglu),
+            "s": ep_moe.shared_expert_beside}.get(way, shared_swiglu)
     sh = side(x, *shared) if shared and s.shared_overlap else None
     y, dropped = ROUTED[way](s, x, topk_idx, gates, expert_fn)
     dropped = dropped + sum(overflow)  # rows past an expert block (padded experts)
@@ -385,7 +394,7 @@ def make_comm_step(s: Setup, way, mesh):
 
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(s.axis),) * 3, out_specs=(P(), P()))
     def loss_fn(x, topk_idx, gates):
-        y, dropped = ROUTED[way](s, x, topk_idx, gates, lambda rows, group_sizes: rows)
+        y, dropped = ROUTED[way](s, x, topk_idx, gates, lambda rows, group_sizes, *_: rows)
         return scalar_loss(y, s.axis), jax.lax.psum(dropped, s.axis)
 
     def step(x, topk_idx, gates):
@@ -554,7 +563,7 @@ def parse_args(argv=None):
                    help="experts as per-expert blocks of capacity-factor rows (batched GEMMs) "
                         "or grouped GEMMs over exactly the received rows")
     p.add_argument("--ways", default=None,
-                   help="comma-separated subset of a,b,c,d,e,f; default a,b,c,d (c only in one "
+                   help="comma-separated subset of a,b,c,d,e,f,g,s; default a,b,c,d (c only in one "
                         "process: under the launcher a,b,d)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per program (median)")
     p.add_argument("--warmup", type=int, default=2)
@@ -693,7 +702,8 @@ def main(argv=None):
     rows, flops = [], _flops(s)
     for way in sorted({w for kind, w in programs if kind == "step"}, key=ways.index):
         name = f"({way}) {WAYS[way]}"
-        row = dict(way=way, name=name, mode=mode, backend=backend if way in "abef" else "xla")
+        row = dict(way=way, name=name, mode=mode,
+                   backend=backend if way in "abefgs" else "xla")
         try:
             program_bytes = (_program_bytes(compiled[("step", way)][0])
                              if isinstance(compiled[("step", way)], tuple) else None)

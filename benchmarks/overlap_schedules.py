@@ -10,9 +10,11 @@ The work (``--work``) is an independent [1024, H] @ [H, H] matmul, as bench_intr
 (``matmul``), or expert GEMMs of the MoE layer's shapes on 3840 rows: 12 experts' [320, H] @
 [H, 2048] blocks as ``experts.swiglu_mlp_padded``'s batched einsum (``batched``), or the same
 rows as one grouped GEMM through ``experts.grouped_matmul`` (``grouped``: its Pallas kernel on
-a Hopper GPU). ``--kernels`` prints each kernel's grid, registers and shared memory in the work
-alone (whether it holds every SM). The combine's operands come from one dispatch done before
-the timing. DeepSeek-V3 shapes (4096 tokens per rank, H 7168, top-8 of 256).
+a Hopper GPU). ``--gemm-sms N`` runs ``batched`` through ``experts.batched_matmul`` (cuBLASLt)
+sized for N SMs (0: every SM) instead of XLA's einsum. ``--kernels`` prints each kernel's
+grid, registers and shared memory in the work alone (whether it holds every SM). The
+combine's operands come from one dispatch done before the timing. DeepSeek-V3 shapes (4096
+tokens per rank, H 7168, top-8 of 256).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def main():
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--show-schedule", type=int, default=12)
     p.add_argument("--work", default="matmul", choices=["matmul", "batched", "grouped"])
+    p.add_argument("--gemm-sms", type=int, default=None,
+                   help="batched: jax_ep's cuBLASLt GEMM sized for this many SMs (0: all)")
     p.add_argument("--kernels", action="store_true",
                    help="print the kernels of the work alone (CUPTI's launch details)")
     args = p.parse_args()
@@ -77,8 +81,12 @@ def main():
 
         def work(xm, weight):
             if args.work == "batched":
-                out = jnp.einsum("lch,lhf->lcf", xm[:experts_here * (M // experts_here)]
-                                 .reshape(experts_here, -1, H), weight)
+                blocks = xm[:experts_here * (M // experts_here)].reshape(experts_here, -1, H)
+                if args.gemm_sms is None:
+                    out = jnp.einsum("lch,lhf->lcf", blocks, weight)
+                else:
+                    out = jax_ep.experts.batched_matmul(blocks, weight, sm_count=args.gemm_sms,
+                                                        backend="cuda")
             else:
                 out = jax_ep.experts.grouped_matmul(xm, weight, jnp.asarray(sizes))
             return jnp.sum(out.astype(jnp.float32))

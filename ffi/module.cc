@@ -46,6 +46,7 @@ constexpr Target kTargets[] = {
     {"jax_ep_node_send", JaxEpNodeSend},
     {"jax_ep_node_return", JaxEpNodeReturn},
     {"jax_ep_quantize_fp8", JaxEpQuantizeFp8},
+    {"jax_ep_batched_matmul", JaxEpBatchedMatmul},
 };
 constexpr int kNumTargets = sizeof(kTargets) / sizeof(kTargets[0]);
 std::atomic<unsigned long long> g_calls[kNumTargets];

@@ -22,6 +22,11 @@ Grouped matmul implementations (``impl``):
 ``swiglu_mlp_padded`` is the capacity-padded alternative: rows are copied into per-expert
 ``[L, C, H]`` blocks (overflow dropped and counted), a batched einsum runs at full GEMM rate,
 and rows are copied back.
+
+``batched_matmul`` is that batched GEMM as jax_ep's own call (cuBLASLt) sized for a given
+number of SMs: XLA's GEMMs are persistent kernels holding every SM, so a jax_ep call beside
+one waits for SMs; sized for ``num_sms - Config.num_blocks`` they leave the call its share
+(``swiglu_mlp_padded(..., gemm_sms=...)``; docs/design.md §8.1).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep._mesh import vary_alike
 
@@ -371,17 +377,102 @@ def from_padded(yp, group_sizes, num_rows, *, rows_per_expert=None):
     return _from_padded(yp, group_sizes, rows_per_expert, int(num_rows))
 
 
-def swiglu_mlp_padded(rows, w_gate, w_up, w_down, group_sizes, *, capacity,
-                      rows_per_expert=None):
-    """``swiglu_mlp`` through per-expert ``[L, capacity, H]`` blocks and batched einsums.
+# ----------------------------------------------------------------------------- batched GEMM
 
+
+def batched_matmul(x, w, *, sm_count=None, preferred_element_type=None, backend="auto"):
+    """Per expert ``x[l] @ w[l]``: x ``[L, M, K]``, w ``[L, K, N]`` -> ``[L, M, N]``, float32
+    accumulation (TF32 for float32 operands, as XLA's default precision on GPUs).
+
+    sm_count: the SMs the GEMM kernel is sized for on the CUDA backend (None or 0: every SM),
+    i.e. what a jax_ep call running beside it leaves: ``num_sms - Config.num_blocks``.
+    preferred_element_type: the result's dtype (default x's).
+    backend: ``"auto"`` runs jax_ep's cuBLASLt call inside ``shard_map`` over every mesh axis
+    where the CUDA extension and a GPU are present (a custom call outside it would be
+    replicated by XLA's partitioner), else ``jnp.einsum``; ``"cuda"`` the call;
+    ``"reference"`` the einsum. Gradients: the same call, transposed operands.
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[1]:
+        raise ValueError(f"batched_matmul needs x [L, M, K] and w [L, K, N], got {x.shape} and "
+                         f"{w.shape}")
+    kinds = (jnp.bfloat16, jnp.float16, jnp.float32)
+    if x.dtype not in kinds or w.dtype != x.dtype:
+        raise TypeError(f"batched_matmul takes bfloat16, float16 or float32 operands of one "
+                        f"dtype, got {x.dtype} and {w.dtype}")
+    out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    if out_dtype not in kinds:
+        raise TypeError(f"batched_matmul's result must be bfloat16, float16 or float32, got "
+                        f"{out_dtype}")
+    sms = 0 if sm_count is None else sm_count
+    if isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or sms < 0:
+        raise ValueError(f"sm_count must be None or a count of SMs >= 0, got {sm_count!r}")
+    if backend not in ("auto", "cuda", "reference"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    if backend == "auto":
+        from jax_ep.fp8 import _inside_full_shard_map
+
+        backend = "cuda" if _native_gemm_available() and _inside_full_shard_map() else "reference"
+    if backend == "reference":
+        return jnp.einsum("lmk,lkn->lmn", x, w,
+                          preferred_element_type=jnp.float32).astype(out_dtype)
+    if not _native_gemm_available():
+        raise RuntimeError("backend='cuda' needs the CUDA extension and a GPU")
+    return _cuda_gemm(x, w, int(sms), out_dtype)
+
+
+def _native_gemm_available() -> bool:
+    from jax_ep import _native
+
+    return _native.load()[0] is not None and _native.gpu_present()
+
+
+def _gemm(a, b, trans_a, trans_b, sms, out_dtype):
+    from jax_ep import _cuda
+
+    return _cuda.batched_matmul(a, b, trans_a=trans_a, trans_b=trans_b, sm_count=sms,
+                                out_dtype=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cuda_gemm(x, w, sms, out_dtype):
+    return _gemm(x, w, False, False, sms, out_dtype)
+
+
+def _cuda_gemm_fwd(x, w, sms, out_dtype):
+    return _cuda_gemm(x, w, sms, out_dtype), (x, w)
+
+
+def _cuda_gemm_bwd(sms, out_dtype, res, dy):
+    x, w = res
+    dy = dy.astype(x.dtype)  # cuBLASLt takes operands of one type, as einsum's transpose does
+    dx = _gemm(dy, w, False, True, sms, x.dtype)   # dy [L, M, N] @ w^T [L, N, K]
+    dw = _gemm(x, dy, True, False, sms, w.dtype)   # x^T [L, K, M] @ dy [L, M, N]
+    return dx, dw
+
+
+_cuda_gemm.defvjp(_cuda_gemm_fwd, _cuda_gemm_bwd)
+
+
+def swiglu_mlp_padded(rows, w_gate, w_up, w_down, group_sizes, *, capacity,
+                      rows_per_expert=None, gemm_sms=None):
+    """``swiglu_mlp`` through per-expert ``[L, capacity, H]`` blocks and batched GEMMs.
+
+    gemm_sms: None: XLA's batched einsums; an SM count (0: every SM): ``batched_matmul`` sized
+    for that many SMs, to leave the rest to a jax_ep call running beside it.
     Returns ``(out [M, H], num_overflow)``: rows past an expert's capacity are dropped (zero
     output, zero gradient) and counted.
     """
     xp, overflow = to_padded(rows, group_sizes, capacity, rows_per_expert=rows_per_expert)
-    gate = jnp.einsum("lch,lhf->lcf", xp, w_gate)
-    up = jnp.einsum("lch,lhf->lcf", xp, w_up)
+    if gemm_sms is None:
+        def mm(a, b):
+            return jnp.einsum("lch,lhf->lcf", a, b)
+    else:
+        def mm(a, b):
+            return batched_matmul(a, b, sm_count=gemm_sms)
+    gate = mm(xp, w_gate)
+    up = mm(xp, w_up)
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows.dtype)
-    yp = jnp.einsum("lcf,lfh->lch", h, w_down)
+    yp = mm(h, w_down)
     out = from_padded(yp, group_sizes, rows.shape[0], rows_per_expert=rows_per_expert)
     return out, overflow

@@ -10,6 +10,7 @@ weights of its ``num_experts // R`` local experts.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import api, experts
+from jax_ep import config as _config
 from jax_ep._types import EXPERT_MAJOR, RANK_MAJOR, SOURCE_SLOTS
 
 
@@ -162,10 +164,17 @@ def _router_stats(topk_idx, probs, logits, num_experts, axis_name):
     return counts, balance, z_sum / num_tokens
 
 
-def shared_expert(x, w_gate, w_up, w_down):
-    """Dense SwiGLU on local tokens (no communication): [T, H] -> [T, H] in x's dtype."""
-    dot = lambda a, w: jnp.dot(a, w.astype(a.dtype),  # noqa: E731
-                               preferred_element_type=jnp.float32)
+def shared_expert(x, w_gate, w_up, w_down, *, gemm_sms=None):
+    """Dense SwiGLU on local tokens (no communication): [T, H] -> [T, H] in x's dtype.
+
+    gemm_sms: None: XLA's dots; an SM count: ``experts.batched_matmul`` sized for it.
+    """
+    def dot(a, w):
+        if gemm_sms is None:
+            return jnp.dot(a, w.astype(a.dtype), preferred_element_type=jnp.float32)
+        return experts.batched_matmul(a[None], w.astype(a.dtype)[None], sm_count=gemm_sms,
+                                      preferred_element_type=jnp.float32)[0]
+
     h = (jax.nn.silu(dot(x, w_gate)) * dot(x, w_up)).astype(x.dtype)
     return dot(h, w_down).astype(x.dtype)
 
@@ -183,8 +192,25 @@ def expert_major_capacity(capacity_factor, *, num_tokens, num_ranks, top_k,
     return min(worst, rows + num_local_experts * (expert_alignment - 1))
 
 
+def shared_expert_beside(x, w_gate, w_up, w_down, *, config=None):
+    """``shared_expert`` as a call on XLA's stream 1 (``jax_ep.on_stream``), its GEMMs sized
+    for the SMs the dispatch and combine of ``config`` leave (``Config.num_blocks``, default
+    64), so that those calls run beside it (XLA's own GEMMs hold every SM: on stream 1 they
+    made the step slower). 2×H200, DeepSeek-V3 shapes: the step 1.4-3.6 % faster than with
+    the shared expert inline (benchmarks/RESULTS.md). Inline, through XLA's dots, where
+    stream calls are not supported (jax < 0.10) or the GPU's SM count is unknown."""
+    sms = _config._multiprocessors()
+    if not api.stream_calls_supported() or not sms:
+        return shared_expert(x, w_gate, w_up, w_down)
+    blocks = config.num_blocks if config is not None and config.num_blocks else (
+        _config.DEFAULT_BLOCKS)
+    fn = functools.partial(shared_expert, gemm_sms=max(sms - blocks, 1))
+    return api.on_stream(fn, 1)(x, w_gate, w_up, w_down)
+
+
 def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity_factor=None,
-              expert_alignment=1, renormalize=True, backend="auto", config=None):
+              expert_alignment=1, renormalize=True, backend="auto", config=None,
+              shared_beside=False):
     """SwiGLU mixture of experts on this rank's tokens (call inside ``jax.shard_map``).
 
     Router (float32 softmax, top-k) -> ``dispatch(layout="expert_major")`` ->
@@ -206,6 +232,9 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
       renormalize: gates sum to 1 per token (else they are the raw top-k probabilities).
       backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
       config: a ``jax_ep.Config`` for the dispatch and combine (CUDA backend).
+      shared_beside: the shared expert runs beside the dispatch and the combine
+        (``shared_expert_beside``: a call on XLA's stream 1 through GEMMs sized for the SMs
+        the calls leave); False: inline, through XLA's dots.
     Returns:
       ([T, H] output in x's dtype, ``MoEAux``).
     """
@@ -225,7 +254,9 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
     # while rows are in flight.
     shared = None
     if params.has_shared_expert:
-        shared = shared_expert(x, params.shared_gate, params.shared_up, params.shared_down)
+        run = (functools.partial(shared_expert_beside, config=config) if shared_beside
+               else shared_expert)
+        shared = run(x, params.shared_gate, params.shared_up, params.shared_down)
     topk_idx, gates, probs, logits = router(x, params.router, top_k, renormalize=renormalize)
     out = api.dispatch(x, topk_idx, gates, num_experts=num_experts, axis_name=axis_name,
                        capacity=capacity, layout=EXPERT_MAJOR,

@@ -400,3 +400,53 @@ def test_gpu_auto_uses_mgpu_kernels():
     rows, wg, wu, wd, gs, _ = _inputs(jnp.bfloat16, m=256, h=128, f=128)
     text = jax.jit(lambda *a: experts.swiglu_mlp(*a, gs)).lower(rows, wg, wu, wd).as_text()
     assert "mosaic_gpu" in text
+
+
+# ----------------------------------------------------------------------------- batched GEMM
+
+
+def test_batched_matmul_reference_matches_dense_and_checks_arguments():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 5, 7)).astype(np.float32)
+    w = rng.standard_normal((3, 7, 4)).astype(np.float32)
+    np.testing.assert_allclose(experts.batched_matmul(x, w, backend="reference"), x @ w,
+                               rtol=1e-5, atol=1e-5)
+    y = experts.batched_matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                               preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.float32
+    with pytest.raises(ValueError, match=r"x \[L, M, K\] and w \[L, K, N\]"):
+        experts.batched_matmul(x, w[:, :6])
+    with pytest.raises(TypeError, match="one dtype"):
+        experts.batched_matmul(x, w.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="sm_count"):
+        experts.batched_matmul(x, w, sm_count=-1)
+    with pytest.raises(ValueError, match="backend"):
+        experts.batched_matmul(x, w, backend="gpu")
+
+
+def test_batched_matmul_lowers_to_one_call_a_gemm():
+    """The CUDA path: the forward and both gradients are jax_ep_batched_matmul calls with the
+    operands' transposes and the SM count as attributes (no transposed copies)."""
+    x = jnp.zeros((2, 64, 128), jnp.bfloat16)
+    w = jnp.zeros((2, 128, 32), jnp.bfloat16)
+
+    def loss(x, w):
+        y = experts._cuda_gemm(x, w, 100, jnp.dtype(jnp.bfloat16))
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_ep_batched_matmul" in ln]
+    assert len(calls) == 3, calls
+    flags = sorted((("trans_a = true" in ln), ("trans_b = true" in ln)) for ln in calls)
+    assert flags == [(False, False), (False, True), (True, False)], calls
+    assert all("sm_count = 100" in ln for ln in calls), calls
+    assert "stablehlo.transpose" not in text
+
+
+def test_swiglu_mlp_padded_gemm_sms_on_the_reference_is_the_einsum():
+    rows, wg, wu, wd, gs, _ = _inputs()
+    a = experts.swiglu_mlp_padded(rows, wg, wu, wd, gs, capacity=48)
+    b = experts.swiglu_mlp_padded(rows, wg, wu, wd, gs, capacity=48, gemm_sms=100)
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
+    assert int(a[1]) == int(b[1])

@@ -87,8 +87,12 @@ CASES = [  # R, E, top_k, shared expert width, renormalize, expert_alignment, ca
 ]
 
 
+@pytest.mark.parametrize("shared_beside", [False, True])
 @pytest.mark.parametrize("R,E,top_k,S,renormalize,alignment,factor", CASES)
-def test_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize, alignment, factor):
+def test_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize, alignment, factor,
+                                           shared_beside):
+    if shared_beside and not S:
+        pytest.skip("no shared expert")
     T, H, F = 6, 8, 10
     key = jax.random.key(R * 100 + E + top_k)
     params = make_params(key, H, F, E, S)
@@ -96,7 +100,7 @@ def test_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize, alignmen
     target = jax.random.normal(jax.random.fold_in(key, 2), (R * T, H), jnp.float32)
     kw = dict(top_k=top_k, renormalize=renormalize)
     _, value_and_grad, place = ep_fns(R, params, expert_alignment=alignment,
-                                      capacity_factor=factor, **kw)
+                                      capacity_factor=factor, shared_beside=shared_beside, **kw)
 
     (loss, (y, aux)), got = value_and_grad(*place(params, x, target))
     (want_loss, (want_y, want_aux)), want = dense_value_and_grad(params, x, target, **kw)
