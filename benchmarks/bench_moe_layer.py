@@ -22,7 +22,7 @@ weight, one jitted program. The ways:
      (padded experts only)
   s  f through ``jax_ep.moe.shared_expert_beside``: the shared expert's GEMMs through
      ``jax_ep.experts.batched_matmul`` sized for the SMs the calls leave, so that the calls
-     beside it get SMs (``moe_layer(shared_beside=True)``; ``--ways a,f,s``)
+     beside it get SMs (``moe_layer``'s default; ``--ways a,f,s``)
 
 Run:
 

@@ -188,15 +188,15 @@ def layout(topk_idx, *, num_experts, num_ranks):
     return DispatchLayout(per_rank, per_expert, in_rank)
 
 
-def batched_matmul(a, b, *, trans_a, trans_b, sm_count, out_dtype):
+def batched_matmul(a, b, *, trans_a, trans_b, sm_count, out_dtype, tf32=True):
     """out[l] = op(a[l]) @ op(b[l]) through cuBLASLt sized for ``sm_count`` SMs (0: every SM)
     (jax_ep_batched_matmul); a [L, M, K] ([L, K, M] if trans_a), b [L, K, N] ([L, N, K] if
-    trans_b)."""
+    trans_b); float32 operands rounded to TF32 where ``tf32``."""
     m = a.shape[2] if trans_a else a.shape[1]
     n = b.shape[1] if trans_b else b.shape[2]
     return _call("jax_ep_batched_matmul", jax.ShapeDtypeStruct((a.shape[0], m, n), out_dtype),
                  a, b, axis_name=None, trans_a=bool(trans_a), trans_b=bool(trans_b),
-                 sm_count=np.int64(sm_count))
+                 sm_count=np.int64(sm_count), tf32=bool(tf32))
 
 
 def quantize_fp8(x, *, ue8m0):

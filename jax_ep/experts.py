@@ -380,13 +380,17 @@ def from_padded(yp, group_sizes, num_rows, *, rows_per_expert=None):
 # ----------------------------------------------------------------------------- batched GEMM
 
 
-def batched_matmul(x, w, *, sm_count=None, preferred_element_type=None, backend="auto"):
+def batched_matmul(x, w, *, sm_count=None, preferred_element_type=None, precision=None,
+                   backend="auto"):
     """Per expert ``x[l] @ w[l]``: x ``[L, M, K]``, w ``[L, K, N]`` -> ``[L, M, N]``, float32
-    accumulation (TF32 for float32 operands, as XLA's default precision on GPUs).
+    accumulation.
 
     sm_count: the SMs the GEMM kernel is sized for on the CUDA backend (None or 0: every SM),
     i.e. what a jax_ep call running beside it leaves: ``num_sms - Config.num_blocks``.
     preferred_element_type: the result's dtype (default x's).
+    precision: float32 operands: ``"highest"`` / ``"float32"`` (or ``jax.lax.Precision.
+    HIGHEST``) multiplies them in float32, anything else rounds them to TF32 as XLA's GPU dots
+    do at default precision; None: ``jax.default_matmul_precision``'s.
     backend: ``"auto"`` runs jax_ep's cuBLASLt call inside ``shard_map`` over every mesh axis
     where the CUDA extension and a GPU are present (a custom call outside it would be
     replicated by XLA's partitioner), else ``jnp.einsum``; ``"cuda"`` the call;
@@ -414,11 +418,23 @@ def batched_matmul(x, w, *, sm_count=None, preferred_element_type=None, backend=
 
         backend = "cuda" if _native_gemm_available() and _inside_full_shard_map() else "reference"
     if backend == "reference":
-        return jnp.einsum("lmk,lkn->lmn", x, w,
+        return jnp.einsum("lmk,lkn->lmn", x, w, precision=precision,
                           preferred_element_type=jnp.float32).astype(out_dtype)
     if not _native_gemm_available():
         raise RuntimeError("backend='cuda' needs the CUDA extension and a GPU")
-    return _cuda_gemm(x, w, int(sms), out_dtype)
+    return _cuda_gemm(x, w, int(sms), out_dtype, _tf32(precision))
+
+
+def _tf32(precision) -> bool:
+    """Whether float32 operands may be rounded to TF32 (XLA's GPU dots at default
+    precision): not where the precision, or jax's default one, asks for float32."""
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+    if isinstance(precision, (tuple, list)):
+        precision = max(precision, key=lambda p: jax.lax.Precision(p).value)
+    if precision is None:
+        return True
+    return jax.lax.Precision(precision) != jax.lax.Precision.HIGHEST
 
 
 def _native_gemm_available() -> bool:
@@ -427,27 +443,27 @@ def _native_gemm_available() -> bool:
     return _native.load()[0] is not None and _native.gpu_present()
 
 
-def _gemm(a, b, trans_a, trans_b, sms, out_dtype):
+def _gemm(a, b, trans_a, trans_b, sms, out_dtype, tf32):
     from jax_ep import _cuda
 
     return _cuda.batched_matmul(a, b, trans_a=trans_a, trans_b=trans_b, sm_count=sms,
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, tf32=tf32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _cuda_gemm(x, w, sms, out_dtype):
-    return _gemm(x, w, False, False, sms, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _cuda_gemm(x, w, sms, out_dtype, tf32):
+    return _gemm(x, w, False, False, sms, out_dtype, tf32)
 
 
-def _cuda_gemm_fwd(x, w, sms, out_dtype):
-    return _cuda_gemm(x, w, sms, out_dtype), (x, w)
+def _cuda_gemm_fwd(x, w, sms, out_dtype, tf32):
+    return _cuda_gemm(x, w, sms, out_dtype, tf32), (x, w)
 
 
-def _cuda_gemm_bwd(sms, out_dtype, res, dy):
+def _cuda_gemm_bwd(sms, out_dtype, tf32, res, dy):
     x, w = res
     dy = dy.astype(x.dtype)  # cuBLASLt takes operands of one type, as einsum's transpose does
-    dx = _gemm(dy, w, False, True, sms, x.dtype)   # dy [L, M, N] @ w^T [L, N, K]
-    dw = _gemm(x, dy, True, False, sms, w.dtype)   # x^T [L, K, M] @ dy [L, M, N]
+    dx = _gemm(dy, w, False, True, sms, x.dtype, tf32)   # dy [L, M, N] @ w^T [L, N, K]
+    dw = _gemm(x, dy, True, False, sms, w.dtype, tf32)   # x^T [L, K, M] @ dy [L, M, N]
     return dx, dw
 
 

@@ -210,7 +210,7 @@ def shared_expert_beside(x, w_gate, w_up, w_down, *, config=None):
 
 def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity_factor=None,
               expert_alignment=1, renormalize=True, backend="auto", config=None,
-              shared_beside=False):
+              shared_beside=True):
     """SwiGLU mixture of experts on this rank's tokens (call inside ``jax.shard_map``).
 
     Router (float32 softmax, top-k) -> ``dispatch(layout="expert_major")`` ->
@@ -234,7 +234,8 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
       config: a ``jax_ep.Config`` for the dispatch and combine (CUDA backend).
       shared_beside: the shared expert runs beside the dispatch and the combine
         (``shared_expert_beside``: a call on XLA's stream 1 through GEMMs sized for the SMs
-        the calls leave); False: inline, through XLA's dots.
+        the calls leave; inline where stream calls or the GPU's SM count are missing);
+        False: inline, through XLA's dots.
     Returns:
       ([T, H] output in x's dtype, ``MoEAux``).
     """

@@ -431,7 +431,7 @@ def test_batched_matmul_lowers_to_one_call_a_gemm():
     w = jnp.zeros((2, 128, 32), jnp.bfloat16)
 
     def loss(x, w):
-        y = experts._cuda_gemm(x, w, 100, jnp.dtype(jnp.bfloat16))
+        y = experts._cuda_gemm(x, w, 100, jnp.dtype(jnp.bfloat16), True)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(
@@ -440,8 +440,17 @@ def test_batched_matmul_lowers_to_one_call_a_gemm():
     assert len(calls) == 3, calls
     flags = sorted((("trans_a = true" in ln), ("trans_b = true" in ln)) for ln in calls)
     assert flags == [(False, False), (False, True), (True, False)], calls
-    assert all("sm_count = 100" in ln for ln in calls), calls
+    assert all("sm_count = 100" in ln and "tf32 = true" in ln for ln in calls), calls
     assert "stablehlo.transpose" not in text
+
+
+def test_batched_matmul_precision_picks_tf32_or_float32():
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert experts._tf32(None)
+    assert experts._tf32("bfloat16") and experts._tf32(jax.lax.Precision.DEFAULT)
+    assert not experts._tf32("highest") and not experts._tf32(jax.lax.Precision.HIGHEST)
+    with jax.default_matmul_precision("float32"):
+        assert not experts._tf32(None)
 
 
 def test_swiglu_mlp_padded_gemm_sms_on_the_reference_is_the_einsum():

@@ -1399,6 +1399,11 @@ def test_batched_matmul_and_gradients_match_dense(dtype, L, M, K, N):
         _close_to_dense(y, x64 @ w64, K)
         _close_to_dense(dx, dy64 @ w64.swapaxes(-1, -2), N)
         _close_to_dense(dw, x64.swapaxes(-1, -2) @ dy64, M)
+    if dtype == jnp.float32:  # precision="highest": float32 products, not TF32
+        y = run(lambda x, w: experts.batched_matmul(x, w, precision="highest", backend="cuda"),
+                R, x, w)
+        np.testing.assert_allclose(np.asarray(y, np.float64), x64 @ w64, rtol=1e-4,
+                                   atol=1e-4 * np.sqrt(K))
 
 
 def test_swiglu_mlp_padded_with_sized_gemms_matches_einsums():

@@ -22,7 +22,7 @@ bool gemm_type(ffi::DataType type, GemmType* out) {
 
 ffi::Error batched_matmul_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                ffi::Result<ffi::AnyBuffer> out, bool trans_a, bool trans_b,
-                               int64_t sm_count) {
+                               int64_t sm_count, bool tf32) {
   auto da = a.dimensions(), db = b.dimensions(), dout = out->dimensions();
   if (da.size() != 3 || db.size() != 3 || dout.size() != 3)
     return invalid("batched_matmul: a, b and the result must be [batch, rows, columns]");
@@ -34,7 +34,7 @@ ffi::Error batched_matmul_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
                    std::to_string(da[1]) + ", " + std::to_string(da[2]) + "], b [" +
                    std::to_string(db[0]) + ", " + std::to_string(db[1]) + ", " +
                    std::to_string(db[2]) + "])");
-  BatchedGemm gemm{batch, m, n, k, trans_a, trans_b, {}, {}, {}, int(sm_count)};
+  BatchedGemm gemm{batch, m, n, k, trans_a, trans_b, {}, {}, {}, int(sm_count), tf32};
   if (!gemm_type(a.element_type(), &gemm.a_type) || !gemm_type(b.element_type(), &gemm.b_type) ||
       !gemm_type(out->element_type(), &gemm.out_type))
     return invalid("batched_matmul: operands and result must be bfloat16, float16 or float32");
@@ -62,4 +62,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBatchedMatmul, jax_ep::batched_matmul_impl,
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<bool>("trans_a")
                                   .Attr<bool>("trans_b")
-                                  .Attr<int64_t>("sm_count"));
+                                  .Attr<int64_t>("sm_count")
+                                  .Attr<bool>("tf32"));

@@ -116,7 +116,8 @@ struct Plan {
   size_t workspace = 0;
 };
 
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, bool, bool, int, int, int, int>;
+using PlanKey =
+    std::tuple<int, int64_t, int64_t, int64_t, int64_t, bool, bool, int, int, int, int, bool>;
 
 struct State {
   std::mutex mu;
@@ -140,7 +141,8 @@ std::string make_plan(const Library& lib, Handle handle, const BatchedGemm& g, P
   const cudaDataType_t ta = data_type(g.a_type), tb = data_type(g.b_type),
                        tc = data_type(g.out_type);
   const bool f32 = g.a_type == GemmType::kF32 && g.b_type == GemmType::kF32;
-  Status s = lib.desc_create(&plan->desc, f32 ? kCompute32FFastTF32 : kCompute32F, CUDA_R_32F);
+  Status s = lib.desc_create(&plan->desc, f32 && g.tf32 ? kCompute32FFastTF32 : kCompute32F,
+                             CUDA_R_32F);
   if (s) return status_error("MatmulDescCreate", s);
   const cudaDataType_t scale = CUDA_R_32F;
   const int32_t op_a = g.trans_b ? kOpT : kOpN, op_b = g.trans_a ? kOpT : kOpN;
@@ -256,7 +258,7 @@ std::string run_batched_gemm(const BatchedGemm& g, const void* a, const void* b,
     }
     handle = h;
     const PlanKey key{device, g.batch, g.m, g.n, g.k, g.trans_a, g.trans_b, int(g.a_type),
-                      int(g.b_type), int(g.out_type), g.sm_count};
+                      int(g.b_type), int(g.out_type), g.sm_count, g.tf32};
     auto it = st.plans.find(key);
     if (it == st.plans.end()) {
       Plan made;

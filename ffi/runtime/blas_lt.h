@@ -17,13 +17,14 @@ namespace jax_ep {
 enum class GemmType { kBF16, kF16, kF32 };
 
 // out[l] = op(a[l]) @ op(b[l]) for l < batch, row-major: a is [m, k] ([k, m] if trans_a),
-// b is [k, n] ([n, k] if trans_b), out [m, n]; float32 accumulation (TF32 inputs for f32).
-// sm_count: the SMs the kernel is sized for (0: every SM).
+// b is [k, n] ([n, k] if trans_b), out [m, n]; float32 accumulation; float32 operands
+// rounded to TF32 where tf32. sm_count: the SMs the kernel is sized for (0: every SM).
 struct BatchedGemm {
   int64_t batch, m, n, k;
   bool trans_a, trans_b;
   GemmType a_type, b_type, out_type;
   int sm_count;
+  bool tf32;
 };
 
 // Runs it on `stream`; an empty string on success, else what failed.
