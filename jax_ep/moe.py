@@ -196,7 +196,7 @@ def shared_expert_beside(x, w_gate, w_up, w_down, *, config=None):
     """``shared_expert`` as a call on XLA's stream 1 (``jax_ep.on_stream``), its GEMMs sized
     for the SMs the dispatch and combine of ``config`` leave (``Config.num_blocks``, default
     64), so that those calls run beside it (XLA's own GEMMs hold every SM: on stream 1 they
-    made the step slower). 2×H200, DeepSeek-V3 shapes: the step 1.4-3.6 % faster than with
+    made the step slower). 2×H200, DeepSeek-V3 shapes: the step 1.4-3.7 % faster than with
     the shared expert inline (benchmarks/RESULTS.md). Inline, through XLA's dots, where
     stream calls are not supported (jax < 0.10) or the GPU's SM count is unknown."""
     sms = _config._multiprocessors()
