@@ -348,8 +348,11 @@ def layer(s: Setup, way, params, x):
         return y
 
     shared = [params[n] for n in ("shared_gate", "shared_up", "shared_down")] if s.shared else []
-    side = {"f": jax_ep.on_stream(shared_swiglu),
-            "s": ep_moe.shared_expert_beside}.get(way, shared_swiglu)
+    side = shared_swiglu
+    if way == "f":
+        side = jax_ep.on_stream(shared_swiglu)
+    elif way == "s":
+        side = ep_moe.shared_expert_beside
     sh = side(x, *shared) if shared and s.shared_overlap else None
     y, dropped = ROUTED[way](s, x, topk_idx, gates, expert_fn)
     dropped = dropped + sum(overflow)  # rows past an expert block (padded experts)
