@@ -193,19 +193,19 @@ def expert_major_capacity(capacity_factor, *, num_tokens, num_ranks, top_k,
 
 
 def shared_expert_beside(x, w_gate, w_up, w_down, *, config=None):
-    """``shared_expert`` as a call on XLA's stream 1 (``jax_ep.on_stream``), its GEMMs sized
-    for the SMs the dispatch and combine of ``config`` leave (``Config.num_blocks``, default
-    64), so that those calls run beside it (XLA's own GEMMs hold every SM: on stream 1 they
-    made the step slower). 2×H200, DeepSeek-V3 shapes: the step 1.4-3.7 % faster than with
-    the shared expert inline (benchmarks/RESULTS.md). Inline, through XLA's dots, where
-    stream calls are not supported (jax < 0.10) or the GPU's SM count is unknown."""
+    """``shared_expert`` as a call on another XLA stream (``jax_ep.on_stream``: the one after
+    the calls' ``Config.stream``), its GEMMs sized for the SMs the dispatch of ``config``
+    leaves (``Config.num_blocks``, 64 by default), so that the calls run beside it (XLA's own
+    GEMMs hold every SM: on stream 1 they made the step slower). 2×H200, DeepSeek-V3 shapes:
+    the step 1.4-3.7 % faster than with the shared expert inline (benchmarks/RESULTS.md).
+    Inline, through XLA's dots, where stream calls are not supported (jax < 0.10) or the
+    GPU's SM count is unknown."""
     sms = _config._multiprocessors()
     if not api.stream_calls_supported() or not sms:
         return shared_expert(x, w_gate, w_up, w_down)
-    blocks = config.num_blocks if config is not None and config.num_blocks else (
-        _config.DEFAULT_BLOCKS)
+    blocks = _config.num_blocks(config, layout=EXPERT_MAJOR)
     fn = functools.partial(shared_expert, gemm_sms=max(sms - blocks, 1))
-    return api.on_stream(fn, 1)(x, w_gate, w_up, w_down)
+    return api.on_stream(fn, _config.stream(config) + 1)(x, w_gate, w_up, w_down)
 
 
 def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity_factor=None,

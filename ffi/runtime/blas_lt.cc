@@ -6,7 +6,6 @@
 #include <dlfcn.h>
 #include <library_types.h>
 
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -102,10 +101,10 @@ cudaDataType_t data_type(GemmType t) {
   }
 }
 
+constexpr int kCandidates = 8, kTuneRuns = 3;  // algorithms timed, runs of each timed
+
 // One GEMM shape's descriptors and chosen algorithm, made once and kept: the heuristic query
 // costs far more host time than the launch.
-constexpr int kCandidates = 8, kTuneRuns = 3;
-
 struct Plan {
   Desc desc = nullptr;
   Layout a = nullptr, b = nullptr, c = nullptr;
