@@ -129,30 +129,25 @@ def _place(axis_name, num_ranks, within_node=False):
             dict(num_ranks=int(num_ranks), stride=axis_stride(axis_name, size)))
 
 
-# The custom calls XLA must keep exactly as written (see _call).
-_STATEFUL = frozenset({"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_receive",
-                       "jax_ep_ll_combine_send", "jax_ep_ll_combine_receive"})
-
-
 def _call(name, result_types, *args, axis_name, vmap_method=None, input_output_aliases=None,
           **attrs):
     """One custom call, its operands and results fenced by optimization barriers.
 
     Why the barriers: XLA:GPU's dynamic-slice fusion (on by default) wraps a custom call whose
     operand is a slice, or whose result feeds a dynamic-update-slice, into a fusion holding a
-    copy of the call, and keeps the original because it has side effects: the kernels then
-    run twice per call (seen on jax 0.11.2). A communication kernel run twice breaks the
-    protocol (a low-latency send numbered twice) and costs its time twice. Behind a barrier
-    no operand or result is a slice; a slice operand is copied, as XLA does anyway when it
-    does not fuse it.
+    copy of the call, and kept the original while the calls declared side effects: the
+    kernels then ran twice per call (seen on jax 0.11.2). A communication kernel run twice
+    breaks the protocol (a low-latency send numbered twice) and costs its time twice. Behind
+    a barrier no operand or result is a slice; a slice operand is copied, as XLA does anyway
+    when it does not fuse it.
 
-    Side effects: only the split low-latency halves declare one (``_STATEFUL``): a send and
-    its receive are a pair around state held on the device (the call number, two calls in
-    flight), which XLA must neither merge, drop, nor run again. Every other call is a
-    function of its operands, as XLA's own collectives are, and the same program runs on
-    every rank, so XLA may merge, hoist or drop it alike everywhere; declared pure, it keeps
-    jax's fast dispatch path (a program with an effect takes the Python one), which took 2-7
-    µs per call off chains of 100 calls (2×H100, benchmarks/RESULTS.md).
+    Side effects: none declared. Every call is a function of its operands, as XLA's own
+    collectives are, and every rank runs the same program, so XLA may merge, hoist or drop a
+    call alike everywhere. A split send and its receive stay a pair: the receive reads every
+    result and operand of its send, so XLA cannot drop or merge one half without the other
+    (identical sends make identical receives; a send whose receive nothing reads goes with
+    it). A program without effects keeps jax's fast (C++) dispatch path: 2-7 µs per call off
+    chains of 100 calls (2×H100, benchmarks/RESULTS.md).
 
     vmap_method: how ``jax.vmap`` batches the call (jax.ffi.ffi_call's); None: it cannot.
     input_output_aliases: {operand: result} buffers the call returns as they are (ffi_call's).
@@ -164,7 +159,7 @@ def _call(name, result_types, *args, axis_name, vmap_method=None, input_output_a
     for arg in args:
         axes.update(varying_axes(arg))
     args = jax.lax.optimization_barrier(args)
-    out = jax.ffi.ffi_call(name, result_types, has_side_effect=name in _STATEFUL,
+    out = jax.ffi.ffi_call(name, result_types, has_side_effect=False,
                            vmap_method=vmap_method,
                            input_output_aliases=input_output_aliases)(*args, **attrs)
     out = jax.lax.optimization_barrier(out)

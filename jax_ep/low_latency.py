@@ -22,7 +22,9 @@ start. XLA orders calls only by data dependencies: tie independent calls togethe
 fused ops of ``jax.grad`` already are) when a program has more, e.g. the next send's inputs to
 the last receive's output with ``x, _ = jax.lax.optimization_barrier((x, received.x))``. A
 send that would overwrite a half whose data is still unread waits, and after
-``JAX_EP_TIMEOUT_S`` traps naming the peer.
+``JAX_EP_TIMEOUT_S`` traps naming the peer. The halves declare no side effects: XLA may merge
+two identical pairs into one and drops a pair whose received values nothing reads, like any
+unused call.
 """
 
 from __future__ import annotations

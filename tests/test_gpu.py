@@ -957,6 +957,46 @@ def test_each_custom_call_runs_once_with_sliced_operands():
                    "dispatch": 1, "combine": 1}, ran
 
 
+def test_split_halves_merged_or_dropped_as_pairs():
+    """The split halves declare no side effects, so XLA may merge identical pairs and drop a
+    pair whose results nothing reads, never one half alone. One program: two identical
+    dispatch pairs, a dispatch and a combine pair that nothing reads, then split calls after
+    them. Results against the reference; as many receives ran as sends, the unread pairs
+    not at all."""
+    from jax_ep import _native
+
+    module = _native.load()[0]
+    xs, idxs, ws, ys, E, M = _ll_series(3)
+
+    def fn(backend, xs, idxs, ws, ys):
+        kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=True,
+                  backend=backend)
+
+        def split(x, idx):
+            return jax_ep.low_latency_dispatch_receive(
+                jax_ep.low_latency_dispatch_send(x, idx, **kw))
+
+        a, b = split(xs[0], idxs[0]), split(xs[0], idxs[0])
+        unread = split(xs[1], idxs[1])
+        jax_ep.low_latency_combine_receive(
+            jax_ep.low_latency_combine_send(ys[1], ws[1], unread.handle), unread.handle)
+        c = split(xs[2], _after(idxs[2], a, b))
+        back = jax_ep.low_latency_combine_receive(
+            jax_ep.low_latency_combine_send(_after(ys[0], c), ws[0], a.handle), a.handle)
+        return (a, b, c), back
+
+    before = module.handler_calls()
+    (outs, back), (outs_r, back_r) = both(fn, xs, idxs, ws, ys)
+    ran = {k[len("jax_ep_ll_"):]: v - before.get(k, 0) for k, v in module.handler_calls().items()
+           if k.startswith("jax_ep_ll_")}
+    for got, want in zip(outs, outs_r):
+        used = np.asarray(want.handle.src_rank) >= 0
+        assert_trees_equal(_ll_used(got, used), _ll_used(want, used), fp8_steps=True)
+    assert_sums_close(back, back_r, jnp.bfloat16)
+    assert ran.get("dispatch_send") == ran.get("dispatch_receive") in (2, 3), ran
+    assert ran.get("combine_send") == ran.get("combine_receive") == 1, ran
+
+
 def test_low_latency_interleaved_split_calls():
     """Six calls with different data in one program (every buffer half reused), then the
     orders send(A), send(B), receive(A), receive(B) and send(A), send(B), receive(B),
