@@ -57,10 +57,17 @@ DEFAULT_BLOCKS = 64
 #   combine 117.2-117.8 with 16, 110.9-112.2 with 32. A later run (4679ada's kernels, 92.4 µs
 #   matmul): send 117.3 with 8 and 12, 112.1 with 16, 111.9 with 20, 112.7 with 24, 113.9
 #   with 32; combine 115.1 with 16, 112.6 with 24, 113.9 with 32, 113.8 with 40.
-# So the combine takes 32 everywhere, the dispatch 16 on an H200 and 8 elsewhere.
+# - Beside a GEMM that leaves the split call its SMs (`experts.batched_matmul(...,
+#   sm_count=num_sms - 16)` on 116 SMs, 2×H200, 2026-11-28, a60c870): combine 86.3 µs steady
+#   with 16 CTAs against 122.6 with 32 and 117.8 with 40 (matmul alone 79.0): the kernel at
+#   32 waits for SMs the GEMM holds. Beside XLA's GEMM on every SM the same run had 115.5
+#   with 16 against 110.5 with 32.
+# So the dispatch takes 16 on an H200 and 8 elsewhere, and the combine 16 everywhere (H100:
+# level with 32 beside XLA's GEMM), so that a GEMM sized for the SMs the dispatch leaves on an
+# H200 leaves the combine its SMs too.
 LOW_LATENCY_SPLIT_DISPATCH_BLOCKS = {"H200": 16}  # device kind contains -> CTAs
 LOW_LATENCY_SPLIT_DISPATCH_BLOCKS_ELSEWHERE = 8
-LOW_LATENCY_SPLIT_COMBINE_BLOCKS = 32
+LOW_LATENCY_SPLIT_COMBINE_BLOCKS = 16
 # Where the processes reach each other's XLA arrays (runtime.xla_windows_open) the pull
 # combine reads y in place and is rank_major's default: 209 µs against the push's 240 on
 # 2×H100 at DeepSeek-V3 shapes with 64 CTAs. Where they do not, the pull stages y first and

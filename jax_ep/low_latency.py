@@ -10,7 +10,7 @@ weights each returned row with the source's gate and sums the K rows of a token 
 that XLA can schedule independent work (another micro-batch's attention) between them; the
 fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable. On CUDA a send
 runs the whole operation on a stream of the extension's own, beside the work that follows it
-on the program's stream (the dispatch 16 CTAs on an H200 and 8 elsewhere, the combine 32,
+on the program's stream (the dispatch 16 CTAs on an H200 and 8 elsewhere, the combine 16,
 unless ``Config(num_blocks=)`` says otherwise: the SMs it holds meanwhile; a send followed at
 once by its receive is faster fused), and its receive only waits for it: pass a pending call
 to one receive, unchanged.

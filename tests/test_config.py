@@ -149,12 +149,12 @@ def test_low_latency_calls_take_their_kernels_block_count(monkeypatch):
 def test_split_low_latency_calls_take_few_ctas_by_default():
     """A split call's kernel runs beside the work after its send: it holds few SMs unless told."""
     assert cfg.resolve_low_latency(None, split="dispatch").num_blocks == 8
-    assert cfg.resolve_low_latency(None, split="combine").num_blocks == 32
+    assert cfg.resolve_low_latency(None, split="combine").num_blocks == 16
     # the dispatch's count is measured per device kind (Device.device_kind as JAX names it)
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     assert cfg.resolve_low_latency(None, split="dispatch", device_kind=h100).num_blocks == 8
     assert cfg.resolve_low_latency(None, split="dispatch", device_kind=h200).num_blocks == 16
-    assert cfg.resolve_low_latency(None, split="combine", device_kind=h200).num_blocks == 32
+    assert cfg.resolve_low_latency(None, split="combine", device_kind=h200).num_blocks == 16
     assert cfg.resolve_low_latency(jax_ep.Config(num_blocks=12), split="dispatch",
                                    device_kind=h200).num_blocks == 12
     assert cfg.resolve_low_latency(None, device_kind=h200).num_blocks is None
