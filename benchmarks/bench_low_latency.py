@@ -51,7 +51,9 @@ def parse_args():
                    help="also print the kernels' phase timestamps of one call (CUDA backend)")
     p.add_argument("--rows", default="",
                    help="time only the rows whose names contain one of these comma-separated "
-                        "pieces (e.g. 'matmul,16 CTAs'); empty: every row")
+                        "pieces (e.g. 'matmul,16 CTAs'), or '|'-separated ones where a piece "
+                        "holds a comma ('matmul alone, on a second stream|send then'); empty: "
+                        "every row")
     p.add_argument("--node-size", type=int, default=None,
                    help="virtual nodes of this many ranks (runtime.initialize(node_size=)): "
                         "the kernels reach other nodes' ranks by NVSHMEM puts, as over a "
@@ -254,7 +256,8 @@ def main():
     idx, x, w, idx_d = random_routing(rng, R, T, H, E, K, shard)
     ll = dict(num_experts=E, max_tokens_per_rank=T, axis_name=AXIS, backend=args.backend)
     rows, profiles, call_profiles, details = [], [], [], []
-    wanted = [piece.strip() for piece in args.rows.split(",") if piece.strip()]
+    wanted = [piece.strip() for piece in args.rows.split("|" if "|" in args.rows else ",")
+              if piece.strip()]
 
     def record(name, f, *a, chained=1, marker=is_ours, kernels=False):
         """Times f; with --profile on a GPU also its kernels' phases (jax_ep's) and the per-call
