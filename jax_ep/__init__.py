@@ -38,6 +38,7 @@ from jax_ep.low_latency import (
     low_latency_dispatch,
     low_latency_dispatch_receive,
     low_latency_dispatch_send,
+    low_latency_split_gemm_sms,
 )
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ __all__ = [
     "low_latency_dispatch",
     "low_latency_dispatch_receive",
     "low_latency_dispatch_send",
+    "low_latency_split_gemm_sms",
     "moe",
     "on_stream",
     "quantize_fp8",

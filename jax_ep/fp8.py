@@ -96,9 +96,10 @@ def _quantize_reference(x, *, ue8m0: bool):
 
 
 def dequantize_fp8(data, scales, dtype=jnp.float32):
-    """Inverse of ``quantize_fp8`` (up to e4m3 rounding)."""
-    T, H = data.shape
-    if scales.shape != (T, H // BLOCK):
-        raise ValueError(f"scales must be {(T, H // BLOCK)}, got {scales.shape}")
-    blocks = data.astype(jnp.float32).reshape(T, H // BLOCK, BLOCK) * scales[..., None]
-    return blocks.reshape(T, H).astype(dtype)
+    """Inverse of ``quantize_fp8`` (up to e4m3 rounding): data ``[..., H]``, scales
+    ``[..., H // 128]`` (e.g. a low-latency dispatch's ``[L, R*M, H]`` rows)."""
+    *lead, H = data.shape
+    if scales.shape != (*lead, H // BLOCK):
+        raise ValueError(f"scales must be {(*lead, H // BLOCK)}, got {scales.shape}")
+    blocks = data.astype(jnp.float32).reshape(*lead, H // BLOCK, BLOCK) * scales[..., None]
+    return blocks.reshape(*lead, H).astype(dtype)

@@ -91,6 +91,25 @@ def low_latency_buffer_size_hint(max_tokens_per_rank, hidden, num_experts, num_t
                                               num_topk, num_ranks, dtype, across_nodes)
 
 
+def low_latency_split_gemm_sms(op="dispatch", config=None) -> int | None:
+    """The SMs to size a GEMM for that runs between a split ``*_send`` of ``op`` ("dispatch"
+    or "combine") and its receive (``experts.batched_matmul(..., sm_count=)``): this GPU's SMs
+    less the CTAs the split call holds (``config``'s ``num_blocks``, else the split default
+    for this GPU). XLA's own GEMMs take one CTA on every SM, which the split kernel then waits
+    for. None without a GPU (a GEMM there takes what it likes)."""
+    if op not in ("dispatch", "combine"):
+        raise ValueError(f"op must be 'dispatch' or 'combine', got {op!r}")
+    api._check_config(config)
+    from jax_ep import _cuda
+    from jax_ep import config as _config
+
+    sms = _config._multiprocessors()
+    if not sms:
+        return None
+    blocks = _config.resolve_low_latency(config, split=op, device_kind=_cuda._gpu_kind())
+    return max(sms - blocks.num_blocks, 1)
+
+
 def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
                          use_fp8=True, ue8m0=False, backend="auto",
                          config=None) -> LowLatencyOutput:

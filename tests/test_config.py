@@ -479,3 +479,25 @@ def test_mesh_axes_inside_and_outside_shard_map():
         pytest.skip(f"jax {jax.__version__} types no varying axes inside shard_map")
     assert seen == dict(a=(AXIS,), b=(), cast=(AXIS,), again=(AXIS,),
                         alike=((AXIS,), (AXIS,))), seen
+
+
+def test_split_gemm_sms_leave_the_split_call_its_ctas(monkeypatch):
+    """The SM count for a GEMM between a split send and its receive: the GPU's SMs less the
+    split call's CTAs (its config's, else the default for the GPU's kind); None off the GPU."""
+    from jax_ep import _cuda
+
+    monkeypatch.delenv("JAX_EP_NUM_BLOCKS", raising=False)
+    monkeypatch.setattr(cfg, "_multiprocessors", lambda: None)
+    assert jax_ep.low_latency_split_gemm_sms() is None
+    monkeypatch.setattr(cfg, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(_cuda, "_gpu_kind", lambda: "NVIDIA H200")
+    assert jax_ep.low_latency_split_gemm_sms("dispatch") == 116
+    assert jax_ep.low_latency_split_gemm_sms("combine") == 116
+    assert jax_ep.low_latency_split_gemm_sms(config=jax_ep.Config(num_blocks=20)) == 112
+    monkeypatch.setattr(_cuda, "_gpu_kind", lambda: "NVIDIA H100 80GB HBM3")
+    assert jax_ep.low_latency_split_gemm_sms("dispatch") == 124
+    assert jax_ep.low_latency_split_gemm_sms("combine") == 116
+    monkeypatch.setenv("JAX_EP_NUM_BLOCKS", "24")  # what the calls themselves would take
+    assert jax_ep.low_latency_split_gemm_sms("dispatch") == 108
+    with pytest.raises(ValueError, match="'dispatch' or 'combine'"):
+        jax_ep.low_latency_split_gemm_sms("layout")
