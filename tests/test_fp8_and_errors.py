@@ -33,6 +33,11 @@ def test_fp8_round_trip_error_bound(ue8m0):
     if ue8m0:
         m, _ = np.frexp(np.asarray(scales))
         assert (m == 0.5).all(), "UE8M0 scales are powers of two"
+    # leading axes (a low-latency dispatch's [L, R*M, H] rows): row by row the same
+    blocks = jax_ep.dequantize_fp8(data.reshape(4, 16, 384), scales.reshape(4, 16, 3))
+    np.testing.assert_array_equal(np.asarray(blocks).reshape(64, 384), back)
+    with pytest.raises(ValueError, match="scales must be"):
+        jax_ep.dequantize_fp8(data.reshape(4, 16, 384), scales)
     rel = np.linalg.norm(back - x) / np.linalg.norm(x)
     assert 1e-3 < rel < 0.05
 
