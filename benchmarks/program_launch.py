@@ -5,9 +5,9 @@
 The benchmarks' "µs per call" is the wall clock of one program of N chained calls over N, so
 it carries the program's fixed cost F (host dispatch, the first kernel's launch, the ranks'
 skew at the start, the wait for the end) once per N calls. This times chains of 1, 10 and 100
-calls of a local op (no communication), of a low-latency FP8 dispatch, of a padded
-``jax.lax.all_to_all`` and (``--normal``) of a normal-mode BF16 dispatch at DeepSeek-V3 shapes,
-fits wall = F + N·t, and records on every process the monotonic clock
+calls of a local op (no communication), of a low-latency FP8 dispatch and BF16 combine, of a
+padded ``jax.lax.all_to_all`` and (``--normal``) of a normal-mode BF16 dispatch at DeepSeek-V3
+shapes, fits wall = F + N·t, and records on every process the monotonic clock
 (system-wide on one host) when the call was made, when it returned (enqueued) and when the
 results were ready, to give the ranks' skew at each execution's start and end.
 """
@@ -31,11 +31,13 @@ p.add_argument("--normal-tokens", type=int, default=4096)
 args = p.parse_args()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep._types import LowLatencyConfig, LowLatencyHandle  # noqa: E402
 
 from timing import build_line, ep_mesh, looped, random_routing  # noqa: E402
 
@@ -83,8 +85,24 @@ def main():
         return jax.lax.all_to_all(x[: R * (T // R)].reshape(R, T // R, H), AXIS, 0, 0,
                                   tiled=True)
 
+    # the combine alone, as bench_low_latency.py times it: one dispatch's handle and rows
+    config = LowLatencyConfig(num_experts=E, num_ranks=R, num_tokens=T, hidden=H, num_topk=K,
+                              max_tokens_per_rank=T, use_fp8=False, axis_name=AXIS,
+                              backend=jax_ep.api._resolve_backend("auto"))
+
+    def handle_arrays(x, idx):
+        o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
+        h = o.handle
+        return (jnp.where((h.src_rank >= 0)[..., None], o.x, 0), h.topk_idx, h.send_slot,
+                h.src_rank, h.src_token, h.src_k, h.recv_count, h.pair_row)
+
+    y, *handle = jax.jit(smap(handle_arrays, in_specs=(P(AXIS),) * 2))(x, idx_d)
+
+    def combine(y, w, *h):
+        return jax_ep.low_latency_combine(y, w, LowLatencyHandle(*h, config=config))
+
     chains = [("local op", local, (x, idx_d)), ("LL dispatch FP8", dispatch, (x, idx_d)),
-              ("all_to_all", padded, (x, idx_d))]
+              ("LL combine BF16", combine, (y, w, *handle)), ("all_to_all", padded, (x, idx_d))]
     if args.normal:
         Tn = args.normal_tokens
         idx_n, x_n, w_n, idx_nd = random_routing(rng, R, Tn, H, E, K, shard)
