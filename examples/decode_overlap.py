@@ -84,7 +84,7 @@ class Layer:
     (None: every SM)."""
 
     def __init__(self, p, sms, backend, E, K, M):
-        self.p, self.sms, self.backend = p, sms, backend
+        self.p, self.sms = p, sms
         self.ll = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, backend=backend)
         self.K = K
 
