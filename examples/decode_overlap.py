@@ -171,18 +171,21 @@ def main():
         sys.exit(f"--experts={E} must be divisible by the {R} devices")
     if H % 128:
         sys.exit(f"--hidden={H} must be a multiple of 128 (one FP8 scale per 128 channels)")
-    backend = jax_ep.api._resolve_backend(args.backend)
-    if backend == "cuda":
+    if args.backend == "cuda" or (args.backend == "auto" and jax.default_backend() == "gpu"):
         from jax_ep import runtime
 
+        # before the backend is resolved: the CUDA backend needs the runtime to be up
         runtime.initialize(low_latency_bytes=jax_ep.low_latency_buffer_size_hint(T, H, E, K, R))
+    backend = jax_ep.api._resolve_backend(args.backend)
     mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     specs = [dict(dense=P(), router=P(), w_in=P(AXIS), w_out=P(AXIS))] * N
     params = init_params(jax.random.key(0), H, F, E, N,
                          [jax.tree.map(lambda s: NamedSharding(mesh, s), sp) for sp in specs])
     shard = NamedSharding(mesh, P(AXIS))
-    xa, xb = (jax.device_put(jax.random.normal(jax.random.key(i), (R * T, H), jnp.bfloat16),
-                             shard) for i in (1, 2))
+    # tokens made where they live, as the weights: a device_put of one process's array would
+    # compare it across processes first (a collective)
+    tokens = jax.jit(lambda k: jax.random.normal(k, (R * T, H), jnp.bfloat16), out_shardings=shard)
+    xa, xb = tokens(jax.random.key(1)), tokens(jax.random.key(2))
     sms = {op: jax_ep.low_latency_split_gemm_sms(op) for op in ("dispatch", "combine")}
     common = dict(backend=backend, E=E, K=K, M=T)
 
@@ -201,9 +204,10 @@ def main():
     got = compiled(partial(interleaved, sms={op: sms["dispatch"] for op in sms}, **common),
                    1)(params[:1], xa, xb)
     tol = 2e-2 if backend == "cuda" else 0.1
-    for w, g in zip(want, got):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                                   rtol=tol, atol=tol)
+    for w, g in zip(want, got):  # this process's shards: no collective to gather them
+        for ws, gs in zip(w.addressable_shards, g.addressable_shards):
+            np.testing.assert_allclose(np.asarray(gs.data, np.float32),
+                                       np.asarray(ws.data, np.float32), rtol=tol, atol=tol)
     t_plain = median_ms(plain, params, xa, xb, repeats=args.repeats)
     t_split = median_ms(split, params, xa, xb, repeats=args.repeats)
     if jax.process_index() == 0:

@@ -421,6 +421,20 @@ def test_runtime_variables_are_read_in_the_config_module(monkeypatch):
     assert cfg.command_buffers()
 
 
+def test_only_local_targets_are_command_buffer_compatible_by_default(monkeypatch):
+    from jax_ep import _native
+
+    monkeypatch.delenv("JAX_EP_COMMAND_BUFFERS", raising=False)
+    assert _native.command_buffer_traits("jax_ep_layout")["traits"]
+    assert _native.command_buffer_traits("jax_ep_quantize_fp8")["traits"]
+    # calls that wait for peers or number calls on the device stay out of XLA's graphs
+    for name in ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
+                 "jax_ep_ll_combine", "jax_ep_batched_matmul"):
+        assert _native.command_buffer_traits(name) == {}
+    monkeypatch.setenv("JAX_EP_COMMAND_BUFFERS", "1")
+    assert _native.command_buffer_traits("jax_ep_dispatch")["traits"]
+
+
 def test_the_default_dispatch_is_fused_at_any_cta_count(monkeypatch):
     # in place that is the lean push, which wins at 24 CTAs as at 64 (benchmarks/RESULTS.md)
     for in_place in (True, False):

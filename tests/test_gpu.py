@@ -136,6 +136,23 @@ def test_layout_matches_reference(T, per_rank, K):
     assert_trees_equal(*both(fn, idx))
 
 
+def test_layouts_between_fusions_match_reference():
+    # The layout target is command-buffer compatible: XLA may record these calls and the
+    # fusions between them into one CUDA graph (launched without programmatic serialization)
+    R = num_ranks()
+    E = 16 * R
+    _, idx, _ = make_inputs(np.random.default_rng(5), R, 4096, 8, 8, E, "random", 0.1)
+
+    def fn(backend, idx):
+        outs = []
+        for shift in range(6):
+            moved = jnp.where(idx >= 0, (idx + shift * 3) % E, idx)  # a fusion before each
+            outs.append(jax_ep.get_dispatch_layout(moved, E, axis_name=AXIS, backend=backend))
+        return outs
+
+    assert_trees_equal(*both(fn, idx))
+
+
 CASES = [
     # T, H, K, experts per rank, routing, mask, dtype, capacity factor
     (64, 256, 4, 3, "random", 0.0, jnp.bfloat16, None),
