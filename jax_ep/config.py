@@ -85,7 +85,7 @@ ENVIRONMENT = {
     "JAX_EP_TIMEOUT_S": "Config.timeout_s where unset",
     "JAX_EP_BUFFER_BYTES": "the symmetric buffer where initialize() gets no size",
     "JAX_EP_LL_BUFFER_BYTES": "the low-latency buffer where initialize() gets none",
-    "JAX_EP_COMMAND_BUFFERS": "1: the custom calls may be recorded into XLA's command buffers",
+    "JAX_EP_COMMAND_BUFFERS": "1: every custom call may be recorded into XLA's command buffers",
 }
 
 
@@ -442,6 +442,6 @@ def low_latency_bytes_override() -> int:
 
 
 def command_buffers() -> bool:
-    """``JAX_EP_COMMAND_BUFFERS=1``: the custom calls are declared command-buffer compatible
-    (XLA may record them into CUDA graphs); off unless set."""
+    """``JAX_EP_COMMAND_BUFFERS=1``: every custom call is declared command-buffer compatible
+    (XLA may record it into CUDA graphs); unset, only the local ones (``_native.LOCAL_TARGETS``)."""
     return os.environ.get("JAX_EP_COMMAND_BUFFERS", "0") == "1"

@@ -71,9 +71,9 @@ class KernelStreams {
 // Kernels are launched to start while the kernel before them drains (programmatic stream
 // serialization; each such kernel waits in wait_previous_kernel before reading anything):
 // 2-4 µs less per normal-mode call on 2×H200 (benchmarks/RESULTS.md). Not while the stream
-// is captured into a CUDA graph (JAX_EP_COMMAND_BUFFERS=1): the low-latency tests passed
-// there with plain launches, and programmatic edges in captured graphs, cooperative launches
-// among them, have not been run.
+// is captured into a CUDA graph (the local targets' calls; every call under
+// JAX_EP_COMMAND_BUFFERS=1): the low-latency tests passed there with plain launches, and
+// programmatic edges in captured graphs, cooperative launches among them, have not been run.
 inline bool programmatic_launch_on(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   return cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
