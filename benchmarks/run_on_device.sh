@@ -173,10 +173,16 @@ if [[ ,$WHAT, == *,moelayer,* ]]; then  # one MoE layer's training step, four wa
     2>&1 | tee "$OUT/bench_moe_layer_$N.log" | grep -E "^\[rank 0\]" | sed 's/^\[rank 0\] //'
 fi
 if [[ $WHAT == *example* && -n ${GPUS:-} ]]; then
-  step "example skipped: its XLA collectives (NCCL) need one GPU per rank"
+  step "training example skipped: its XLA collectives (NCCL) need one GPU per rank"
 elif [[ $WHAT == *example* ]]; then
-  step "example on $N GPUs"
+  step "training example on $N GPUs"
   timeout 200 $PY -m jax_ep.launch -n "$N" $SHARE examples/moe_layer.py --backend cuda --steps 5 \
     --experts 16 2>&1 | tee "$OUT/example_$N.log" | grep "\[rank 0\]" | tail -8
+fi
+if [[ $WHAT == *example* ]]; then  # no collective of XLA's: it runs on shared GPUs too
+  step "decode example on $N ranks"
+  timeout 240 $PY -m jax_ep.launch -n "$N" $SHARE examples/decode_overlap.py --backend cuda \
+    --tokens 128 --hidden 7168 --ffn 2048 --experts 16 --top-k 8 2>&1 |
+    tee "$OUT/decode_example_$N.log" | grep "\[rank 0\] [a-z0-9]" | tail -6
 fi
 exit $status
