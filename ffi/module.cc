@@ -245,9 +245,11 @@ NB_MODULE(_C, m) {
   m.def("profile_reset", [] {
     nb::gil_scoped_release release;
     jax_ep::reset_profile();
-  }, "Clears the communication kernels' phase timestamps (synchronises the device)");
+  }, "Clears the communication kernels' phase timestamps and has the kernels stamp them until "
+     "the next profile_read (synchronises the device)");
   m.def("profile_read", [] { return synchronised_list(jax_ep::read_profile); },
-        "Phase timestamps [kernel slot][enter, waited, first end, last end] in ns (synchronises)");
+        "Phase timestamps [kernel slot][enter, waited, first end, last end] in ns since "
+        "profile_reset; stamping stops (synchronises)");
   m.def("required_buffer_bytes", &jax_ep::required_buffer_bytes, nb::arg("num_ranks"),
         nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("elem_bytes"), nb::arg("num_topk"),
         nb::arg("num_experts"), nb::arg("capacity"), nb::arg("expert_major"), nb::arg("fp8"),

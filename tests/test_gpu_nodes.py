@@ -174,11 +174,14 @@ def test_low_latency_with_a_rank_on_every_node_matches_reference(fp8):
 # ----------------------------------------------------------------------------- normal mode
 
 def _normal_mode_calls(layout, capacity, fp8, axis_name):
-    """fn(backend, x, idx, w, y, row_w, g): dispatch, weighted and plain combines, the cached
-    dispatch of the combine's backward and that backward."""
-    def fn(backend, x, idx, w, y, row_w, g):
+    """fn(backend, *sent, idx, w, y, row_w, g): dispatch, weighted and plain combines, the
+    cached dispatch of the combine's backward and that backward. sent: x, or with fp8 the
+    oracle's (data, scales), the same pair on both sides (where ranks share GPUs the reference
+    runs on the CPU, where jax_ep.quantize_fp8's default would still pick the CUDA kernel)."""
+    def fn(backend, *args):
+        *sent, idx, w, y, row_w, g = args
         E = NUM_EXPERTS
-        sent = jax_ep.quantize_fp8(x) if fp8 else x
+        sent = tuple(sent) if fp8 else sent[0]
         out = jax_ep.dispatch(sent, idx, w, num_experts=E, axis_name=axis_name, layout=layout,
                               capacity=capacity, expert_alignment=ALIGN.get(layout, 1),
                               backend=backend)
@@ -218,7 +221,7 @@ def test_normal_mode_across_nodes_matches_reference(mesh, layout, fp8, capacity)
     y = np.asarray(jnp.asarray(rng.standard_normal((W, C_full, H)), jnp.bfloat16))
     row_w = rng.random((W, C_full)).astype(np.float32)
     g_out = np.asarray(jnp.asarray(rng.standard_normal((W, T, H)), jnp.bfloat16))
-    args = (x, idx, w, y, row_w, g_out)
+    args = (*(g.oracle.quantize_fp8(x) if fp8 else (x,)), idx, w, y, row_w, g_out)
     if mesh == "whole_job":
         got, want = g.both(_normal_mode_calls(layout, C, fp8, g.AXIS), *args)
     else:

@@ -13,11 +13,12 @@
 namespace jax_ep {
 
 // Thread 0 of each block stamps a phase of this kernel into Control::profile (one atomic per
-// block and phase: negligible next to the kernel). kEnter/kFirstEnd keep the earliest time,
-// kWaited/kLastEnd the latest.
+// block and phase), where the handler was given a row (only while the host profiles:
+// next_profile_row). kEnter/kFirstEnd keep the earliest time, kWaited/kLastEnd the latest.
 enum ProfilePhase { kEnter = 0, kWaited = 1, kFirstEnd = 2, kLastEnd = 3, kRetired = 4 };
 
 __device__ __forceinline__ void profile_stamp(const PeerContext& ctx, int slot, ProfilePhase ph) {
+  if (ctx.profile == nullptr) return;
   unsigned long long* p = &ctx.profile[slot][ph];
   const unsigned long long now = global_timer_ns();
   if (ph == kEnter || ph == kFirstEnd) atomicMin(p, now); else atomicMax(p, now);

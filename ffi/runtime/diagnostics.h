@@ -33,11 +33,13 @@ void stop_fault_watchdog();
 void set_fault_exit_s(double seconds);
 
 // Phase timestamps of the communication kernels (Control::profile, every row of the ring),
-// after a device sync; the reset also restarts the row count.
+// after a device sync; the reset also restarts the row count. Handler calls get a row only
+// between a reset and the next read (next_profile_row).
 std::vector<unsigned long long> read_profile();
 void reset_profile();
-// The profile row of the next handler call (device pointer into this PE's Control). Counted
-// on the host: calls replayed from a CUDA graph keep the row they were recorded with.
+// The profile row of the next handler call (device pointer into this PE's Control), nullptr
+// (the kernels stamp nothing) outside reset_profile() ... read_profile(). Counted on the host:
+// calls replayed from a CUDA graph keep the row they were recorded with.
 unsigned long long (*next_profile_row())[kProfilePhases];
 // The profile row of kernels kept in cached copy-engine graphs: one row for every call, so
 // that their arguments (and the cache) do not change with the row.

@@ -26,8 +26,8 @@ struct PeerContext {
   uint64_t timeout_ns;   // a wait longer than this ends in a trap naming the peer
   const int32_t* expected_rank;  // the EP axis index the program computed (must equal rank)
   FaultRecord* fault;    // mapped host memory for the timeout report (may be null)
-  // This PE's Control::profile in the normal-mode buffer (the low-latency kernels stamp
-  // their phases there too).
+  // This PE's Control::profile row in the normal-mode buffer (the low-latency kernels stamp
+  // their phases there too); nullptr: no stamps.
   unsigned long long (*profile)[kProfilePhases];
   int pe_base, pe_stride;  // the group's PEs: pe_base + r * pe_stride
   int num_pes;             // PEs of the job (peers[pe] is nullptr for another node's)
