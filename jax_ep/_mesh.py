@@ -23,6 +23,15 @@ def axis_stride(axis_name, num_ranks) -> int:
     return int(np.prod(sizes[k + 1:], dtype=np.int64))
 
 
+def traced_platform() -> str | None:
+    """The platform ("gpu", "cpu", ...) of the devices of the mesh being traced (inside
+    ``shard_map``, or under ``jax.sharding.use_mesh``); None outside a mesh or where this jax's
+    abstract mesh does not say (before 0.7)."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
+    return getattr(getattr(mesh, "abstract_device", None), "platform", None)
+
+
 def varying_axes(value) -> tuple:
     """The mesh axes over which ``value`` varies inside ``shard_map``, sorted (() outside it);
     jax keeps them in the aval's manual-axes type (0.11) or its ``vma`` (0.7 to 0.10)."""

@@ -20,7 +20,7 @@ import numpy as np
 from jax_ep import config as _config
 from jax_ep import fp8 as _fp8
 from jax_ep import reference as _reference
-from jax_ep._mesh import axis_stride, vary_alike
+from jax_ep._mesh import axis_stride, traced_platform, vary_alike
 from jax_ep._types import (
     EXPERT_MAJOR,
     LAYOUTS,
@@ -56,6 +56,8 @@ def cuda_available() -> tuple[bool, str]:
 
 
 def _resolve_backend(name: str) -> str:
+    """"auto": the CUDA kernels where they can run and the mesh being traced (if any) is of
+    GPUs, else the reference (e.g. a program on the host's devices in a GPU process)."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "reference":
@@ -63,6 +65,12 @@ def _resolve_backend(name: str) -> str:
     ok, why = cuda_available()
     if name == "cuda" and not ok:
         raise RuntimeError(f"backend='cuda' cannot run: {why}")
+    platform = traced_platform()
+    if ok and platform not in (None, "gpu"):
+        if name == "cuda":
+            raise ValueError(f"backend='cuda' runs on GPUs; this call is traced on a mesh of "
+                             f"{platform} devices (backend='auto' takes the reference there)")
+        return "reference"
     return "cuda" if ok else "reference"
 
 
@@ -381,7 +389,8 @@ def dispatch(x, topk_idx, topk_weights=None, *, num_experts, axis_name, capacity
         default path quantises in its send kernel, the others first (one kernel). As with an
         FP8 pair, no gradient flows back to x.
       ue8m0: with ``use_fp8``, every scale a power of two.
-      backend: ``"auto"``, ``"reference"`` or ``"cuda"``.
+      backend: ``"auto"`` (the CUDA kernels where the extension runs and the mesh is of
+        GPUs, else the reference), ``"reference"`` or ``"cuda"``.
       config: a ``jax_ep.Config`` (data paths, CTAs) for the CUDA kernels; the handle keeps it
         for the combine and both backward passes. None: the environment's overrides and the
         measured defaults (``jax_ep.config``).

@@ -242,6 +242,45 @@ def test_low_latency_calls_take_no_stream():
         run(fn, R, np.ones((R, T, H), np.float32), np.zeros((R, T, K), np.int32))
 
 
+def test_auto_takes_the_reference_on_a_mesh_of_host_devices(monkeypatch):
+    """In a process whose CUDA backend runs, a program on the host's devices (an oracle, a CPU
+    mesh) gets the reference from "auto", and a clear error from "cuda" at trace time, not an
+    XLA error for a custom call the host platform lacks."""
+    from jax_ep import api
+    from jax_ep._mesh import traced_platform
+
+    R, T, H, K, E = 2, 8, 256, 2, 4
+    host = jax.devices("cpu")[:R]
+    if len(host) < R:
+        pytest.skip(f"needs {R} host devices")
+
+    def on_host(fn, *args):
+        return run(fn, R, *args, devices=host)
+
+    seen = []
+    on_host(lambda a: (seen.append(traced_platform()), a)[1], np.zeros((R, 1), np.float32))
+    if seen[0] is None:
+        pytest.skip("this jax's abstract mesh does not name its devices' platform")
+    x, idx, w = make_inputs(np.random.default_rng(5), R, T, H, K, E, "random", 0.0)
+
+    def fn(backend):
+        def call(x, idx, w):
+            data, scales = jax_ep.quantize_fp8(x, backend=backend)
+            out = jax_ep.dispatch((data, scales), idx, w, num_experts=E, axis_name=AXIS,
+                                  backend=backend)
+            return data, scales, out.x
+        return call
+
+    want = on_host(fn("reference"), x, idx, w)
+    monkeypatch.setattr(api, "cuda_available", lambda: (True, ""))  # as in a GPU process
+    got = on_host(fn("auto"), x, idx, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="backend='cuda' runs on GPUs; this call is traced on "
+                                         "a mesh of cpu devices"):
+        on_host(fn("cuda"), x, idx, w)
+
+
 def test_a_config_naming_auto_takes_the_backend_auto_resolves_to():
     # handles and configs built outside the public calls (benchmarks, saved handles) may keep
     # "auto": it must mean what it means in the public calls, never silently the reference
