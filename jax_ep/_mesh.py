@@ -25,8 +25,8 @@ def axis_stride(axis_name, num_ranks) -> int:
 
 def traced_platform() -> str | None:
     """The platform ("gpu", "cpu", ...) of the devices of the mesh being traced (inside
-    ``shard_map``, or under ``jax.sharding.use_mesh``); None outside a mesh or where this jax's
-    abstract mesh does not say (before 0.7)."""
+    ``shard_map``, or under a mesh context such as ``jax.set_mesh``); None outside a mesh or
+    where this jax's abstract mesh does not say."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get_mesh() if get_mesh is not None else None
     return getattr(getattr(mesh, "abstract_device", None), "platform", None)

@@ -25,12 +25,13 @@ _KV_TIMEOUT_MS = 120_000
 _fetch_ids = itertools.count()
 
 
-def mesh(num_ranks, devices=None):
+def mesh(num_ranks, devices=None, axis_type="Auto"):
+    """axis_type: "Auto", or "Explicit" (jax.make_mesh's default from jax 0.7 on)."""
     devices = jax.devices() if devices is None else devices
     if len(devices) < num_ranks:
         raise RuntimeError(f"need {num_ranks} devices, have {len(devices)}")
     return jax.make_mesh((num_ranks,), (AXIS,), devices=devices[:num_ranks],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+                         axis_types=(getattr(jax.sharding.AxisType, axis_type),))
 
 
 def put(array, sharding):
@@ -69,13 +70,14 @@ def _gather_over_kv_store(array):
     return out
 
 
-def run(fn, num_ranks, *args, jit=True, devices=None):
+def run(fn, num_ranks, *args, jit=True, devices=None, axis_type="Auto"):
     """args: arrays shaped [R, ...] (slice r goes to rank r).
 
     fn gets the per-rank slices and returns a pytree; every leaf comes back stacked as [R, ...].
-    devices: the mesh's devices (default: all of the default backend's).
+    devices: the mesh's devices (default: all of the default backend's); axis_type: the mesh
+    axis's type (``mesh``).
     """
-    m = mesh(num_ranks, devices)
+    m = mesh(num_ranks, devices, axis_type)
 
     def per_device(*local):
         out = fn(*[a[0] for a in local])

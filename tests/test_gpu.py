@@ -83,10 +83,11 @@ def num_ranks():
     return jax.device_count()
 
 
-def both(fn, *args):
-    """Run fn(backend, *per_rank_args) with the CUDA and the reference backend."""
+def both(fn, *args, axis_type="Auto"):
+    """Run fn(backend, *per_rank_args) with the CUDA and the reference backend (the CUDA one on
+    a mesh whose axis is of `axis_type`)."""
     R = num_ranks()
-    cuda = run(lambda *a: fn("cuda", *a), R, *args)
+    cuda = run(lambda *a: fn("cuda", *a), R, *args, axis_type=axis_type)
     # On shared GPUs the reference's collectives cannot use NCCL: it runs on this process's
     # host devices instead (conftest gives it R of them).
     ref_devices = jax.local_devices(backend="cpu")[:R] if SHARED_GPUS else None
@@ -695,6 +696,35 @@ def test_moe_gradients_match_reference(layout, copy, monkeypatch):
         got, want = both(fn, x, router_r, w_in_r, w_out_r)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="this jax has no explicit sharding")
+def test_calls_on_explicit_mesh_axes_match_reference():
+    """jax.make_mesh's default axis type (jax 0.7 on): the MoE block's gradients through the
+    dispatch and combine kernels, and the low-latency round trip, on an Explicit mesh axis."""
+    R = num_ranks()
+    T, H, F, E, top_k = 32, 64, 48, 4 * R, 2
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
+    router = np.broadcast_to(np.asarray(jax.random.normal(k1, (H, E))), (R, H, E)).copy()
+    w_in = np.asarray(jax.random.normal(k2, (E, H, F)) / np.sqrt(H)).reshape(R, E // R, H, F)
+    w_out = np.asarray(jax.random.normal(k3, (E, F, H)) / np.sqrt(F)).reshape(R, E // R, F, H)
+    x = np.asarray(jax.random.normal(k4, (R, T, H)))
+    with jax.default_matmul_precision("float32"):
+        got, want = both(moe_grads(top_k=top_k, axis_name=AXIS, layout="expert_major"),
+                         x, router, w_in, w_out, axis_type="Explicit")
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    M = 16
+    x, idx, w, E = _ll_inputs(11, M, 256, "random", 0.1)
+    y = np.asarray(jnp.asarray(np.random.default_rng(11).standard_normal(
+        (R, E // R, R * M, 256)), jnp.bfloat16))
+
+    def fn(backend, x, idx, w, y):
+        return ll_round_trip(x, idx, w, y, num_experts=E, max_tokens_per_rank=M, axis_name=AXIS,
+                             use_fp8=True, backend=backend)
+
+    assert_ll_round_trip(*both(fn, x, idx, w, y, axis_type="Explicit"))
 
 
 # ----------------------------------------------------------------------------- low latency
