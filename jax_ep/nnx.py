@@ -125,8 +125,21 @@ class MoE(nnx.Module):
             return y, aux
 
         tokens = P(self.token_axes if groups else self.axis_name)
-        run = jax.shard_map(per_device, mesh=mesh,
-                            in_specs=(tokens, params.partition_specs(self.axis_name)),
+        specs = params.partition_specs(self.axis_name)
+        run = jax.shard_map(per_device, mesh=mesh, in_specs=(tokens, specs),
                             out_specs=(tokens, P()))
-        y, aux = run(x, params)
-        return y.reshape(shape), aux
+        if not _explicit(mesh):
+            y, aux = run(x, params)
+            return y.reshape(shape), aux
+        # Explicit axes: shard_map takes inputs only as its specs say (no implicit resharding),
+        # and y leaves with x's sharding, as an op on Explicit axes would
+        given = jax.typeof(x).sharding.spec
+        y, aux = run(jax.sharding.reshard(x, tokens),
+                     jax.tree.map(jax.sharding.reshard, params, specs))
+        return jax.sharding.reshard(y, given).reshape(shape), aux
+
+
+def _explicit(mesh) -> bool:
+    """Whether any axis of `mesh` is Explicit (jax.make_mesh's default from jax 0.7)."""
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()))

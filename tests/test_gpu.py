@@ -11,6 +11,7 @@ started by the launcher, every test here is skipped with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -1286,17 +1287,21 @@ def test_moe_layer_matches_reference(dtype, factor, beside):
 
 
 @needs_nccl
-def test_nnx_module_matches_reference():
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_nnx_module_matches_reference(axis_type):
     """jax_ep.nnx.MoE on the kernels (global arrays over every process's GPU, nnx.jit): output
-    and parameter gradients equal to the same module on the reference backend."""
+    and parameter gradients equal to the same module on the reference backend; Explicit:
+    jax.make_mesh's default axis type from jax 0.7, under jax.set_mesh."""
     nnx = pytest.importorskip("flax.nnx", reason="flax not installed (pip install jax_ep[flax])")
     from jax_ep.nnx import MoE
 
     from ep import fetch, mesh, put
 
+    if axis_type == "Explicit" and not hasattr(jax, "set_mesh"):
+        pytest.skip("this jax has no jax.set_mesh")
     R = num_ranks()
     T, H, F, E = 16, 64, 32, 4 * R
-    m = mesh(R)
+    m = mesh(R, axis_type=axis_type)
 
     def layer(backend):  # the same seed: the same parameters
         return MoE(H, F, E, top_k=2, shared_ffn=F, axis_name=AXIS, mesh=m, backend=backend,
@@ -1310,7 +1315,8 @@ def test_nnx_module_matches_reference():
         return jnp.sum(jnp.sin(y)) + 0.1 * aux.load_balancing_loss, (y, aux.num_dropped)
 
     step = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
-    with jax.default_matmul_precision("float32"):
+    context = jax.set_mesh(m) if axis_type == "Explicit" else contextlib.nullcontext()
+    with jax.default_matmul_precision("float32"), context:
         got = step(layer("cuda"), x)
         want = step(layer("reference"), x)
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)

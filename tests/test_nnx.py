@@ -3,6 +3,7 @@ nnx.jit, training with optax, and the optional-dependency contract."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,34 +28,47 @@ def experts_split(array, m):
     return array.sharding.is_equivalent_to(want, array.ndim)
 
 
-def ep_moe(R, *, shared_ffn=None, **kw):
-    return MoE(8, 6, 2 * R, top_k=2, shared_ffn=shared_ffn, axis_name=AXIS, mesh=mesh(R),
-               backend="reference", router_init=nnx.initializers.normal(1.0),
-               rngs=nnx.Rngs(R), **kw)
+def ep_moe(R, *, shared_ffn=None, axis_type="Auto", **kw):
+    return MoE(8, 6, 2 * R, top_k=2, shared_ffn=shared_ffn, axis_name=AXIS,
+               mesh=mesh(R, axis_type=axis_type), backend="reference",
+               router_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(R), **kw)
 
 
-@pytest.mark.parametrize("shared_ffn", [None, 4])
-def test_forward_and_grads_match_dense(shared_ffn):
+# Explicit: jax.make_mesh's default axis type from jax 0.7, x replicated or split by batch
+@pytest.mark.parametrize("shared_ffn,axis_type,x_spec", [
+    (None, "Auto", None), (4, "Auto", None), (4, "Explicit", None), (None, "Explicit", AXIS)])
+def test_forward_and_grads_match_dense(shared_ffn, axis_type, x_spec):
     R = 4
-    layer = ep_moe(R, shared_ffn=shared_ffn)
-    assert experts_split(layer.w_gate[...], mesh(R))
+    if axis_type == "Explicit" and not hasattr(jax, "set_mesh"):
+        pytest.skip("this jax has no jax.set_mesh")
+    layer = ep_moe(R, shared_ffn=shared_ffn, axis_type=axis_type)
+    m = mesh(R, axis_type=axis_type)
+    assert experts_split(layer.w_gate[...], m)
     assert layer.router[...].sharding.is_fully_replicated
     x = jax.random.normal(jax.random.key(1), (R, 3, 8))  # [batch, seq, H]: 3 tokens per rank
     target = jax.random.normal(jax.random.key(2), x.shape)
+    if x_spec is not None:
+        x = jax.device_put(x, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec(x_spec)))
 
     def loss(layer, x):
         y, aux = layer(x)
         return jnp.sum((y - target) ** 2) + LB * aux.load_balancing_loss, (y, aux)
 
-    (got_loss, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+    with jax.set_mesh(m) if axis_type == "Explicit" else contextlib.nullcontext():
+        (got_loss, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+    if axis_type == "Explicit":  # y leaves split as x came in
+        spec = jax.sharding.PartitionSpec(x_spec)
+        assert y.sharding.is_equivalent_to(jax.sharding.NamedSharding(m, spec), y.ndim)
 
     def dense(params, x):
         y, aux = moe.dense_moe_layer(x.reshape(-1, 8), params, top_k=2)
         y = y.reshape(x.shape)
         return jnp.sum((y - target) ** 2) + LB * aux.load_balancing_loss, (y, aux)
 
-    params = layer.moe_params()
-    (want_loss, (want_y, want_aux)), want = jax.value_and_grad(dense, has_aux=True)(params, x)
+    # the oracle on one device, from plain copies (not the mesh's Explicit-typed arrays)
+    params = jax.tree.map(np.asarray, layer.moe_params())
+    (want_loss, (want_y, want_aux)), want = jax.value_and_grad(dense, has_aux=True)(
+        params, np.asarray(x))
     assert y.shape == x.shape
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
@@ -83,10 +97,13 @@ class Model(nnx.Module):
         return self.out(h + y), aux
 
 
-def test_trains_inside_a_model_under_nnx_jit():
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_trains_inside_a_model_under_nnx_jit(axis_type):
     optax = pytest.importorskip("optax", reason="optax not installed")
+    if axis_type == "Explicit" and not hasattr(jax, "set_mesh"):
+        pytest.skip("this jax has no jax.set_mesh")
     R, T, H = 4, 8, 8
-    m = mesh(R)
+    m = mesh(R, axis_type=axis_type)
     with jax.set_mesh(m):  # no mesh= given: the module takes the current one
         model = Model(H, R, nnx.Rngs(0))
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
