@@ -244,8 +244,7 @@ def test_low_latency_calls_take_no_stream():
 
 def test_auto_takes_the_reference_on_a_mesh_of_host_devices(monkeypatch):
     """In a process whose CUDA backend runs, a program on the host's devices (an oracle, a CPU
-    mesh) gets the reference from "auto", and a clear error from "cuda" at trace time, not an
-    XLA error for a custom call the host platform lacks."""
+    mesh) gets the reference from "auto", not custom calls the host platform lacks."""
     from jax_ep import api
     from jax_ep._mesh import traced_platform
 
@@ -276,9 +275,6 @@ def test_auto_takes_the_reference_on_a_mesh_of_host_devices(monkeypatch):
     got = on_host(fn("auto"), x, idx, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    with pytest.raises(ValueError, match="backend='cuda' runs on GPUs; this call is traced on "
-                                         "a mesh of cpu devices"):
-        on_host(fn("cuda"), x, idx, w)
 
 
 def test_a_config_naming_auto_takes_the_backend_auto_resolves_to():

@@ -398,7 +398,9 @@ def test_quantize_fp8_takes_the_kernel_inside_shard_map_only(monkeypatch):
     import jax_ep
     from jax_ep import api
 
+    # as in a GPU process, lowering a program of its GPUs (here traced on host devices)
     monkeypatch.setattr(api, "cuda_available", lambda: (True, ""))
+    monkeypatch.setattr(api, "traced_platform", lambda: "gpu")
     x = jnp.zeros((8, 256), jnp.bfloat16)
     inside = _lowered_for_cuda(lambda x: jax_ep.quantize_fp8(x)[1], x)
     assert "@jax_ep_quantize_fp8" in inside
