@@ -133,10 +133,12 @@ class MoE(nnx.Module):
             return y.reshape(shape), aux
         # Explicit axes: shard_map takes inputs only as its specs say (no implicit resharding),
         # and y leaves with x's sharding, as an op on Explicit axes would
+        def place(a, spec):
+            return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+
         given = jax.typeof(x).sharding.spec
-        y, aux = run(jax.sharding.reshard(x, tokens),
-                     jax.tree.map(jax.sharding.reshard, params, specs))
-        return jax.sharding.reshard(y, given).reshape(shape), aux
+        y, aux = run(place(x, tokens), jax.tree.map(place, params, specs))
+        return place(y, given).reshape(shape), aux
 
 
 def _explicit(mesh) -> bool:
