@@ -7,11 +7,17 @@ import jax
 import numpy as np
 
 
+def abstract_mesh():
+    """The mesh being traced (inside ``shard_map`` or a mesh context), or None where this jax
+    has no ``get_abstract_mesh``; outside both, an empty mesh."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
+    return get_mesh() if get_mesh is not None else None
+
+
 def axis_stride(axis_name, num_ranks) -> int:
     """The EP axis's stride in the mesh's row-major device order (the product of the sizes of
     the axes after it; 1 outside a mesh context, as in the lowering tests)."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
-    mesh = get_mesh() if get_mesh is not None else None
+    mesh = abstract_mesh()
     shape = dict(getattr(mesh, "shape", None) or {})
     names, sizes = tuple(shape), tuple(shape.values())
     if axis_name not in names:
@@ -27,9 +33,7 @@ def traced_platform() -> str | None:
     """The platform ("gpu", "cpu", ...) of the devices of the mesh being traced (inside
     ``shard_map``, or under a mesh context such as ``jax.set_mesh``); None outside a mesh or
     where this jax's abstract mesh does not say."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get_mesh() if get_mesh is not None else None
-    return getattr(getattr(mesh, "abstract_device", None), "platform", None)
+    return getattr(getattr(abstract_mesh(), "abstract_device", None), "platform", None)
 
 
 def varying_axes(value) -> tuple:

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep._mesh import abstract_mesh
+
 BLOCK = 128
 E4M3_MAX = 448.0
 INV_E4M3_MAX = np.float32(1.0 / E4M3_MAX)  # what the CUDA kernel uses: float(1.0 / 448.0)
@@ -49,8 +51,7 @@ def quantize_fp8(x, *, ue8m0: bool = False, backend: str = "auto"):
 
 
 def _inside_full_shard_map() -> bool:
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # absent in older jax
-    mesh = get_mesh() if get_mesh is not None else None
+    mesh = abstract_mesh()
     if mesh is None or mesh.empty:
         return False
     every = getattr(mesh, "are_all_axes_manual", None)  # a property from jax 0.7 on
