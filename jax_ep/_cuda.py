@@ -536,14 +536,14 @@ def _ll_attrs(config: LowLatencyConfig, *, split=None):
 
 
 def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
-    L, RM = config.num_local_experts, config.rows_per_expert
+    rows = config.rows_shape  # the handlers read the layout from x's rank
     i32 = jnp.int32
-    src = (L, RM) if with_src else (0,)
+    src = rows if with_src else (0,)
     pairs = (config.num_ranks, config.num_tokens, config.num_topk) if with_src else (0,)
     return (
-        jax.ShapeDtypeStruct((L, RM, width), dtype),
-        jax.ShapeDtypeStruct((L, RM, width // 128) if fp8 else (0,), jnp.float32),
-        jax.ShapeDtypeStruct((L,), i32),
+        jax.ShapeDtypeStruct(rows + (width,), dtype),
+        jax.ShapeDtypeStruct(rows + (width // 128,) if fp8 else (0,), jnp.float32),
+        jax.ShapeDtypeStruct((config.num_local_experts,), i32),
         jax.ShapeDtypeStruct(src, i32),
         jax.ShapeDtypeStruct(src, i32),
         jax.ShapeDtypeStruct(src, i32),
@@ -609,8 +609,8 @@ def low_latency_dispatch(x, topk_idx, config: LowLatencyConfig) -> LowLatencyOut
 
 
 def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
-    """[T, D] -> [L, R*M, D] rows at the handle's positions, no quantisation; rows past
-    recv_count are unspecified (the reference zeroes them)."""
+    """[T, D] -> [L, R*M, D] (or the packed rows) at the handle's positions, no quantisation;
+    rows past recv_count are unspecified (the reference zeroes them)."""
     return _ll_fused_dispatch(x, handle.topk_idx, handle.send_slot, handle.config,
                               cached=True)[3]
 
@@ -622,7 +622,7 @@ def _ll_combine_args(y, topk_weights, handle: LowLatencyHandle):
 
 def _ll_combine_types(config: LowLatencyConfig, y):
     return (jax.ShapeDtypeStruct((2,), jnp.int32),
-            jax.ShapeDtypeStruct((config.num_tokens, y.shape[2]), y.dtype))
+            jax.ShapeDtypeStruct((config.num_tokens, y.shape[-1]), y.dtype))
 
 
 def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):

@@ -51,6 +51,8 @@ RANK_MAJOR = "rank_major"
 EXPERT_MAJOR = "expert_major"
 SOURCE_SLOTS = "source_slots"
 LAYOUTS = (RANK_MAJOR, EXPERT_MAJOR, SOURCE_SLOTS)
+LL_BLOCKS = "blocks"  # low latency: [L, R*M] rows, block l's first recv_count[l] used
+LL_LAYOUTS = (LL_BLOCKS, EXPERT_MAJOR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +200,16 @@ class DispatchLayout(NamedTuple):
 # among its source's pairs for the same expert, in (token, k) order (computed at the source,
 # no exchange); a pair whose slot is >= M is dropped at the source and counted in the
 # source's num_dropped (only possible when a token lists one expert twice). Local expert
-# l's block is [R * M] rows; its first recv_count[l] rows are used. On rank ``me`` they are
+# l's block is [R * M] rows; its first recv_count[l] rows are used (layout "blocks", x
+# [L, R*M, H]); with layout EXPERT_MAJOR the blocks' used rows are packed one after another
+# into x [R*M*min(K, L), H], group l at rows [sum(recv_count[:l]), sum(recv_count[:l + 1]))
+# (the rows grouped_matmul takes; every pair a rank can receive fits). On rank ``me`` they are
 # ordered by source rank in the order me, me + 1, ..., R - 1, 0, ..., me - 1 (this rank's own
 # pairs first: the fused CUDA dispatch writes them while the peers' records are in flight),
 # then by (source token, k): row = (kept pairs for l of the sources before s in that order)
-# + slot. The rest have -1 handle entries and unspecified data (the reference backend zeroes
-# it; the CUDA kernels leave it, as a decode step must not write L*R*M rows). Combine weights
+# + slot (within the group). The rest have -1 handle entries and unspecified data (the
+# reference backend zeroes it; the CUDA kernels leave it, as a decode step must not write
+# L*R*M rows). Combine takes y in the dispatch's layout and weights
 # each row by the source's gate; each expert rank sums its rows of a token in k order in
 # float32 and rounds that partial to y's dtype; the token's owner adds the partials in rank
 # order (0, 1, ..., R - 1) in float32 and rounds to y's dtype.
@@ -222,6 +228,7 @@ class LowLatencyConfig:
     axis_name: Any = None
     backend: str = "reference"
     tuning: Any = None  # jax_ep.Config (num_blocks only)
+    layout: str = LL_BLOCKS  # or EXPERT_MAJOR
 
     @property
     def num_local_experts(self) -> int:
@@ -230,6 +237,18 @@ class LowLatencyConfig:
     @property
     def rows_per_expert(self) -> int:
         return self.num_ranks * self.max_tokens_per_rank
+
+    @property
+    def packed(self) -> bool:
+        return self.layout == EXPERT_MAJOR
+
+    @property
+    def rows_shape(self) -> tuple:
+        """Leading dims of x, y and the handle's src_* in this layout: (L, R*M) blocks, or
+        (R*M*min(K, L),) packed rows."""
+        if self.packed:
+            return (self.rows_per_expert * min(self.num_topk, self.num_local_experts),)
+        return (self.num_local_experts, self.rows_per_expert)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -241,11 +260,13 @@ class LowLatencyHandle:
       send_slot: [T, K] int32 per-(source, expert) slot of the pair: its rank among this
                  source's pairs for the same expert, in (token, k) order; -1 = not sent
                  (no valid expert) or dropped (slot >= M).
-      src_rank:  [L, R*M] int32 source rank of each received row (-1 = unused).
-      src_token: [L, R*M] int32 source token of each received row (-1 = unused).
-      src_k:     [L, R*M] int32 top-k slot of each received row (-1 = unused).
-      recv_count: [L] int32 used rows per local expert (the used rows are a prefix).
-      pair_row:  [R, T, K] int32 the row (of the [L * R*M] received rows) that pair (source
+      src_rank:  [L, R*M] (expert_major: [P]) int32 source rank of each received row (-1 =
+                 unused).
+      src_token: like src_rank: source token of each received row (-1 = unused).
+      src_k:     like src_rank: top-k slot of each received row (-1 = unused).
+      recv_count: [L] int32 used rows per local expert (the used rows are a prefix of each
+                 block, or of the packed rows).
+      pair_row:  [R, T, K] int32 the row (of the flattened received rows) that pair (source
                  s, token t, k) became here, -1 if none: the combine's lookup, local at every
                  expert rank (it needs no owner's routing).
     """
@@ -269,7 +290,8 @@ class LowLatencyHandle:
 
 
 class LowLatencyOutput(NamedTuple):
-    """x: [L, R*M, H] (e4m3 when FP8, else x's dtype); x_scales: [L, R*M, H//128] f32 or None;
+    """x: [L, R*M, H], or expert_major [P = R*M*min(K, L), H] (e4m3 when FP8, else x's
+    dtype); x_scales: [L, R*M, H//128] (expert_major [P, H//128]) f32 or None;
     recv_count: [L] int32 rows used per local expert; num_dropped: [] int32 pairs of this
     rank's tokens dropped at the source because their per-(source, expert) slot was >= M
     (only possible when a token lists one expert twice);

@@ -3,8 +3,14 @@
 Every rank sends at most ``max_tokens_per_rank`` (M) tokens per step. Each (token, k) pair
 becomes one row in the block of its expert: ``x`` is ``[L, R*M, H]`` with the first
 ``recv_count[l]`` rows of block l in use, ordered by source — this rank first, then the next
-ranks in order, wrapping around (me, me + 1, ..., me - 1) — then by (source token, k). Combine
-weights each returned row with the source's gate and sums the K rows of a token in k order.
+ranks in order, wrapping around (me, me + 1, ..., me - 1) — then by (source token, k). With
+``layout="expert_major"`` the used rows of the blocks are packed one after another instead:
+``x`` is ``[R*M*min(K, L), H]`` (every pair a rank can receive), group l the rows
+``[sum(recv_count[:l]), sum(recv_count[:l + 1]))``, the rows and group sizes that
+``experts.grouped_matmul`` / ``swiglu_mlp`` take: a grouped GEMM then computes the used rows
+only, where a batched GEMM over the blocks computes all L*R*M (at DeepSeek-V3's 256 experts on
+two ranks, 32768 rows for ~1000 used). Combine takes ``y`` in the dispatch's layout, weights
+each returned row with the source's gate and sums the K rows of a token in k order.
 
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
 that XLA can schedule independent work (another micro-batch's attention) between them; the
@@ -36,7 +42,7 @@ import jax.numpy as jnp
 
 from jax_ep import api
 from jax_ep import fp8 as _fp8
-from jax_ep._types import LowLatencyConfig, LowLatencyHandle, LowLatencyOutput
+from jax_ep._types import LL_LAYOUTS, LowLatencyConfig, LowLatencyHandle, LowLatencyOutput
 
 
 def _backend(config: LowLatencyConfig):
@@ -44,8 +50,11 @@ def _backend(config: LowLatencyConfig):
 
 
 def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, ue8m0, backend,
-            tuning=None):
+            tuning=None, layout=LL_LAYOUTS[0]):
     api._check_not_in_work_call("low_latency_dispatch")
+    if layout not in LL_LAYOUTS:
+        raise ValueError(f"low_latency_dispatch: layout must be one of {LL_LAYOUTS}, "
+                         f"got {layout!r}")
     if isinstance(x, (tuple, list)):  # the send quantises: a pair's scales would be lost
         raise TypeError("low_latency_dispatch takes unquantised rows (bfloat16, float16 or "
                         "float32); use_fp8=True quantises them in the send")
@@ -74,7 +83,7 @@ def _config(x, topk_idx, num_experts, max_tokens_per_rank, axis_name, use_fp8, u
         num_experts=int(num_experts), num_ranks=R, num_tokens=T, hidden=H,
         num_topk=topk_idx.shape[1], max_tokens_per_rank=int(max_tokens_per_rank),
         use_fp8=bool(use_fp8), ue8m0=bool(ue8m0), axis_name=axis_name, backend=resolved,
-        tuning=tuning)
+        tuning=tuning, layout=layout)
     return x, topk_idx, config, api._num_invalid(raw_idx, num_experts)
 
 
@@ -111,24 +120,29 @@ def low_latency_split_gemm_sms(op="dispatch", config=None) -> int | None:
 
 
 def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
-                         use_fp8=True, ue8m0=False, backend="auto",
-                         config=None) -> LowLatencyOutput:
+                         use_fp8=True, ue8m0=False, backend="auto", config=None,
+                         layout="blocks") -> LowLatencyOutput:
     """Send each (token, k) pair to its expert's block. x: [T, H] bf16/f16/f32, T <= M.
 
     With ``use_fp8`` the tokens are quantised (one scale per 128 channels) before sending and
     arrive as e4m3 data + float32 scales; then no gradient flows back to ``x``. ``config``: a
-    ``jax_ep.Config`` (its ``num_blocks``), kept by the handle for the combine.
+    ``jax_ep.Config`` (its ``num_blocks``), kept by the handle for the combine. ``layout``:
+    ``"blocks"`` (``[L, R*M, H]``) or ``"expert_major"`` (the used rows packed by local
+    expert, ``[R*M*min(K, L), H]``; module docstring).
     """
     x, topk_idx, config, num_invalid = _config(x, topk_idx, num_experts, max_tokens_per_rank,
-                                               axis_name, use_fp8, ue8m0, backend, config)
+                                               axis_name, use_fp8, ue8m0, backend, config,
+                                               layout)
     return _ll_dispatch(config, x, topk_idx)._replace(num_invalid=num_invalid)
 
 
 def low_latency_dispatch_send(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_name,
-                              use_fp8=True, ue8m0=False, backend="auto", config=None):
+                              use_fp8=True, ue8m0=False, backend="auto", config=None,
+                              layout="blocks"):
     """First half of ``low_latency_dispatch`` (not differentiable): returns a pending pytree."""
     x, topk_idx, config, num_invalid = _config(x, topk_idx, num_experts, max_tokens_per_rank,
-                                               axis_name, use_fp8, ue8m0, backend, config)
+                                               axis_name, use_fp8, ue8m0, backend, config,
+                                               layout)
     return _Pending(_backend(config).low_latency_send(x, topk_idx, config), config, num_invalid)
 
 
@@ -141,7 +155,8 @@ def low_latency_dispatch_receive(pending) -> LowLatencyOutput:
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
-    """[L, R*M, H] expert outputs -> [T, H]: sum_k topk_weights[t, k] * row(t, k).
+    """[L, R*M, H] (expert_major: [P, H]) expert outputs -> [T, H]: sum_k topk_weights[t, k] *
+    row(t, k).
 
     Order and rounding (both backends): every rank sums its own experts' rows of a token in k
     order, weighted, in float32, and rounds that partial to y's dtype (it crosses the wire
@@ -188,9 +203,11 @@ def _check_combine(y, topk_weights, handle):
     if not isinstance(handle, LowLatencyHandle):
         raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle)}")
     c = handle.config
-    want = (c.num_local_experts, c.rows_per_expert)
-    if y.ndim != 3 or y.shape[:2] != want:
-        raise ValueError(f"y must be [{want[0]}, {want[1]}, hidden], got shape {y.shape}")
+    want = c.rows_shape
+    if y.ndim != len(want) + 1 or y.shape[:-1] != want:
+        dims = ", ".join(str(d) for d in want)
+        raise ValueError(f"y must be [{dims}, hidden] (the dispatch's {c.layout} rows), "
+                         f"got shape {y.shape}")
     if y.dtype not in api._FLOAT_DTYPES:
         raise TypeError(f"y must be bfloat16, float16 or float32, got {y.dtype}")
     if topk_weights is None:

@@ -10,6 +10,8 @@ the float32 accumulation order is the documented one.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -329,7 +331,8 @@ def low_latency_send(x, topk_idx, config: LowLatencyConfig):
 def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
     """Block l holds the kept pairs for local expert l by source, in the order me, me + 1, ...,
     me - 1 (this rank's own pairs first), then by (source token, k): row = the counts for l of
-    the sources before the pair's + the pair's slot at its source."""
+    the sources before the pair's + the pair's slot at its source; expert_major packs the
+    blocks' used rows, group l after the groups before it."""
     R, T, K, L = config.num_ranks, config.num_tokens, config.num_topk, config.num_local_experts
     rows = config.rows_per_expert
     n = R * T * K
@@ -338,14 +341,18 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
     expert = sent["local"][order].reshape(n)  # pairs in (source position, token, k) order
     valid = expert >= 0
     rank, counts = _group_positions(jnp.where(valid, expert, L), L)
-    target = jnp.where(valid, expert * rows + rank, L * rows)  # rank < R*M: nothing to drop
+    shape = config.rows_shape
+    total = math.prod(shape)
+    start = (jnp.cumsum(counts) - counts) if config.packed else jnp.arange(L) * rows
+    # rank < R*M, and the packed rows hold every pair a rank can receive: nothing to drop
+    target = jnp.where(valid, start[jnp.minimum(expert, L - 1)] + rank, total).astype(jnp.int32)
     pair = jnp.arange(n, dtype=jnp.int32)
     token_row = pair // K
     source = order[pair // (T * K)]
 
     def place(values, fill):
-        flat = _scatter_rows(values, target, L * rows, fill)
-        return flat.reshape((L, rows) + values.shape[1:])
+        flat = _scatter_rows(values, target, total, fill)
+        return flat.reshape(shape + values.shape[1:])
 
     x = sent["x"][order].reshape((R * T,) + sent["x"].shape[2:])[token_row]
     scales = sent["x_scales"]
@@ -376,7 +383,8 @@ def low_latency_dispatch(x, topk_idx, config: LowLatencyConfig) -> LowLatencyOut
 
 
 def low_latency_cached_dispatch(x, handle: LowLatencyHandle):
-    """[T, D] -> [L, R*M, D]: each used row gets its source token's x (no quantisation)."""
+    """[T, D] -> [L, R*M, D] (or the packed rows): each used row gets its source token's x
+    (no quantisation)."""
     config = handle.config
     recv = _exchange(_to_all_ranks(x, config.num_ranks), config.axis_name)  # [R(src), T, D]
     used = handle.src_rank >= 0
@@ -395,7 +403,7 @@ def low_latency_combine_send(y, topk_weights, handle: LowLatencyHandle):
     weights = _exchange(_to_all_ranks(topk_weights.astype(jnp.float32), R), axis)  # [R, T, K]
     used = handle.src_rank >= 0
     owner = jnp.where(used, handle.src_rank, R)
-    rows = jnp.zeros((R, T, K) + y.shape[2:], jnp.float32)
+    rows = jnp.zeros((R, T, K) + y.shape[handle.src_rank.ndim:], jnp.float32)
     rows = rows.at[owner, handle.src_token, handle.src_k].set(y.astype(jnp.float32), mode="drop")
     return dict(terms=_exchange(weights[..., None] * rows, axis), dtype=jnp.zeros((0,), y.dtype))
 

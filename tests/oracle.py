@@ -212,6 +212,38 @@ def low_latency_dispatch(x, topk_idx, num_experts, max_tokens):
     return results, send_slot
 
 
+def low_latency_packed(o, num_topk):
+    """One rank's low_latency_dispatch result in the expert_major layout: each block's used
+    rows packed one after another into R*M*min(K, L) rows (the rest zero / -1), pair_row
+    renumbered to match."""
+    L, rows = o["src_rank"].shape
+    P = rows * min(num_topk, L)
+    start = np.concatenate([[0], np.cumsum(o["recv_count"])[:-1]]).astype(np.int64)
+    packed = {}
+    for name, fill in (("x", 0), ("src_rank", -1), ("src_token", -1), ("src_k", -1)):
+        v = o[name]
+        out = np.full((P,) + v.shape[2:], fill, v.dtype)
+        for e in range(L):
+            n = o["recv_count"][e]
+            out[start[e]:start[e] + n] = v[e, :n]
+        packed[name] = out
+    pr = o["pair_row"]
+    packed["pair_row"] = np.where(pr >= 0, start[np.maximum(pr, 0) // rows] + pr % rows,
+                                  -1).astype(np.int32)
+    packed["recv_count"], packed["num_dropped"] = o["recv_count"], o["num_dropped"]
+    return packed
+
+
+def low_latency_unpacked(y, recv_count, rows):
+    """Packed rows y [P, ...] of one rank -> blocks [L, rows, ...] (unused rows zero)."""
+    L = len(recv_count)
+    start = np.concatenate([[0], np.cumsum(recv_count)[:-1]])
+    out = np.zeros((L, rows) + y.shape[1:], y.dtype)
+    for e in range(L):
+        out[e, :recv_count[e]] = y[start[e]:start[e] + recv_count[e]]
+    return out
+
+
 def low_latency_combine(y, topk_weights, topk_idx, num_experts, max_tokens):
     """y: [R, L, R*M, H]; for source s, token t: each expert rank r sums w * (the row pair
     (t, k) became there) over its pairs in k ascending order, in float32, rounded to y's

@@ -790,6 +790,55 @@ def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
     assert_ll_round_trip(*both(fn, x, idx, w, y))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kind,mask,T,M,H,junk,blocks", [
+    ("random", 0.1, 64, 64, 256, False, None),     # T == M
+    ("one_expert", 0.0, 32, 48, 256, False, None),  # every token to one expert
+    ("random", 0.3, 20, 32, 256, True, 2),         # -1 masks, bad ids, few CTAs
+    ("random", 0.1, LL_WIDE_M, LL_WIDE_M, LL_WIDE_H, False, None),  # DeepSeek-V3's rows
+])
+def test_low_latency_expert_major_matches_reference(kind, mask, T, M, H, junk, blocks, fp8):
+    """layout="expert_major": the used rows packed by local expert into R*M*min(K, L) rows;
+    fused and split dispatch and combine against the reference (y's unused rows random)."""
+    R = num_ranks()
+    x, idx, w, E = _ll_inputs(T + M + 1, T, H, kind, mask, junk)
+    P = R * M * min(LL_K, E // R)
+    rng = np.random.default_rng(T + 1)
+    y = np.asarray(jnp.asarray(rng.standard_normal((R, P, H)), jnp.bfloat16))
+
+    def fn(backend, x, idx, w, y):
+        return ll_round_trip(x, idx, w, y, num_experts=E, max_tokens_per_rank=M, axis_name=AXIS,
+                             use_fp8=fp8, backend=backend, layout="expert_major",
+                             config=blocks and jax_ep.Config(num_blocks=blocks))
+
+    got, want = both(fn, x, idx, w, y)
+    assert got[0].x.shape == (R, P, H)
+    assert_ll_round_trip(got, want)
+
+
+def test_low_latency_expert_major_gradients_match_reference():
+    """The packed rows' backward passes: the combine's (a cached dispatch into packed rows)
+    and the dispatch's (a combine of packed rows)."""
+    R = num_ranks()
+    T, M, H = 16, 16, 128
+    x, idx, w, E = _ll_inputs(4, T, H, "random", 0.1, dtype=np.float32)
+    P = R * M * min(LL_K, E // R)
+    scale = np.random.default_rng(3).standard_normal((R, P, 1)).astype(np.float32)
+
+    def fn(backend, x, idx, w, scale):
+        def loss(x, w):
+            o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                            axis_name=AXIS, use_fp8=False, backend=backend,
+                                            layout="expert_major")
+            return jnp.sum(jnp.sin(jax_ep.low_latency_combine(o.x * scale, w, o.handle)))
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    got, want = both(fn, x, idx, w, scale)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+
+
 @pytest.mark.parametrize("blocks", [2, 5])
 def test_low_latency_on_few_ctas_matches_reference(blocks):
     """Few CTAs (a split call's case beside other work): each block sends many tokens (32 and

@@ -20,10 +20,10 @@ from ep import AXIS, mesh, run
 from test_reference import make_inputs
 
 
-def ll_dispatch(x, idx, E, M, use_fp8, split=False):
+def ll_dispatch(x, idx, E, M, use_fp8, split=False, layout="blocks"):
     def fn(x, idx):
         kw = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, use_fp8=use_fp8,
-                  backend="reference")
+                  backend="reference", layout=layout)
         if split:
             pending = jax_ep.low_latency_dispatch_send(x, idx, **kw)
             return jax_ep.low_latency_dispatch_receive(pending)
@@ -66,6 +66,113 @@ def test_low_latency_dispatch_matches_oracle(R, T, M, H, K, E, kind, mask, use_f
     split = ll_dispatch(x, idx, E, M, use_fp8, split=True)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(split)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("use_fp8", [False, True])
+@pytest.mark.parametrize("R,T,M,H,K,E,kind,mask", [
+    (1, 4, 4, 128, 2, 3, "random", 0.0),
+    (2, 8, 8, 256, 8, 16, "random", 0.2),
+    (4, 5, 7, 128, 3, 12, "random", 0.3),
+    (4, 6, 6, 128, 4, 8, "one_expert", 0.0),  # top-k above the 2 local experts
+])
+def test_low_latency_expert_major_matches_oracle(R, T, M, H, K, E, kind, mask, use_fp8, split):
+    """layout="expert_major": the blocks' used rows packed by local expert into
+    R*M*min(K, L) rows, the handle's rows and pair_row renumbered to match."""
+    rng = np.random.default_rng(R * 5 + K)
+    x, idx, _ = make_inputs(rng, R, T, H, K, E, kind, mask, dtype=jnp.bfloat16)
+    out = ll_dispatch(x, idx, E, M, use_fp8, split=split, layout="expert_major")
+    if use_fp8:
+        data, scales = jax.vmap(jax_ep.quantize_fp8)(jnp.asarray(x))
+        payload, got_x = np.asarray(data).view(np.uint8), np.asarray(out.x).view(np.uint8)
+    else:
+        payload, got_x = x, np.asarray(out.x)
+    want, slot = oracle.low_latency_dispatch(payload, idx, E, M)
+    L = E // R
+    assert out.x.shape == (R, R * M * min(K, L), H)
+    for r in range(R):
+        packed = oracle.low_latency_packed(want[r], K)
+        np.testing.assert_array_equal(got_x[r], packed["x"], err_msg=f"rank {r} x")
+        for name in ("recv_count", "num_dropped"):
+            np.testing.assert_array_equal(getattr(out, name)[r], packed[name])
+        for name in ("src_rank", "src_token", "src_k", "pair_row"):
+            np.testing.assert_array_equal(getattr(out.handle, name)[r], packed[name],
+                                          err_msg=f"rank {r} {name}")
+        if use_fp8:
+            want_scales, _ = oracle.low_latency_dispatch(np.asarray(scales), idx, E, M)
+            np.testing.assert_array_equal(out.x_scales[r],
+                                          oracle.low_latency_packed(want_scales[r], K)["x"])
+    np.testing.assert_array_equal(out.handle.send_slot, slot)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_low_latency_expert_major_combine_matches_oracle(split):
+    """The combine reads the packed rows through the handle; rows past the used ones (random
+    here) are never read."""
+    R, T, M, H, K, E = 4, 6, 8, 64, 4, 16
+    rng = np.random.default_rng(6)
+    x, idx, w = make_inputs(rng, R, T, H, K, E, "random", 0.2)
+    L = E // R
+    y = rng.standard_normal((R, R * M * min(K, L), H)).astype(np.float32)
+
+    def fn(x, idx, w, y):
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                        axis_name=AXIS, use_fp8=False, backend="reference",
+                                        layout="expert_major")
+        if split:
+            out = jax_ep.low_latency_combine_receive(
+                jax_ep.low_latency_combine_send(y, w, o.handle), o.handle)
+        else:
+            out = jax_ep.low_latency_combine(y, w, o.handle)
+        return out, o.recv_count
+
+    got, counts = run(fn, R, x, idx, w, y)
+    blocks = np.stack([oracle.low_latency_unpacked(y[r], np.asarray(counts[r]), R * M)
+                       for r in range(R)])
+    np.testing.assert_array_equal(got, oracle.low_latency_combine(blocks, w, idx, E, M))
+
+
+def test_low_latency_expert_major_grads_match_dense():
+    """The packed rows straight into grouped GEMMs (recv_count the group sizes), forward and
+    gradients against the dense MoE."""
+    from jax_ep import experts
+
+    R, T, M, H, F, E, K = 4, 6, 8, 16, 12, 8, 3
+    key = jax.random.key(5)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    params = dict(router=jax.random.normal(k1, (H, E)),
+                  w_in=jax.random.normal(k2, (E, H, F)) / np.sqrt(H),
+                  w_out=jax.random.normal(k3, (E, F, H)) / np.sqrt(F))
+    x = jax.random.normal(k4, (R * T, H))
+    m = mesh(R)
+    specs = dict(router=P(), w_in=P(AXIS), w_out=P(AXIS))
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=m, in_specs=(specs, P(AXIS)), out_specs=P())
+    def ep_loss(p, x):
+        idx, gates = moe.route(x, p["router"], K)
+        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
+                                        axis_name=AXIS, use_fp8=False, backend="reference",
+                                        layout="expert_major")
+        mm = partial(experts.grouped_matmul, group_sizes=o.recv_count, impl="ragged_dot")
+        y = mm(jax.nn.gelu(mm(o.x, p["w_in"])), p["w_out"])
+        out = jax_ep.low_latency_combine(y, gates, o.handle)
+        return jax.lax.psum(jnp.sum(jnp.sin(out)), AXIS)
+
+    def dense_loss(p, x):
+        return jnp.sum(jnp.sin(moe.dense_moe_block(x, p["router"], p["w_in"], p["w_out"],
+                                                   top_k=K)))
+
+    put = lambda a, s: jax.device_put(a, NamedSharding(m, s))  # noqa: E731
+    pp = {k: put(v, specs[k]) for k, v in params.items()}
+    xp = put(x, P(AXIS))
+    np.testing.assert_allclose(ep_loss(pp, xp), dense_loss(params, x), rtol=1e-5)
+    got = jax.grad(ep_loss, argnums=(0, 1))(pp, xp)
+    want = jax.grad(dense_loss, argnums=(0, 1))(params, x)
+    for name in params:
+        np.testing.assert_allclose(got[0][name], want[0][name], rtol=2e-4, atol=2e-5,
+                                   err_msg=name)
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("split,dtype", [(False, np.float32), (True, np.float32),
@@ -137,13 +244,31 @@ def test_low_latency_decode_block_and_grads_match_dense(axis_type):
 def test_low_latency_validation():
     R = 2
 
-    def attempt(T=4, M=4, H=128, use_fp8=True):
+    def attempt(T=4, M=4, H=128, use_fp8=True, layout="blocks"):
         def fn(x, idx):
             return jax_ep.low_latency_dispatch(x, idx, num_experts=4, max_tokens_per_rank=M,
                                                axis_name=AXIS, use_fp8=use_fp8,
-                                               backend="reference").x
+                                               backend="reference", layout=layout).x
 
         run(fn, R, np.ones((R, T, H), np.float32), np.zeros((R, T, 2), np.int32))
+
+    def combine(layout, y_layout):  # y in y_layout's shape for a dispatch in layout's
+        def fn(x, idx):
+            kw = dict(num_experts=4, max_tokens_per_rank=4, axis_name=AXIS, use_fp8=False,
+                      backend="reference")
+            o = jax_ep.low_latency_dispatch(x, idx, layout=layout, **kw)
+            y = jax_ep.low_latency_dispatch(x, idx, layout=y_layout, **kw).x
+            return jax_ep.low_latency_combine(y, jnp.ones(idx.shape), o.handle)
+
+        run(fn, R, np.ones((R, 4, 128), np.float32), np.zeros((R, 4, 2), np.int32))
+
+    with pytest.raises(ValueError, match="layout must be one of"):
+        attempt(layout="rank_major")
+    with pytest.raises(ValueError, match=r"y must be \[16, hidden\] \(the dispatch's expert_major"):
+        combine("expert_major", "blocks")
+    with pytest.raises(ValueError, match=r"y must be \[2, 8, hidden\]"):
+        combine("blocks", "expert_major")
+    combine("expert_major", "expert_major")
 
     with pytest.raises(ValueError, match="exceed max_tokens_per_rank=4"):
         attempt(T=5)

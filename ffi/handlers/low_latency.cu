@@ -104,6 +104,12 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
   return ffi::Error::Success();
 }
 
+// Rows of the expert_major layout: every pair a rank can receive (each source sends at most
+// M tokens, each to at most min(K, L) of this rank's experts).
+int64_t packed_rows(int R, int64_t max_tokens, int64_t num_topk, int L) {
+  return int64_t(R) * max_tokens * std::min<int64_t>(num_topk, L);
+}
+
 // Ranks of the call's EP group (validated against the job in ll_context).
 int group_ranks(const EpGroup& group) {
   return static_cast<int>(std::max<int64_t>(group.num_ranks, 1));
@@ -359,28 +365,34 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   if (sizeof(int32_t) * (size_t(num_experts) + 1) > kMaxStaticSmem)
     return invalid(std::string(op) + ": at most " +
                    std::to_string(kMaxStaticSmem / sizeof(int32_t) - 1) + " experts");
-  if (dims.size() != 3 || dims[0] != L || dims[1] != RM)
+  // x [P, D]: the expert_major layout, every group packed (P rows hold every pair a rank can
+  // receive); else [L, R*M, D] blocks
+  const bool packed = dims.size() == 2;
+  const int64_t P = packed_rows(R, max_tokens, num_topk, L);
+  if (packed ? dims[0] != P : dims.size() != 3 || dims[0] != L || dims[1] != RM)
     return invalid(std::string(op) + ": x must be [L, R*M, D] = [" + std::to_string(L) + ", " +
-                   std::to_string(RM) + ", D]; the EP axis must span every NVSHMEM PE");
+                   std::to_string(RM) + ", D] or, expert_major, [R*M*min(K, L), D] = [" +
+                   std::to_string(P) + ", D]; the EP axis must span every NVSHMEM PE");
   const size_t elem = element_bytes(out_x->element_type());
   if (elem == 0) return invalid(std::string(op) + ": unsupported dtype of x");
-  const int D = static_cast<int>(dims[2]);
+  const int D = static_cast<int>(dims[dims.size() - 1]);
+  const size_t rows = packed ? size_t(P) : size_t(L) * RM;
   a = LLDispatchReceiveArgs{};
+  a.num_rows = packed ? static_cast<int>(P) : 0;
   a.row_bytes = size_t(D) * elem;
   const bool fp8 = out_scales->element_count() != 0;
   if (fp8 && (out_x->element_type() != ffi::DataType::F8E4M3FN || D % 128 != 0 ||
-              out_scales->element_count() != size_t(L) * RM * (D / 128)))
-    return invalid(std::string(op) + ": FP8 results must be e4m3 [L, R*M, H] and float32 "
-                   "[L, R*M, H / 128]");
+              out_scales->element_count() != rows * (D / 128)))
+    return invalid(std::string(op) + ": FP8 results must be e4m3 rows of H and float32 rows "
+                   "of H / 128");
   a.scale_bytes = fp8 ? sizeof(float) * size_t(D / 128) : 0;
-  const size_t rows = size_t(L) * RM;
   const bool want_src = src_rank->element_count() != 0;
   if (recv_count->element_count() != size_t(L) ||
       (want_src && (src_rank->element_count() != rows || src_token->element_count() != rows ||
                     src_k->element_count() != rows ||
                     pair_row->element_count() != size_t(R) * num_tokens * num_topk)))
-    return invalid(std::string(op) + ": recv_count must be [L], src_* [L, R*M] and pair_row "
-                   "[R, T, K] (or empty)");
+    return invalid(std::string(op) + ": recv_count must be [L], src_* one per row of x and "
+                   "pair_row [R, T, K] (or empty)");
   if (num_tokens < 0 || num_tokens > max_tokens)
     return invalid(std::string(op) + ": num_tokens must be in [0, max_tokens_per_rank]");
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
@@ -488,12 +500,16 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   if (max_tokens < 1 || num_experts < R || num_experts % R != 0)
     return invalid(std::string(op) + ": bad num_experts / max_tokens_per_rank");
   const int L = static_cast<int>(num_experts / R), RM = R * static_cast<int>(max_tokens);
-  if (dims.size() != 3 || dims[0] != L || dims[1] != RM)
-    return invalid(std::string(op) + ": y must be [L, R*M, H] = [" + std::to_string(L) + ", " +
-                   std::to_string(RM) + ", H]; the EP axis must span every NVSHMEM PE");
   if (idx_dims.size() != 2)
     return invalid(std::string(op) + ": topk_idx must be [T, K]");
   const int T = static_cast<int>(idx_dims[0]), K = static_cast<int>(idx_dims[1]);
+  const bool packed = dims.size() == 2;  // expert_major
+  const int64_t P = packed_rows(R, max_tokens, K, L);
+  if (packed ? dims[0] != P : dims.size() != 3 || dims[0] != L || dims[1] != RM)
+    return invalid(std::string(op) + ": y must be [L, R*M, H] = [" + std::to_string(L) + ", " +
+                   std::to_string(RM) + ", H] or, expert_major, [R*M*min(K, L), H] = [" +
+                   std::to_string(P) + ", H]; the EP axis must span every NVSHMEM PE");
+  const int64_t H = dims[dims.size() - 1];
   if (T > max_tokens) return invalid(std::string(op) + ": more tokens than max_tokens_per_rank");
   if (send_slot.element_count() != size_t(T) * K || weights.element_count() != size_t(T) * K)
     return invalid(std::string(op) + ": send_slot and topk_weights must be [T, K]");
@@ -505,7 +521,8 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
     return invalid(std::string(op) + ": the handle's recv_count / pair_row do not match [L] / "
                    "[R, T, K]");
   a = LLCombineSendArgs{};
-  a.row_bytes = size_t(dims[2]) * element_bytes(y.element_type());
+  a.num_rows = packed ? static_cast<int>(P) : 0;
+  a.row_bytes = size_t(H) * element_bytes(y.element_type());
   a.plan = plan_ll_combine(R, static_cast<int>(max_tokens), K, a.row_bytes,
                            group_off_node(op, group));
   if (auto err = ll_context(op, rank, num_experts, max_tokens, K, a.plan.bytes, true, group,
@@ -520,7 +537,7 @@ ffi::Error make_combine_send(ffi::AnyBuffer y,
   a.num_experts = static_cast<int>(num_experts);
   a.num_tokens = T;
   a.dtype = dtype;
-  a.hidden = static_cast<int>(dims[2]);
+  a.hidden = static_cast<int>(H);
   a.num_blocks = blocks_or_default(tuning.num_blocks);
   a.y = y.untyped_data();
   a.recv_count = recv_count.typed_data();

@@ -640,14 +640,18 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   __syncthreads();
   block_exclusive_scan(prefix, E);
 
+  // expert_major: the groups packed one after another (group l's rows start at prefix[l * R]),
+  // bounded by the output's rows; else block l of R*M rows holds group l
+  const bool packed = a.num_rows > 0;
+  const int used = packed ? min(prefix[E], a.num_rows) : 0;
   if (blockIdx.x == 0)
     for (int l = tid; l < L; l += blockDim.x) a.recv_count[l] = prefix[(l + 1) * R] - prefix[l * R];
   if (a.src_rank != nullptr) {
-    const size_t rows = size_t(L) * RM;
+    const size_t rows = packed ? size_t(a.num_rows) : size_t(L) * RM;
     for (size_t row = size_t(blockIdx.x) * blockDim.x + tid; row < rows;
          row += size_t(gridDim.x) * blockDim.x) {
       const int l = int(row / RM), i = int(row % RM);
-      if (i >= prefix[(l + 1) * R] - prefix[l * R]) {
+      if (packed ? int(row) >= used : i >= prefix[(l + 1) * R] - prefix[l * R]) {
         a.src_rank[row] = -1;
         a.src_token[row] = -1;
         a.src_k[row] = -1;
@@ -667,8 +671,9 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     const int slot = int(pos % uint32_t(M));
     if (l >= uint32_t(L)) return -1;
     const int j = int(l) * R + position_of(s, me, R);
-    return slot < prefix[j + 1] - prefix[j] ? int(l) * RM + (prefix[j] - prefix[l * R]) + slot
-                                            : -1;
+    if (slot >= prefix[j + 1] - prefix[j]) return -1;
+    if (packed) return prefix[j] + slot < used ? prefix[j] + slot : -1;
+    return int(l) * RM + (prefix[j] - prefix[l * R]) + slot;
   };
   // the handle: each row's source pair, and each source pair's row (for the combine: no
   // lookup of the owner's routing there); every record's unit with piece 0 writes its K entries
@@ -781,6 +786,7 @@ __device__ __forceinline__ int pair_row_of(const LLCombineSendArgs& a, const int
   if (k >= a.num_topk) return -1;
   const int row = __ldg(a.pair_row + (size_t(s) * a.num_tokens + t) * a.num_topk + k);
   const int RM = a.rows_per_expert;
+  if (a.num_rows > 0) return row >= 0 && row < count[a.num_local_experts] ? row : -1;
   if (row < 0 || row >= a.num_local_experts * RM || row % RM >= count[row / RM]) return -1;
   return row;
 }
@@ -909,6 +915,15 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
   }
   __syncthreads();
+  if (a.num_rows > 0) {  // expert_major: count[L] = the used rows, a prefix of y's
+    if (warp == 0) {
+      int sum = 0;
+      for (int l = lane; l < L; l += 32) sum += count[l];
+      for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+      if (lane == 0) count[L] = min(sum, a.num_rows);
+    }
+    __syncthreads();
+  }
   const uint64_t n = call_s;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 

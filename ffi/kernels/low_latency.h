@@ -12,8 +12,9 @@
 //                     expert); the last block raises arrived[me].
 //   dispatch receive  waits for every source; each warp loads a piece of a record with its
 //                     pair headers while the counts are scanned, then stores the piece into
-//                     the row of each of the record's pairs ([L, R*M] blocks by source from
-//                     this rank on, then (token, k)), and records each pair's row in the
+//                     the row of each of the record's pairs ([L, R*M] blocks, or the
+//                     expert_major layout's packed groups, by source from this rank on, then
+//                     (token, k)), and records each pair's row in the
 //                     handle's pair_row [R][T][K]; then raises consumed[me] at every source.
 //   combine send      the blocks write this rank's weights as tagged gate words into every
 //                     other rank's buffer; each warp takes (owner, token) pieces (other
@@ -83,11 +84,12 @@ struct LLDispatchReceiveArgs {
   int num_tokens, num_topk;   // T and K of every source (the program is the same on every rank)
   size_t row_bytes, scale_bytes;
   int num_blocks;
+  int num_rows;               // expert_major: the packed output's rows; 0: [L, R*M] blocks
   const int32_t* call;
-  void* out_x;                // [L, R*M] rows of row_bytes
+  void* out_x;                // [L, R*M] (or [num_rows]) rows of row_bytes
   float* out_scales;          // nullptr unless FP8
   int32_t* recv_count;        // [L]
-  int32_t* src_rank;          // [L, R*M] (all three nullptr: not wanted)
+  int32_t* src_rank;          // [L, R*M] or [num_rows] (all three nullptr: not wanted)
   int32_t* src_token;
   int32_t* src_k;
   int32_t* pair_row;          // [R, T, K]: the row of each source pair held here, else -1
@@ -103,7 +105,8 @@ struct LLCombineSendArgs {
   LLElement dtype;            // of y
   int hidden;
   int num_blocks;
-  const void* y;              // [L, R*M] rows of row_bytes
+  int num_rows;               // expert_major: y's packed rows; 0: [L, R*M] blocks
+  const void* y;              // [L, R*M] (or [num_rows]) rows of row_bytes
   const int32_t* recv_count;  // [L]
   const int32_t* pair_row;    // [R, T, K]: the handle's row of each (owner, token, k) pair here
   const float* weights;       // [T, K] this rank's gates, published for the expert ranks
@@ -121,10 +124,10 @@ struct LLCombineReceiveArgs {
   void* out;
 };
 
-// Dynamic shared memory of the combine send: the [L] used rows (the bound of pair_row's rows).
-// The receive needs none.
+// Dynamic shared memory of the combine send: the [L] used rows (the bound of pair_row's rows)
+// and, expert_major, their sum. The receive needs none.
 inline size_t ll_combine_send_smem(int num_local_experts) {
-  return sizeof(int32_t) * size_t(num_local_experts);
+  return sizeof(int32_t) * (size_t(num_local_experts) + 1);
 }
 
 // Dynamic shared memory of the dispatch send: the pairs' expert ids (and, cached, the
