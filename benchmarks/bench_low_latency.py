@@ -16,7 +16,11 @@ out of the loop); on a GPU a second row runs the send on a second XLA stream
 (``compute_on("gpu_stream:1")``) beside the matmul, and more rows put the matmul there
 (``jax_ep.on_stream``; alone, as the stream call's own cost) with the send and receive, or the
 whole dispatch, beside it on the program's stream, at the default CTAs and fewer. The
-combine-alone row reuses one dispatch's handle for every call.
+combine-alone row reuses one dispatch's handle for every call. The ``expert_major`` rows
+dispatch (and combine) the packed layout; the expert MLP rows (GPU, ``--ffn``) take one
+dispatch's FP8 rows through a SiLU MLP per local expert: on the blocks, dequantized whole and
+through batched GEMMs over all L*R*M rows, and on the packed rows through grouped GEMMs
+(``experts.grouped_matmul``: the Mosaic GPU kernels, and jax_ep's ``impl="cuda"``).
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
 
@@ -54,6 +58,10 @@ def parse_args():
                         "pieces (e.g. 'matmul,16 CTAs'), or '|'-separated ones where a piece "
                         "holds a comma ('matmul alone, on a second stream|send then'); empty: "
                         "every row")
+    p.add_argument("--ffn", type=int, default=2048,
+                   help="the expert rows' FFN width: the expert MLP rows (GPU) run the dispatch's "
+                        "rows through w_in [H, ffn] and w_out [ffn, H] per local expert, in both "
+                        "layouts; 0: no such rows")
     p.add_argument("--node-size", type=int, default=None,
                    help="virtual nodes of this many ranks (runtime.initialize(node_size=)): "
                         "the kernels reach other nodes' ranks by NVSHMEM puts, as over a "
@@ -99,15 +107,16 @@ AXIS = "ep"
 def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, H, K, E):
     """The jax_ep operations: fused dispatch (FP8, BF16), dispatch + combine, combine alone,
     and the split dispatch around an independent matmul."""
-    def dispatch_fp8(x, idx, blocks=None):
+    def dispatch_fp8(x, idx, blocks=None, layout="blocks"):
         kw = dict(ll, config=jax_ep.Config(num_blocks=blocks)) if blocks else ll
-        return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, **kw).recv_count
+        return jax_ep.low_latency_dispatch(x, idx, use_fp8=True, layout=layout,
+                                           **kw).recv_count
 
     def dispatch_bf16(x, idx):
         return jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll).recv_count
 
-    def combine(x, idx, w):
-        o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, **ll)
+    def combine(x, idx, w, layout="blocks"):
+        o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, layout=layout, **ll)
         return jax_ep.low_latency_combine(o.x, w, o.handle)
 
     # independent work of about the size of a decode step's attention projection
@@ -164,8 +173,14 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             record(f"jax_ep low_latency_dispatch FP8, {blocks} CTAs",
                    partial(dispatch_fp8, blocks=blocks), x, idx_d)
     record("jax_ep dispatch FP8, send then receive", dispatch_fp8_split, x, idx_d)
+    record("jax_ep low_latency_dispatch FP8, expert_major",
+           partial(dispatch_fp8, layout="expert_major"), x, idx_d)
     record("jax_ep low_latency_dispatch BF16", dispatch_bf16, x, idx_d)
     record("jax_ep dispatch BF16 + combine BF16", combine, x, idx_d, w)
+    record("jax_ep dispatch BF16 + combine BF16, expert_major",
+           partial(combine, layout="expert_major"), x, idx_d, w)
+    if args.ffn and jax.default_backend() == "gpu":
+        expert_mlp_rows(record, x, idx_d, shard, smap, ll, R, H, E)
 
     # combine alone: one dispatch's handle and rows, reused by every call
     from jax_ep._types import LowLatencyConfig, LowLatencyHandle
@@ -233,6 +248,52 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             record(f"matmul on a second stream, dispatch FP8 (one call) beside it, {blocks} CTAs",
                    partial(dispatch_beside_work, split=False, blocks=blocks), x, idx_d, weight,
                    chained=0)
+
+
+def expert_mlp_rows(record, x, idx_d, shard, smap, ll, R, H, E):
+    """A SiLU MLP per local expert on one dispatch's FP8 rows, in both layouts (the rows are
+    dispatched once; each call dequantizes them and runs both GEMMs)."""
+    from jax_ep import experts
+
+    F = args.ffn
+
+    @partial(jax.jit, out_shardings=(shard, shard))
+    def weights(key):
+        k1, k2 = jax.random.split(key)
+        return ((jax.random.normal(k1, (E, H, F)) / np.sqrt(H)).astype(jnp.bfloat16),
+                (jax.random.normal(k2, (E, F, H)) / np.sqrt(F)).astype(jnp.bfloat16))
+
+    w_in, w_out = weights(jax.random.key(1))
+
+    def rows_of(layout):
+        def fn(x, idx):
+            o = jax_ep.low_latency_dispatch(x, idx, use_fp8=True, layout=layout, **ll)
+            keep = (o.handle.src_rank >= 0)[..., None]  # unused rows: any bits on CUDA
+            return jnp.where(keep, o.x, jnp.zeros((), o.x.dtype)), o.x_scales, o.recv_count
+        return jax.jit(smap(fn, in_specs=(P(AXIS),) * 2))(x, idx_d)
+
+    def on_blocks(rows, scales, counts, w_in, w_out):
+        h = jax_ep.dequantize_fp8(rows, scales, jnp.bfloat16)  # [L, R*M, H]
+        a = jax.nn.silu(experts.batched_matmul(h, w_in))
+        return experts.batched_matmul(a, w_out)[:, :1, :1]
+
+    def on_packed(rows, scales, counts, w_in, w_out, impl="auto"):
+        h = jax_ep.dequantize_fp8(rows, scales, jnp.bfloat16)  # [R*M*min(K, L), H]
+        a = jax.nn.silu(experts.grouped_matmul(h, w_in, counts, impl=impl))
+        return experts.grouped_matmul(a, w_out, counts, impl=impl)[:1, :1]
+
+    blocks, packed = rows_of("blocks"), rows_of("expert_major")
+    if jax.process_index() == 0:
+        print(f"expert MLP rows: {E // R} local experts, ffn {F}; rows per rank: blocks "
+              f"{blocks[0].size // R // H}, packed {packed[0].size // R // H}, used "
+              f"{int(np.asarray(packed[2].addressable_shards[0].data).sum())} on rank "
+              f"{jax.process_index()}", flush=True)
+    record("expert MLP on the blocks (dequantize, batched GEMMs)", on_blocks, *blocks, w_in,
+           w_out, chained=0, marker=None)
+    record("expert MLP on expert_major rows (dequantize, grouped GEMMs: mgpu)", on_packed,
+           *packed, w_in, w_out, chained=0, marker=None)
+    record("expert MLP on expert_major rows (dequantize, grouped GEMMs: cuda)",
+           partial(on_packed, impl="cuda"), *packed, w_in, w_out, chained=0, marker=None)
 
 
 def main():

@@ -47,6 +47,7 @@ constexpr Target kTargets[] = {
     {"jax_ep_node_return", JaxEpNodeReturn},
     {"jax_ep_quantize_fp8", JaxEpQuantizeFp8},
     {"jax_ep_batched_matmul", JaxEpBatchedMatmul},
+    {"jax_ep_grouped_matmul", JaxEpGroupedMatmul},
 };
 constexpr int kNumTargets = sizeof(kTargets) / sizeof(kTargets[0]);
 std::atomic<unsigned long long> g_calls[kNumTargets];

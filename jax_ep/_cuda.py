@@ -194,6 +194,14 @@ def batched_matmul(a, b, *, trans_a, trans_b, sm_count, out_dtype, tf32=True):
                  sm_count=np.int64(sm_count), tf32=bool(tf32))
 
 
+def grouped_matmul(x, w, group_sizes, *, transpose_w):
+    """x [P, K] rows grouped by expert times w[l] ([L, K, N], or [L, N, K] read transposed)
+    -> [P, N] in x's dtype, rows past sum(group_sizes) zero (jax_ep_grouped_matmul)."""
+    n = w.shape[1] if transpose_w else w.shape[2]
+    return _call("jax_ep_grouped_matmul", jax.ShapeDtypeStruct((x.shape[0], n), x.dtype), x, w,
+                 group_sizes.astype(jnp.int32), axis_name=None, transpose_w=bool(transpose_w))
+
+
 def quantize_fp8(x, *, ue8m0):
     """jax_ep.quantize_fp8 as one kernel (jax_ep_quantize_fp8); rows are rows whatever the
     leading dimensions, so ``jax.vmap`` batches it by adding one."""

@@ -133,7 +133,7 @@ _registered = False
 # across calls and no host synchronization, so where it runs in the graph only its operands
 # decide. A chain of layouts launched one by one is bound by the host (a launch and XLA's thunk,
 # ~8 µs a call against a 4 µs kernel); recorded, the GPU runs them back to back.
-LOCAL_TARGETS = frozenset({"jax_ep_layout", "jax_ep_quantize_fp8"})
+LOCAL_TARGETS = frozenset({"jax_ep_layout", "jax_ep_quantize_fp8", "jax_ep_grouped_matmul"})
 
 
 def command_buffer_traits(name: str) -> dict:

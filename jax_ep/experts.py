@@ -16,6 +16,13 @@ Grouped matmul implementations (``impl``):
   takes row-major ``x [M, K]`` and ``dy [M, N]`` as they are. bf16/f16 only (WGMMA cannot
   transpose 32-bit operands); the kernels leave rows past ``sum(group_sizes)`` unwritten, so
   they are zeroed here (a ``where`` that XLA fuses into neighbouring elementwise work).
+* ``"cuda"``: jax_ep's own kernel (``jax_ep_grouped_matmul``) for few rows per group, as
+  decode gives (``low_latency_dispatch(..., layout="expert_major")``): one block per (group,
+  128 output columns) streams that slice of the expert's weights once per 64 rows and
+  multiplies only the group's 16-row tiles, so an empty group costs nothing and the time is
+  reading the weights; the tiled kernels above multiply at least one 64- or 128-row tile per
+  group. bf16/f16, K and N multiples of 8, any GPU with ``mma.sync`` (sm_80 on). Gradients:
+  ``dx`` by the same kernel reading w transposed, ``dw`` by ``jax.lax.ragged_dot``'s transpose.
 * ``"auto"`` (default): ``"mgpu"`` on an sm_90 GPU (H100/H200) for bf16/f16 operands whose
   shapes fit some block config, ``"ragged_dot"`` otherwise. Decided at trace time.
 
@@ -41,7 +48,7 @@ import numpy as np
 
 from jax_ep._mesh import vary_alike
 
-IMPLS = ("auto", "ragged_dot", "mgpu")
+IMPLS = ("auto", "ragged_dot", "mgpu", "cuda")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -222,12 +229,50 @@ def _custom_gmm_bwd(kernels, cfgs, res, dy):
 _custom_gmm.defvjp(_custom_gmm_fwd, _custom_gmm_bwd)
 
 
+@jax.custom_vjp
+def _cuda_gmm(x, w, group_sizes):
+    from jax_ep import _cuda
+
+    return _cuda.grouped_matmul(x, w, group_sizes, transpose_w=False)
+
+
+def _cuda_gmm_fwd(x, w, group_sizes):
+    return _cuda_gmm(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _cuda_gmm_bwd(res, dy):
+    from jax_ep import _cuda
+
+    x, w, group_sizes = res
+    dy = _zero_padding_rows(dy.astype(x.dtype), group_sizes)
+    dx = _cuda.grouped_matmul(dy, w, group_sizes, transpose_w=True)  # dy [M, N] @ w[l]^T
+    _, w_vjp = jax.vjp(lambda w_: jax.lax.ragged_dot(x, w_, group_sizes), w)
+    (dw,) = w_vjp(dy)
+    dx, _ = vary_alike(dx, x)
+    dw, _ = vary_alike(dw.astype(w.dtype), w)
+    return dx, dw, None
+
+
+_cuda_gmm.defvjp(_cuda_gmm_fwd, _cuda_gmm_bwd)
+
+
 def _choose(impl, x, w, overrides=None):
     """(impl actually used, configs or None)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "ragged_dot":
         return "ragged_dot", None
+    if impl == "cuda":
+        ok = (x.ndim == 2 and w.ndim == 3 and x.shape[1] == w.shape[1] and x.dtype == w.dtype
+              and jnp.dtype(x.dtype) in _MGPU_KERNELS.dtypes and x.shape[1] % 8 == 0
+              and w.shape[2] % 8 == 0)
+        if not ok:
+            raise ValueError(f"impl='cuda' cannot take x {x.shape} {x.dtype} @ w {w.shape} "
+                             f"{w.dtype}: needs equal bf16/f16 dtypes and K, N that are "
+                             "multiples of 8")
+        if not _native_gemm_available():
+            raise RuntimeError("impl='cuda' needs the CUDA extension and a GPU")
+        return "cuda", None
     m, k = x.shape
     _, k2, n = w.shape
     dtype_ok = x.dtype == w.dtype and jnp.dtype(x.dtype) in _MGPU_KERNELS.dtypes and k == k2
@@ -247,13 +292,15 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None):
     """``x [M, K]`` rows grouped by expert times ``w [L, K, N]`` -> ``[M, N]`` in x's dtype,
     accumulated in float32; rows past ``sum(group_sizes)`` are zero.
 
-    impl: ``"auto"``, ``"ragged_dot"`` or ``"mgpu"`` (see the module docstring).
+    impl: ``"auto"``, ``"ragged_dot"``, ``"mgpu"`` or ``"cuda"`` (see the module docstring).
     mgpu_configs: optional ``{(pass, K, N): GemmConfig}`` overriding ``TUNED_CONFIGS``.
     """
     used, cfgs = _choose(impl, x, w, overrides=mgpu_configs)
     group_sizes = group_sizes.astype(jnp.int32)
     if used == "mgpu":
         return _custom_gmm(*vary_alike(x, w, group_sizes), _MGPU_KERNELS, cfgs)
+    if used == "cuda":
+        return _cuda_gmm(*vary_alike(x, w, group_sizes))
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 

@@ -427,6 +427,7 @@ def test_only_local_targets_are_command_buffer_compatible_by_default(monkeypatch
     monkeypatch.delenv("JAX_EP_COMMAND_BUFFERS", raising=False)
     assert _native.command_buffer_traits("jax_ep_layout")["traits"]
     assert _native.command_buffer_traits("jax_ep_quantize_fp8")["traits"]
+    assert _native.command_buffer_traits("jax_ep_grouped_matmul")["traits"]
     # calls that wait for peers or number calls on the device stay out of XLA's graphs
     for name in ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_ll_dispatch_send",
                  "jax_ep_ll_combine", "jax_ep_batched_matmul"):

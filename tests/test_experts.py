@@ -461,3 +461,69 @@ def test_swiglu_mlp_padded_gemm_sms_on_the_reference_is_the_einsum():
     b = experts.swiglu_mlp_padded(rows, wg, wu, wd, gs, capacity=48, gemm_sms=100)
     np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
     assert int(a[1]) == int(b[1])
+
+
+# ----------------------------------------------------------------------------- impl="cuda"
+
+
+def test_cuda_grouped_matmul_lowers_to_the_kernel_and_checks_arguments():
+    """The forward and dx are jax_ep_grouped_matmul calls (dx reads w transposed, no copy of
+    it); dw is ragged_dot's transpose. Shapes the kernel cannot take are refused."""
+    x = jnp.zeros((96, 128), jnp.bfloat16)
+    w = jnp.zeros((4, 128, 72), jnp.bfloat16)
+    gs = jnp.array([10, 0, 50, 30], jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(experts._cuda_gmm(x, w, gs).astype(jnp.float32) ** 2)
+
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_ep_grouped_matmul" in ln]
+    assert sorted("transpose_w = true" in ln for ln in calls) == [False, True], calls
+    with pytest.raises(ValueError, match="impl='cuda' cannot take"):
+        experts._choose("cuda", x.astype(jnp.float32), w.astype(jnp.float32))
+    with pytest.raises(ValueError, match="impl='cuda' cannot take"):
+        experts._choose("cuda", x[:, :100], w[:, :100])
+
+
+def _gpu_skip_reason():
+    if jax.default_backend() != "gpu":
+        return f"needs a GPU (default backend is {jax.default_backend()})"
+    if not experts._native_gemm_available():
+        return "needs the CUDA extension"
+    return None
+
+
+gpu = pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+
+# groups of a decode step (a few rows each, empty ones) and larger ones (several 64-row passes)
+CUDA_GROUPS = {"decode": (3, 0, 1, 7, 16, 0, 2, 5, 17, 4), "large": (300, 0, 129, 64, 1, 65)}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("groups,k,n", [("decode", 256, 512), ("decode", 200, 136),
+                                        ("large", 512, 384), ("large", 72, 1000)])
+def test_gpu_cuda_grouped_matmul_vs_ragged_dot(groups, k, n, dtype):
+    """Against float32 ragged_dot: forward, dx (the kernel on w transposed), dw; K and N not
+    multiples of the tiles, rows past the groups zero (ragged rows there are random)."""
+    sizes = CUDA_GROUPS[groups]
+    total = sum(sizes)
+    m = total + 37
+    kx, kw, kc = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(kx, (m, k)).astype(dtype)
+    w = (jax.random.normal(kw, (len(sizes), k, n)) * k ** -0.5).astype(dtype)
+    ct = jax.random.normal(kc, (m, n), jnp.float32).astype(dtype)
+    gs = jnp.array(sizes, jnp.int32)
+    f = jax.jit(functools.partial(experts.grouped_matmul, group_sizes=gs, impl="cuda"))
+    got, (dx, dw) = _vjp(f, (x, w), ct)
+    keep = (jnp.arange(m) < total)[:, None]
+    want, (dx_w, dw_w) = _vjp(lambda x, w: _ragged_f32(x, w, gs),
+                              (jnp.where(keep, x, 0).astype(jnp.float32), w.astype(jnp.float32)),
+                              jnp.where(keep, ct, 0).astype(jnp.float32))
+    assert got.dtype == dx.dtype == dw.dtype == dtype
+    _close(got, want, 1e-2, "y")
+    _close(jnp.where(keep, dx, 0), dx_w, 1e-2, "dx")
+    _close(dw, dw_w, 1e-2, "dw")
+    assert not np.any(np.asarray(got[total:].astype(jnp.float32)))
+    assert not np.any(np.asarray(dx[total:].astype(jnp.float32)))

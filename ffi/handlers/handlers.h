@@ -18,4 +18,5 @@ XLA_FFI_Error* JaxEpNodeSend(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpNodeReturn(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpQuantizeFp8(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpBatchedMatmul(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpGroupedMatmul(XLA_FFI_CallFrame* call_frame);
 }

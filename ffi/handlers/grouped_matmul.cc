@@ -1,0 +1,58 @@
+// jax_ep_grouped_matmul: rows grouped by expert times each expert's weights
+// (experts.grouped_matmul(impl="cuda"); kernels/grouped_gemm.h). No communication and no
+// runtime state: it runs without runtime.initialize().
+#include <cstdint>
+#include <string>
+
+#include "handlers/common.h"
+#include "handlers/handlers.h"
+#include "kernels/grouped_gemm.h"
+
+namespace jax_ep {
+namespace {
+
+std::string dims_text(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+ffi::Error grouped_matmul_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                               ffi::Buffer<ffi::S32> group_sizes,
+                               ffi::Result<ffi::AnyBuffer> out, bool transpose_w) {
+  auto dx = x.dimensions(), dw = w.dimensions(), dy = out->dimensions();
+  if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2)
+    return invalid("grouped_matmul: x must be [rows, K], w [groups, K, N] (or [groups, N, K] "
+                   "transposed) and the result [rows, N]");
+  const int64_t rows = dx[0], k = dx[1], groups = dw[0];
+  const int64_t kw = transpose_w ? dw[2] : dw[1], n = transpose_w ? dw[1] : dw[2];
+  if (kw != k || dy[0] != rows || dy[1] != n ||
+      group_sizes.element_count() != static_cast<size_t>(groups))
+    return invalid("grouped_matmul: shapes do not match (x " + dims_text(dx) + ", w " +
+                   dims_text(dw) + ", result " + dims_text(dy) + ", " +
+                   std::to_string(group_sizes.element_count()) + " group sizes)");
+  if (k % 8 != 0 || n % 8 != 0)
+    return invalid("grouped_matmul: K and N must be multiples of 8 (16-byte rows)");
+  if (rows > (int64_t(1) << 31) - 1 || groups > 65535)
+    return invalid("grouped_matmul: at most 2^31 - 1 rows and 65535 groups");
+  ElementType type;
+  if (!float_element(x.element_type(), &type) || type == ElementType::kF32 ||
+      w.element_type() != x.element_type() || out->element_type() != x.element_type())
+    return invalid("grouped_matmul: x, w and the result must all be bfloat16 or all float16");
+  return cuda_error(launch_grouped_gemm(x.untyped_data(), w.untyped_data(),
+                                        group_sizes.typed_data(), out->untyped_data(), type,
+                                        rows, k, n, groups, transpose_w, stream),
+                    "grouped_matmul kernel");
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedMatmul, jax_ep::grouped_matmul_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_w"));
