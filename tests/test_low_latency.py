@@ -132,49 +132,6 @@ def test_low_latency_expert_major_combine_matches_oracle(split):
     np.testing.assert_array_equal(got, oracle.low_latency_combine(blocks, w, idx, E, M))
 
 
-def test_low_latency_expert_major_grads_match_dense():
-    """The packed rows straight into grouped GEMMs (recv_count the group sizes), forward and
-    gradients against the dense MoE."""
-    from jax_ep import experts
-
-    R, T, M, H, F, E, K = 4, 6, 8, 16, 12, 8, 3
-    key = jax.random.key(5)
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    params = dict(router=jax.random.normal(k1, (H, E)),
-                  w_in=jax.random.normal(k2, (E, H, F)) / np.sqrt(H),
-                  w_out=jax.random.normal(k3, (E, F, H)) / np.sqrt(F))
-    x = jax.random.normal(k4, (R * T, H))
-    m = mesh(R)
-    specs = dict(router=P(), w_in=P(AXIS), w_out=P(AXIS))
-
-    @jax.jit
-    @partial(jax.shard_map, mesh=m, in_specs=(specs, P(AXIS)), out_specs=P())
-    def ep_loss(p, x):
-        idx, gates = moe.route(x, p["router"], K)
-        o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
-                                        axis_name=AXIS, use_fp8=False, backend="reference",
-                                        layout="expert_major")
-        mm = partial(experts.grouped_matmul, group_sizes=o.recv_count, impl="ragged_dot")
-        y = mm(jax.nn.gelu(mm(o.x, p["w_in"])), p["w_out"])
-        out = jax_ep.low_latency_combine(y, gates, o.handle)
-        return jax.lax.psum(jnp.sum(jnp.sin(out)), AXIS)
-
-    def dense_loss(p, x):
-        return jnp.sum(jnp.sin(moe.dense_moe_block(x, p["router"], p["w_in"], p["w_out"],
-                                                   top_k=K)))
-
-    put = lambda a, s: jax.device_put(a, NamedSharding(m, s))  # noqa: E731
-    pp = {k: put(v, specs[k]) for k, v in params.items()}
-    xp = put(x, P(AXIS))
-    np.testing.assert_allclose(ep_loss(pp, xp), dense_loss(params, x), rtol=1e-5)
-    got = jax.grad(ep_loss, argnums=(0, 1))(pp, xp)
-    want = jax.grad(dense_loss, argnums=(0, 1))(params, x)
-    for name in params:
-        np.testing.assert_allclose(got[0][name], want[0][name], rtol=2e-4, atol=2e-5,
-                                   err_msg=name)
-    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5)
-
-
 @pytest.mark.parametrize("split,dtype", [(False, np.float32), (True, np.float32),
                                          (False, jnp.bfloat16)])
 def test_low_latency_combine_matches_oracle(split, dtype):
@@ -197,13 +154,18 @@ def test_low_latency_combine_matches_oracle(split, dtype):
     np.testing.assert_array_equal(got, oracle.low_latency_combine(y, w, idx, E, M))
 
 
-@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
-def test_low_latency_decode_block_and_grads_match_dense(axis_type):
+@pytest.mark.parametrize("layout,axis_type", [("blocks", "Auto"), ("blocks", "Explicit"),
+                                              ("expert_major", "Auto")])
+def test_low_latency_decode_block_and_grads_match_dense(layout, axis_type):
     """Explicit: jax.make_mesh's default axis type (jax 0.7 on), under the mesh context that
-    explicit sharding asks of programs."""
+    explicit sharding asks of programs. expert_major: the packed rows straight into grouped
+    GEMMs (recv_count the group sizes)."""
+    from jax_ep import experts
+
     if axis_type == "Explicit" and not hasattr(jax, "set_mesh"):
         pytest.skip("this jax has no jax.set_mesh")
-    R, T, M, H, F, E, K = 4, 6, 8, 16, 12, 8, 2
+    R, T, M, H, F, E = 4, 6, 8, 16, 12, 8
+    K = 2 if layout == "blocks" else 3
     key = jax.random.key(3)
     k1, k2, k3, k4 = jax.random.split(key, 4)
     params = dict(router=jax.random.normal(k1, (H, E)),
@@ -218,9 +180,14 @@ def test_low_latency_decode_block_and_grads_match_dense(axis_type):
     def ep_loss(p, x):
         idx, gates = moe.route(x, p["router"], K)
         o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
-                                        axis_name=AXIS, use_fp8=False, backend="reference")
-        h = jax.nn.gelu(jnp.einsum("lrh,lhf->lrf", o.x, p["w_in"]))
-        y = jnp.einsum("lrf,lfh->lrh", h, p["w_out"])
+                                        axis_name=AXIS, use_fp8=False, backend="reference",
+                                        layout=layout)
+        if layout == "blocks":
+            h = jax.nn.gelu(jnp.einsum("lrh,lhf->lrf", o.x, p["w_in"]))
+            y = jnp.einsum("lrf,lfh->lrh", h, p["w_out"])
+        else:
+            mm = partial(experts.grouped_matmul, group_sizes=o.recv_count, impl="ragged_dot")
+            y = mm(jax.nn.gelu(mm(o.x, p["w_in"])), p["w_out"])
         out = jax_ep.low_latency_combine(y, gates, o.handle)
         return jax.lax.psum(jnp.sum(jnp.sin(out)), AXIS)
 
