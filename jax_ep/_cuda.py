@@ -194,12 +194,16 @@ def batched_matmul(a, b, *, trans_a, trans_b, sm_count, out_dtype, tf32=True):
                  sm_count=np.int64(sm_count), tf32=bool(tf32))
 
 
-def grouped_matmul(x, w, group_sizes, *, transpose_w):
+def grouped_matmul(x, w, group_sizes, *, transpose_w, sm_count=0):
     """x [P, K] rows grouped by expert times w[l] ([L, K, N], or [L, N, K] read transposed)
-    -> [P, N] in x's dtype, rows past sum(group_sizes) zero (jax_ep_grouped_matmul)."""
+    -> [P, N] in x's dtype, rows past sum(group_sizes) zero (jax_ep_grouped_matmul), on as
+    many blocks as ``sm_count`` SMs hold (0: every SM). The kernel takes each group's end row
+    (negative sizes count as 0)."""
     n = w.shape[1] if transpose_w else w.shape[2]
+    ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0), dtype=jnp.int32)
     return _call("jax_ep_grouped_matmul", jax.ShapeDtypeStruct((x.shape[0], n), x.dtype), x, w,
-                 group_sizes.astype(jnp.int32), axis_name=None, transpose_w=bool(transpose_w))
+                 ends, axis_name=None, transpose_w=bool(transpose_w),
+                 sm_count=np.int64(sm_count))
 
 
 def quantize_fp8(x, *, ue8m0):

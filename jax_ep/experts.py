@@ -21,7 +21,9 @@ Grouped matmul implementations (``impl``):
   128 output columns) streams that slice of the expert's weights once per 64 rows and
   multiplies only the group's 16-row tiles, so an empty group costs nothing and the time is
   reading the weights; the tiled kernels above multiply at least one 64- or 128-row tile per
-  group. bf16/f16, K and N multiples of 8, any GPU with ``mma.sync`` (sm_80 on). Gradients:
+  group. ``sm_count=`` sizes it for the SMs a split low-latency call leaves.
+  bf16/f16, K and N multiples of 8; the kernel needs ``mma.sync`` (sm_80 on; the extension
+  is built for sm_90 unless ``JAX_EP_CUDA_ARCHITECTURES`` says otherwise). Gradients:
   ``dx`` by the same kernel reading w transposed, ``dw`` by ``jax.lax.ragged_dot``'s transpose.
 * ``"auto"`` (default): ``"mgpu"`` on an sm_90 GPU (H100/H200) for bf16/f16 operands whose
   shapes fit some block config, ``"ragged_dot"`` otherwise. Decided at trace time.
@@ -229,23 +231,23 @@ def _custom_gmm_bwd(kernels, cfgs, res, dy):
 _custom_gmm.defvjp(_custom_gmm_fwd, _custom_gmm_bwd)
 
 
-@jax.custom_vjp
-def _cuda_gmm(x, w, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cuda_gmm(x, w, group_sizes, sms=0):
     from jax_ep import _cuda
 
-    return _cuda.grouped_matmul(x, w, group_sizes, transpose_w=False)
+    return _cuda.grouped_matmul(x, w, group_sizes, transpose_w=False, sm_count=sms)
 
 
-def _cuda_gmm_fwd(x, w, group_sizes):
-    return _cuda_gmm(x, w, group_sizes), (x, w, group_sizes)
+def _cuda_gmm_fwd(x, w, group_sizes, sms):
+    return _cuda_gmm(x, w, group_sizes, sms), (x, w, group_sizes)
 
 
-def _cuda_gmm_bwd(res, dy):
+def _cuda_gmm_bwd(sms, res, dy):
     from jax_ep import _cuda
 
     x, w, group_sizes = res
     dy = _zero_padding_rows(dy.astype(x.dtype), group_sizes)
-    dx = _cuda.grouped_matmul(dy, w, group_sizes, transpose_w=True)  # dy [M, N] @ w[l]^T
+    dx = _cuda.grouped_matmul(dy, w, group_sizes, transpose_w=True, sm_count=sms)  # dy @ w^T
     _, w_vjp = jax.vjp(lambda w_: jax.lax.ragged_dot(x, w_, group_sizes), w)
     (dw,) = w_vjp(dy)
     dx, _ = vary_alike(dx, x)
@@ -288,31 +290,39 @@ def _choose(impl, x, w, overrides=None):
     return "ragged_dot", None
 
 
-def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None):
+def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None, sm_count=None):
     """``x [M, K]`` rows grouped by expert times ``w [L, K, N]`` -> ``[M, N]`` in x's dtype,
     accumulated in float32; rows past ``sum(group_sizes)`` are zero.
 
     impl: ``"auto"``, ``"ragged_dot"``, ``"mgpu"`` or ``"cuda"`` (see the module docstring).
     mgpu_configs: optional ``{(pass, K, N): GemmConfig}`` overriding ``TUNED_CONFIGS``.
+    sm_count: ``impl="cuda"`` only: the SMs its kernel takes (None or 0: every SM), i.e. what
+    a split low-latency call beside it leaves (``low_latency_split_gemm_sms``).
     """
     used, cfgs = _choose(impl, x, w, overrides=mgpu_configs)
+    sms = 0 if sm_count is None else sm_count
+    if isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or sms < 0:
+        raise ValueError(f"sm_count must be None or a count of SMs >= 0, got {sm_count!r}")
+    if sms and used != "cuda":
+        raise ValueError(f"sm_count sizes impl='cuda' only (this call runs {used!r})")
     group_sizes = group_sizes.astype(jnp.int32)
     if used == "mgpu":
         return _custom_gmm(*vary_alike(x, w, group_sizes), _MGPU_KERNELS, cfgs)
     if used == "cuda":
-        return _cuda_gmm(*vary_alike(x, w, group_sizes))
+        return _cuda_gmm(*vary_alike(x, w, group_sizes), int(sms))
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def swiglu_mlp(rows, w_gate, w_up, w_down, group_sizes, *, impl="auto", mgpu_configs=None):
+def swiglu_mlp(rows, w_gate, w_up, w_down, group_sizes, *, impl="auto", mgpu_configs=None,
+               sm_count=None):
     """SwiGLU experts: ``(silu(rows @ w_gate[e]) * (rows @ w_up[e])) @ w_down[e]`` per group.
 
     rows [M, H]; w_gate, w_up [L, H, F]; w_down [L, F, H] -> [M, H] in rows' dtype.
-    impl, mgpu_configs: as in ``grouped_matmul``.
+    impl, mgpu_configs, sm_count: as in ``grouped_matmul``.
     """
     gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=impl,
-                            mgpu_configs=mgpu_configs)
+                            mgpu_configs=mgpu_configs, sm_count=sm_count)
     gate = gmm(rows, w_gate)
     up = gmm(rows, w_up)
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows.dtype)

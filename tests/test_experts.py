@@ -468,18 +468,25 @@ def test_swiglu_mlp_padded_gemm_sms_on_the_reference_is_the_einsum():
 
 def test_cuda_grouped_matmul_lowers_to_the_kernel_and_checks_arguments():
     """The forward and dx are jax_ep_grouped_matmul calls (dx reads w transposed, no copy of
-    it); dw is ragged_dot's transpose. Shapes the kernel cannot take are refused."""
+    it) sized alike; dw is ragged_dot's transpose. Shapes the kernel cannot take are refused,
+    and an SM count for another impl."""
     x = jnp.zeros((96, 128), jnp.bfloat16)
     w = jnp.zeros((4, 128, 72), jnp.bfloat16)
     gs = jnp.array([10, 0, 50, 30], jnp.int32)
 
     def loss(x, w):
-        return jnp.sum(experts._cuda_gmm(x, w, gs).astype(jnp.float32) ** 2)
+        return jnp.sum(experts._cuda_gmm(x, w, gs, 100).astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(
         lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_ep_grouped_matmul" in ln]
     assert sorted("transpose_w = true" in ln for ln in calls) == [False, True], calls
+    assert all("sm_count = 100" in ln for ln in calls), calls
+    with pytest.raises(ValueError, match="sm_count sizes impl='cuda' only"):
+        experts.grouped_matmul(x, w, gs, impl="ragged_dot", sm_count=100)
+    if not experts._native_gemm_available():
+        with pytest.raises(RuntimeError, match="impl='cuda' needs the CUDA extension and a GPU"):
+            experts.grouped_matmul(x, w, gs, impl="cuda")
     with pytest.raises(ValueError, match="impl='cuda' cannot take"):
         experts._choose("cuda", x.astype(jnp.float32), w.astype(jnp.float32))
     with pytest.raises(ValueError, match="impl='cuda' cannot take"):
@@ -515,7 +522,9 @@ def test_gpu_cuda_grouped_matmul_vs_ragged_dot(groups, k, n, dtype):
     w = (jax.random.normal(kw, (len(sizes), k, n)) * k ** -0.5).astype(dtype)
     ct = jax.random.normal(kc, (m, n), jnp.float32).astype(dtype)
     gs = jnp.array(sizes, jnp.int32)
-    f = jax.jit(functools.partial(experts.grouped_matmul, group_sizes=gs, impl="cuda"))
+    # few SMs: each block takes many (group, column block) items in turn
+    f = jax.jit(functools.partial(experts.grouped_matmul, group_sizes=gs, impl="cuda",
+                                  sm_count=3 if groups == "decode" else None))
     got, (dx, dw) = _vjp(f, (x, w), ct)
     keep = (jnp.arange(m) < total)[:, None]
     want, (dx_w, dw_w) = _vjp(lambda x, w: _ragged_f32(x, w, gs),

@@ -10,11 +10,13 @@
 
 namespace jax_ep {
 
-// y [P, N] = x [P, K] rows grouped by expert (group l: the group_sizes[l] rows after the
-// groups before it) times w[l]: [L, K, N], or [L, N, K] read transposed (transpose_w); rows
-// past the groups' sum are zero. bf16 or f16 operands and result, float32 accumulation.
-cudaError_t launch_grouped_gemm(const void* x, const void* w, const int32_t* group_sizes,
+// y [P, N] = x [P, K] rows grouped by expert (group l: rows [group_ends[l - 1],
+// group_ends[l]), the inclusive sum of the group sizes) times w[l]: [L, K, N], or [L, N, K]
+// read transposed (transpose_w); rows past the last group are zero. bf16 or f16 operands and
+// result, float32 accumulation; as many blocks as sm_count SMs hold (0: every SM).
+cudaError_t launch_grouped_gemm(const void* x, const void* w, const int32_t* group_ends,
                                 void* y, ElementType type, int64_t rows, int64_t k, int64_t n,
-                                int64_t groups, bool transpose_w, cudaStream_t stream);
+                                int64_t groups, bool transpose_w, int sm_count,
+                                cudaStream_t stream);
 
 }  // namespace jax_ep
