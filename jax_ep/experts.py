@@ -17,8 +17,8 @@ Grouped matmul implementations (``impl``):
   transpose 32-bit operands); the kernels leave rows past ``sum(group_sizes)`` unwritten, so
   they are zeroed here (a ``where`` that XLA fuses into neighbouring elementwise work).
 * ``"cuda"``: jax_ep's own kernel (``jax_ep_grouped_matmul``) for few rows per group, as
-  decode gives (``low_latency_dispatch(..., layout="expert_major")``): one block per (group,
-  128 output columns) streams that slice of the expert's weights once per 64 rows and
+  decode gives (``low_latency_dispatch(..., layout="expert_major")``): each (group, 128
+  output columns) item streams that slice of the expert's weights once per 64 rows and
   multiplies only the group's 16-row tiles, so an empty group costs nothing and the time is
   reading the weights; the tiled kernels above multiply at least one 64- or 128-row tile per
   group. ``sm_count=`` sizes it for the SMs a split low-latency call leaves.
