@@ -16,7 +16,10 @@ micro-batches A and B go through a stack of layers in turn, or interleaved:
 
 so every send is followed by the other micro-batch's GEMMs and only then by its receive. On
 CUDA those GEMMs are ``experts.batched_matmul`` sized by ``low_latency_split_gemm_sms``: XLA's
-own GEMMs take one CTA on every SM, and the split kernel would wait for them. The example
+own GEMMs take one CTA on every SM, and the split kernel would wait for them. With
+``--layout expert_major`` the rows arrive packed by local expert and the experts run grouped
+GEMMs over the used rows only (``experts.grouped_matmul``; on CUDA ``impl="cuda"``, sized the
+same way): the choice where a rank holds many experts, each getting a few rows. The example
 checks that both schedules give the same tokens and prints each one's time per layer.
 """
 
@@ -40,6 +43,9 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=20, help="timed executions of each schedule")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+    p.add_argument("--layout", default="blocks", choices=["blocks", "expert_major"],
+                   help="the dispatch's rows: per-expert blocks through batched GEMMs, or "
+                        "packed by expert through grouped GEMMs")
     return p.parse_args()
 
 
@@ -57,7 +63,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
-from jax_ep.experts import batched_matmul  # noqa: E402
+from jax_ep.experts import batched_matmul, grouped_matmul  # noqa: E402
 
 AXIS = "ep"
 tie = jax.lax.optimization_barrier  # orders independent work: XLA follows data only
@@ -83,10 +89,11 @@ class Layer:
     """One layer's pieces on this rank's tokens; ``sms``: the SMs its GEMMs are sized for
     (None: every SM)."""
 
-    def __init__(self, p, sms, backend, E, K, M):
+    def __init__(self, p, sms, backend, E, K, M, layout="blocks"):
         self.p, self.sms = p, sms
-        self.ll = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, backend=backend)
-        self.K = K
+        self.ll = dict(num_experts=E, max_tokens_per_rank=M, axis_name=AXIS, backend=backend,
+                       layout=layout)
+        self.K, self.cuda = K, backend == "cuda"
 
     def dense(self, x):
         return x + batched_matmul(x[None], self.p["dense"], sm_count=self.sms)[0]
@@ -98,6 +105,11 @@ class Layer:
 
     def experts(self, received):
         rows = jax_ep.dequantize_fp8(received.x, received.x_scales, jnp.bfloat16)
+        if self.ll["layout"] == "expert_major":  # [R*M*min(K, L), H], groups of recv_count
+            gmm = partial(grouped_matmul, group_sizes=received.recv_count,
+                          impl="cuda" if self.cuda else "auto",
+                          sm_count=self.sms if self.cuda else None)
+            return gmm(jax.nn.silu(gmm(rows, self.p["w_in"])), self.p["w_out"])
         h = jax.nn.silu(batched_matmul(rows, self.p["w_in"], sm_count=self.sms))
         return batched_matmul(h, self.p["w_out"], sm_count=self.sms)  # [L, R*M, H]
 
@@ -108,22 +120,22 @@ class Layer:
         return h + jax_ep.low_latency_combine(self.experts(received), gates, received.handle)
 
 
-def in_turn(params, xa, xb, *, backend, E, K, M, sms=None):
+def in_turn(params, xa, xb, *, backend, E, K, M, layout, sms=None):
     """A's layers, then B's: every call fused, every GEMM on every SM (or on ``sms``)."""
     for p in params:
-        layer = Layer(p, sms, backend, E, K, M)
+        layer = Layer(p, sms, backend, E, K, M, layout)
         xa = layer.fused(xa)
         xb = layer.fused(tie((xb, xa))[0])
     return xa, xb
 
 
-def interleaved(params, xa, xb, *, backend, E, K, M, sms):
+def interleaved(params, xa, xb, *, backend, E, K, M, layout, sms):
     """Each send followed by the other micro-batch's GEMMs, then its receive."""
     rx, tx = jax_ep.low_latency_dispatch_receive, jax_ep.low_latency_dispatch_send
     crx, ctx = jax_ep.low_latency_combine_receive, jax_ep.low_latency_combine_send
     for p in params:
-        dispatch = Layer(p, sms["dispatch"], backend, E, K, M)
-        combine = Layer(p, sms["combine"], backend, E, K, M)
+        dispatch = Layer(p, sms["dispatch"], backend, E, K, M, layout)
+        combine = Layer(p, sms["combine"], backend, E, K, M, layout)
         ha = dispatch.dense(xa)
         ia, ga = dispatch.route(ha)
         sa = tx(ha, ia, **dispatch.ll)
@@ -187,7 +199,7 @@ def main():
     tokens = jax.jit(lambda k: jax.random.normal(k, (R * T, H), jnp.bfloat16), out_shardings=shard)
     xa, xb = tokens(jax.random.key(1)), tokens(jax.random.key(2))
     sms = {op: jax_ep.low_latency_split_gemm_sms(op) for op in ("dispatch", "combine")}
-    common = dict(backend=backend, E=E, K=K, M=T)
+    common = dict(backend=backend, E=E, K=K, M=T, layout=args.layout)
 
     def compiled(fn, layers):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs[:layers], P(AXIS), P(AXIS)),
@@ -214,8 +226,8 @@ def main():
         beside = ("every SM" if sms["dispatch"] is None else
                   f"{sms['dispatch']} SMs (dispatch) / {sms['combine']} (combine)")
         print(f"{R} devices ({jax.default_backend()}), backend={backend}, {N} layers, two "
-              f"micro-batches of T={T}/rank, H={H} F={F} E={E} top-{K}; the GEMMs beside "
-              f"the split calls on {beside}")
+              f"micro-batches of T={T}/rank, H={H} F={F} E={E} top-{K}, {args.layout} rows; "
+              f"the GEMMs beside the split calls on {beside}")
         print("the interleaved schedule's tokens match the one in turn")
         print(f"in turn (fused calls):      {1e3 * t_plain / N:9.1f} µs per layer")
         print(f"interleaved (split calls):  {1e3 * t_split / N:9.1f} µs per layer"

@@ -350,9 +350,10 @@ def test_low_latency_block_order_and_invalid_ids(split):
     np.testing.assert_array_equal(out.num_invalid, [0, 2, 0, 1])
 
 
-def test_decode_example_interleaves_two_micro_batches():
+@pytest.mark.parametrize("layout", ["blocks", "expert_major"])
+def test_decode_example_interleaves_two_micro_batches(layout):
     """examples/decode_overlap.py on 4 fake CPU devices: the interleaved split calls give the
-    tokens of the fused calls in turn."""
+    tokens of the fused calls in turn (expert_major: through grouped GEMMs)."""
     import os
     import pathlib
     import subprocess
@@ -361,7 +362,8 @@ def test_decode_example_interleaves_two_micro_batches():
     example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "decode_overlap.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, str(example), "--devices", "4", "--layers", "2",
-                          "--repeats", "1", "--backend", "reference"], capture_output=True,
+                          "--repeats", "1", "--backend", "reference", "--layout", layout],
+                         capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the interleaved schedule's tokens match the one in turn" in out.stdout, out.stdout
