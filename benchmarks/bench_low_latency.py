@@ -17,7 +17,7 @@ out of the loop); on a GPU a second row runs the send on a second XLA stream
 (``jax_ep.on_stream``; alone, as the stream call's own cost) with the send and receive, or the
 whole dispatch, beside it on the program's stream, at the default CTAs and fewer. The
 combine-alone row reuses one dispatch's handle for every call. The ``expert_major`` rows
-dispatch (and combine) the packed layout; the expert MLP rows (GPU, ``--ffn``) take one
+dispatch (and combine) the packed layout; the expert MLP rows (GPU, ``--ffn F``) take one
 dispatch's FP8 rows through a SiLU MLP per local expert: on the blocks, dequantized whole and
 through batched GEMMs over all L*R*M rows, and on the packed rows through grouped GEMMs
 (``experts.grouped_matmul``: the Mosaic GPU kernels, and jax_ep's ``impl="cuda"``).
@@ -58,10 +58,11 @@ def parse_args():
                         "pieces (e.g. 'matmul,16 CTAs'), or '|'-separated ones where a piece "
                         "holds a comma ('matmul alone, on a second stream|send then'); empty: "
                         "every row")
-    p.add_argument("--ffn", type=int, default=2048,
-                   help="the expert rows' FFN width: the expert MLP rows (GPU) run the dispatch's "
+    p.add_argument("--ffn", type=int, default=0,
+                   help="the expert MLP rows (GPU; e.g. 2048, DeepSeek-V3's): the dispatch's "
                         "rows through w_in [H, ffn] and w_out [ffn, H] per local expert, in both "
-                        "layouts; 0: no such rows")
+                        "layouts (each call reads every local expert's weights: use --calls 10 "
+                        "--rounds 2); 0: no such rows")
     p.add_argument("--node-size", type=int, default=None,
                    help="virtual nodes of this many ranks (runtime.initialize(node_size=)): "
                         "the kernels reach other nodes' ranks by NVSHMEM puts, as over a "
