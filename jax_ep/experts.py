@@ -23,7 +23,7 @@ Grouped matmul implementations (``impl``):
   reading the weights; the tiled kernels above multiply at least one 64- or 128-row tile per
   group. ``sm_count=`` sizes it for the SMs a split low-latency call leaves.
   bf16/f16, K and N multiples of 8; the kernel needs ``mma.sync`` (sm_80 on; the extension
-  is built for sm_90 unless ``JAX_EP_CUDA_ARCHITECTURES`` says otherwise). Gradients:
+  is built for sm_90 unless its build is given other architectures). Gradients:
   ``dx`` by the same kernel reading w transposed, ``dw`` by ``jax.lax.ragged_dot``'s transpose.
 * ``"auto"`` (default): ``"mgpu"`` on an sm_90 GPU (H100/H200) for bf16/f16 operands whose
   shapes fit some block config, ``"ragged_dot"`` otherwise. Decided at trace time.
