@@ -17,10 +17,11 @@ out of the loop); on a GPU a second row runs the send on a second XLA stream
 (``jax_ep.on_stream``; alone, as the stream call's own cost) with the send and receive, or the
 whole dispatch, beside it on the program's stream, at the default CTAs and fewer. The
 combine-alone row reuses one dispatch's handle for every call. The ``expert_major`` rows
-dispatch (and combine) the packed layout; the expert MLP rows (GPU, ``--ffn F``) take one
-dispatch's FP8 rows through a SiLU MLP per local expert: on the blocks, dequantized whole and
-through batched GEMMs over all L*R*M rows, and on the packed rows through grouped GEMMs
-(``experts.grouped_matmul``: the Mosaic GPU kernels, and jax_ep's ``impl="cuda"``).
+dispatch (and combine) the packed layout, the ``records`` rows each token once; the expert
+MLP rows (GPU, ``--ffn F``) take one dispatch's FP8 rows through a SiLU MLP per local expert:
+on the blocks, dequantized whole and through batched GEMMs over all L*R*M rows, on the packed
+rows through grouped GEMMs (``experts.grouped_matmul``: the Mosaic GPU kernels, and jax_ep's
+``impl="cuda"``), and on the records through ``impl="cuda"`` reading them by index.
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
 
@@ -133,9 +134,9 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
                 backend="cuda"))
         return jnp.sum(jnp.dot(x, weight, preferred_element_type=jnp.float32))
 
-    def dispatch_overlapped(x, idx, weight, blocks=None):
+    def dispatch_overlapped(x, idx, weight, blocks=None, layout="blocks"):
         kw = dict(ll, config=jax_ep.Config(num_blocks=blocks)) if blocks else ll
-        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, **kw)
+        pending = jax_ep.low_latency_dispatch_send(x, idx, use_fp8=True, layout=layout, **kw)
         # the matmul after the send and the receive after the matmul: nothing else orders them
         # (profiler traces showed XLA running the receive right after the send otherwise)
         x_after, pending = jax.lax.optimization_barrier((x, pending))
@@ -176,6 +177,8 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     record("jax_ep dispatch FP8, send then receive", dispatch_fp8_split, x, idx_d)
     record("jax_ep low_latency_dispatch FP8, expert_major",
            partial(dispatch_fp8, layout="expert_major"), x, idx_d)
+    record("jax_ep low_latency_dispatch FP8, records",
+           partial(dispatch_fp8, layout="records"), x, idx_d)
     record("jax_ep low_latency_dispatch BF16", dispatch_bf16, x, idx_d)
     record("jax_ep dispatch BF16 + combine BF16", combine, x, idx_d, w)
     record("jax_ep dispatch BF16 + combine BF16, expert_major",
@@ -227,6 +230,8 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     record("independent matmul alone", matmul, x, idx_d, weight, chained=0, marker=None,
            kernels=True)
     record("send FP8 -> matmul -> receive", dispatch_overlapped, x, idx_d, weight, chained=0)
+    record("send FP8 -> matmul -> receive, records",
+           partial(dispatch_overlapped, layout="records"), x, idx_d, weight, chained=0)
     if jax.default_backend() == "gpu":  # the split dispatch's kernel beside the matmul
         # the default: config.split_dispatch_blocks, by device
         for blocks in (32, 24, 20, 16, 12, 8):
@@ -269,6 +274,8 @@ def expert_mlp_rows(record, x, idx_d, shard, smap, ll, R, H, E):
     def rows_of(layout):
         def fn(x, idx):
             o = jax_ep.low_latency_dispatch(x, idx, use_fp8=True, layout=layout, **ll)
+            if layout == "records":  # unused records: any bits on CUDA (never read)
+                return o.x, o.x_scales, o.recv_count, o.handle.record_rows()
             keep = (o.handle.src_rank >= 0)[..., None]  # unused rows: any bits on CUDA
             return jnp.where(keep, o.x, jnp.zeros((), o.x.dtype)), o.x_scales, o.recv_count
         return jax.jit(smap(fn, in_specs=(P(AXIS),) * 2))(x, idx_d)
@@ -283,7 +290,13 @@ def expert_mlp_rows(record, x, idx_d, shard, smap, ll, R, H, E):
         a = jax.nn.silu(experts.grouped_matmul(h, w_in, counts, impl=impl))
         return experts.grouped_matmul(a, w_out, counts, impl=impl)[:1, :1]
 
+    def on_records(rows, scales, counts, index, w_in, w_out):
+        h = jax_ep.dequantize_fp8(rows, scales, jnp.bfloat16)  # [R*M, H]: each token once
+        a = jax.nn.silu(experts.grouped_matmul(h, w_in, counts, impl="cuda", row_index=index))
+        return experts.grouped_matmul(a, w_out, counts, impl="cuda")[:1, :1]
+
     blocks, packed = rows_of("blocks"), rows_of("expert_major")
+    records = rows_of("records")
     if jax.process_index() == 0:
         print(f"expert MLP rows: {E // R} local experts, ffn {F}; rows per rank: blocks "
               f"{blocks[0].size // R // H}, packed {packed[0].size // R // H}, used "
@@ -295,6 +308,8 @@ def expert_mlp_rows(record, x, idx_d, shard, smap, ll, R, H, E):
            *packed, w_in, w_out, chained=0, marker=None)
     record("expert MLP on expert_major rows (dequantize, grouped GEMMs: cuda)",
            partial(on_packed, impl="cuda"), *packed, w_in, w_out, chained=0, marker=None)
+    record("expert MLP on records (dequantize, grouped GEMMs by index: cuda)", on_records,
+           *records, w_in, w_out, chained=0, marker=None)
 
 
 def main():

@@ -19,7 +19,9 @@ CUDA those GEMMs are ``experts.batched_matmul`` sized by ``low_latency_split_gem
 own GEMMs take one CTA on every SM, and the split kernel would wait for them. With
 ``--layout expert_major`` the rows arrive packed by local expert and the experts run grouped
 GEMMs over the used rows only (``experts.grouped_matmul``; on CUDA ``impl="cuda"``, sized the
-same way): the choice where a rank holds many experts, each getting a few rows. The example
+same way): the choice where a rank holds many experts, each getting a few rows; with
+``--layout records`` each token arrives once and the first GEMM reads the packed rows by the
+handle's index (``row_index=handle.record_rows()``). The example
 checks that both schedules give the same tokens and prints each one's time per layer.
 """
 
@@ -43,9 +45,10 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=20, help="timed executions of each schedule")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
-    p.add_argument("--layout", default="blocks", choices=["blocks", "expert_major"],
-                   help="the dispatch's rows: per-expert blocks through batched GEMMs, or "
-                        "packed by expert through grouped GEMMs")
+    p.add_argument("--layout", default="blocks", choices=["blocks", "expert_major", "records"],
+                   help="the dispatch's rows: per-expert blocks through batched GEMMs, "
+                        "packed by expert through grouped GEMMs, or each token once, read by "
+                        "index by the grouped GEMMs")
     return p.parse_args()
 
 
@@ -105,11 +108,15 @@ class Layer:
 
     def experts(self, received):
         rows = jax_ep.dequantize_fp8(received.x, received.x_scales, jnp.bfloat16)
-        if self.ll["layout"] == "expert_major":  # [R*M*min(K, L), H], groups of recv_count
+        if self.ll["layout"] != "blocks":  # packed rows, groups of recv_count
             gmm = partial(grouped_matmul, group_sizes=received.recv_count,
                           impl="cuda" if self.cuda else "auto",
                           sm_count=self.sms if self.cuda else None)
-            return gmm(jax.nn.silu(gmm(rows, self.p["w_in"])), self.p["w_out"])
+            # records: each token once, the packed rows read by the handle's index
+            index = (received.handle.record_rows() if self.ll["layout"] == "records"
+                     else None)
+            h = jax.nn.silu(gmm(rows, self.p["w_in"], row_index=index))
+            return gmm(h, self.p["w_out"])
         h = jax.nn.silu(batched_matmul(rows, self.p["w_in"], sm_count=self.sms))
         return batched_matmul(h, self.p["w_out"], sm_count=self.sms)  # [L, R*M, H]
 

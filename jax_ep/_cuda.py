@@ -18,6 +18,7 @@ from jax_ep import config as _config
 from jax_ep._mesh import as_varying, axis_stride, varying_axes
 from jax_ep._types import (
     EXPERT_MAJOR,
+    LL_RECORDS,
     SOURCE_SLOTS,
     DispatchConfig,
     DispatchHandle,
@@ -194,15 +195,18 @@ def batched_matmul(a, b, *, trans_a, trans_b, sm_count, out_dtype, tf32=True):
                  sm_count=np.int64(sm_count), tf32=bool(tf32))
 
 
-def grouped_matmul(x, w, group_sizes, *, transpose_w, sm_count=0):
+def grouped_matmul(x, w, group_sizes, *, transpose_w, sm_count=0, row_index=None):
     """x [P, K] rows grouped by expert times w[l] ([L, K, N], or [L, N, K] read transposed)
     -> [P, N] in x's dtype, rows past sum(group_sizes) zero (jax_ep_grouped_matmul), on as
     many blocks as ``sm_count`` SMs hold (0: every SM). The kernel takes each group's end row
-    (negative sizes count as 0)."""
+    (negative sizes count as 0). row_index [P] int32: row i is x[row_index[i]] (x any number
+    of rows; an index outside them reads zeros)."""
     n = w.shape[1] if transpose_w else w.shape[2]
     ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0), dtype=jnp.int32)
-    return _call("jax_ep_grouped_matmul", jax.ShapeDtypeStruct((x.shape[0], n), x.dtype), x, w,
-                 ends, axis_name=None, transpose_w=bool(transpose_w),
+    index = jnp.zeros((0,), jnp.int32) if row_index is None else row_index.astype(jnp.int32)
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    return _call("jax_ep_grouped_matmul", jax.ShapeDtypeStruct((rows, n), x.dtype), x, index,
+                 w, ends, axis_name=None, transpose_w=bool(transpose_w),
                  sm_count=np.int64(sm_count))
 
 
@@ -547,10 +551,11 @@ def _ll_attrs(config: LowLatencyConfig, *, split=None):
                     config.tuning, split=split, device_kind=_gpu_kind())))
 
 
-def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src):
-    rows = config.rows_shape  # the handlers read the layout from x's rank
+def _ll_receive_types(config: LowLatencyConfig, dtype, width, *, fp8, with_src, records):
+    # the handlers read the layout from x's rank, and records from the attribute
+    rows = config.x_rows_shape if records else config.rows_shape
     i32 = jnp.int32
-    src = rows if with_src else (0,)
+    src = config.rows_shape if with_src else (0,)
     pairs = (config.num_ranks, config.num_tokens, config.num_topk) if with_src else (0,)
     return (
         jax.ShapeDtypeStruct(rows + (width,), dtype),
@@ -573,11 +578,12 @@ def _ll_fused_dispatch(x, topk_idx, slots, config: LowLatencyConfig, *, cached):
     """Send and receive in one custom call (nothing can be scheduled between them)."""
     use_fp8 = config.use_fp8 and not cached
     dtype = jnp.float8_e4m3fn if use_fp8 else x.dtype
+    records = config.layout == LL_RECORDS and not cached  # a cached dispatch packs rows
     types = _ll_send_types(*topk_idx.shape) + _ll_receive_types(
-        config, dtype, x.shape[1], fp8=use_fp8, with_src=not cached)
+        config, dtype, x.shape[1], fp8=use_fp8, with_src=not cached, records=records)
     return _call("jax_ep_ll_dispatch", types, x, topk_idx, slots, _rank(config.axis_name),
                  axis_name=config.axis_name, use_fp8=bool(use_fp8), ue8m0=bool(config.ue8m0),
-                 cached=bool(cached), **_ll_attrs(config))
+                 cached=bool(cached), records=records, **_ll_attrs(config))
 
 
 def low_latency_send(x, topk_idx, config: LowLatencyConfig):
@@ -587,11 +593,13 @@ def low_latency_send(x, topk_idx, config: LowLatencyConfig):
     until the receive."""
     dtype = jnp.float8_e4m3fn if config.use_fp8 else x.dtype
     rank = _rank(config.axis_name)
+    records = config.layout == LL_RECORDS
     types = _ll_send_types(*topk_idx.shape) + _ll_receive_types(
-        config, dtype, x.shape[1], fp8=config.use_fp8, with_src=True)
+        config, dtype, x.shape[1], fp8=config.use_fp8, with_src=True, records=records)
     results = _call("jax_ep_ll_dispatch_send", types, x, topk_idx, jnp.zeros((0,), jnp.int32),
                     rank, axis_name=config.axis_name, use_fp8=bool(config.use_fp8),
-                    ue8m0=bool(config.ue8m0), cached=False, **_ll_attrs(config, split="dispatch"))
+                    ue8m0=bool(config.ue8m0), cached=False, records=records,
+                    **_ll_attrs(config, split="dispatch"))
     return dict(results=tuple(results), operands=(x, topk_idx, rank), topk_idx=topk_idx)
 
 

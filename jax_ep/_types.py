@@ -52,7 +52,8 @@ EXPERT_MAJOR = "expert_major"
 SOURCE_SLOTS = "source_slots"
 LAYOUTS = (RANK_MAJOR, EXPERT_MAJOR, SOURCE_SLOTS)
 LL_BLOCKS = "blocks"  # low latency: [L, R*M] rows, block l's first recv_count[l] used
-LL_LAYOUTS = (LL_BLOCKS, EXPERT_MAJOR)
+LL_RECORDS = "records"  # low latency: one row per (source, token), the pairs by index
+LL_LAYOUTS = (LL_BLOCKS, EXPERT_MAJOR, LL_RECORDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +210,11 @@ class DispatchLayout(NamedTuple):
 # then by (source token, k): row = (kept pairs for l of the sources before s in that order)
 # + slot (within the group). The rest have -1 handle entries and unspecified data (the
 # reference backend zeroes it; the CUDA kernels leave it, as a decode step must not write
-# L*R*M rows). Combine takes y in the dispatch's layout and weights
+# L*R*M rows). With layout LL_RECORDS x holds each token once: x [R*M, H], row s*M + t the
+# token t of source s if any of its pairs was kept here (else unspecified, the reference
+# zeroes it), and the handle describes expert_major's packed rows, which x's rows
+# handle.record_rows() make up (a row per kept pair, read by index: no row is copied once
+# per pair). Combine takes y in the dispatch's layout (records: expert_major's) and weights
 # each row by the source's gate; each expert rank sums its rows of a token in k order in
 # float32 and rounds that partial to y's dtype; the token's owner adds the partials in rank
 # order (0, 1, ..., R - 1) in float32 and rounds to y's dtype.
@@ -228,7 +233,7 @@ class LowLatencyConfig:
     axis_name: Any = None
     backend: str = "reference"
     tuning: Any = None  # jax_ep.Config (num_blocks only)
-    layout: str = LL_BLOCKS  # or EXPERT_MAJOR
+    layout: str = LL_BLOCKS  # or EXPERT_MAJOR, LL_RECORDS
 
     @property
     def num_local_experts(self) -> int:
@@ -240,15 +245,21 @@ class LowLatencyConfig:
 
     @property
     def packed(self) -> bool:
-        return self.layout == EXPERT_MAJOR
+        """The pairs' rows are packed by local expert (expert_major, and records' index)."""
+        return self.layout in (EXPERT_MAJOR, LL_RECORDS)
 
     @property
     def rows_shape(self) -> tuple:
-        """Leading dims of x, y and the handle's src_* in this layout: (L, R*M) blocks, or
-        (R*M*min(K, L),) packed rows."""
+        """Leading dims of y and the handle's src_* in this layout (and of x but for
+        records): (L, R*M) blocks, or (R*M*min(K, L),) packed rows."""
         if self.packed:
             return (self.rows_per_expert * min(self.num_topk, self.num_local_experts),)
         return (self.num_local_experts, self.rows_per_expert)
+
+    @property
+    def x_rows_shape(self) -> tuple:
+        """Leading dims of the dispatch's x: rows_shape, or records' (R*M,)."""
+        return (self.rows_per_expert,) if self.layout == LL_RECORDS else self.rows_shape
 
 
 @jax.tree_util.register_pytree_node_class
@@ -260,8 +271,8 @@ class LowLatencyHandle:
       send_slot: [T, K] int32 per-(source, expert) slot of the pair: its rank among this
                  source's pairs for the same expert, in (token, k) order; -1 = not sent
                  (no valid expert) or dropped (slot >= M).
-      src_rank:  [L, R*M] (expert_major: [P]) int32 source rank of each received row (-1 =
-                 unused).
+      src_rank:  [L, R*M] (expert_major and records: [P]) int32 source rank of each received
+                 row (-1 = unused).
       src_token: like src_rank: source token of each received row (-1 = unused).
       src_k:     like src_rank: top-k slot of each received row (-1 = unused).
       recv_count: [L] int32 used rows per local expert (the used rows are a prefix of each
@@ -280,6 +291,17 @@ class LowLatencyHandle:
     pair_row: jax.Array
     config: LowLatencyConfig
 
+    def record_rows(self) -> jax.Array:
+        """[P] int32, packed layouts: the record (row of a records dispatch's x, s*M + t) that
+        each packed row reads, -1 for unused rows; ``experts.grouped_matmul(x, w,
+        recv_count, row_index=handle.record_rows())`` multiplies a records dispatch's rows
+        as if packed, and ``x[rows]`` (rows clipped, masked) gathers them."""
+        if not self.config.packed:
+            raise ValueError("record_rows: the handle of an expert_major or records dispatch")
+        M = self.config.max_tokens_per_rank
+        used = self.src_rank >= 0
+        return jnp.where(used, self.src_rank * M + self.src_token, -1).astype(jnp.int32)
+
     def tree_flatten(self):
         return (self.topk_idx, self.send_slot, self.src_rank, self.src_token, self.src_k,
                 self.recv_count, self.pair_row), self.config
@@ -290,8 +312,9 @@ class LowLatencyHandle:
 
 
 class LowLatencyOutput(NamedTuple):
-    """x: [L, R*M, H], or expert_major [P = R*M*min(K, L), H] (e4m3 when FP8, else x's
-    dtype); x_scales: [L, R*M, H//128] (expert_major [P, H//128]) f32 or None;
+    """x: [L, R*M, H], expert_major [P = R*M*min(K, L), H] or records [R*M, H] (e4m3 when
+    FP8, else x's dtype); x_scales: [L, R*M, H//128] (expert_major [P, H//128], records
+    [R*M, H//128]) f32 or None;
     recv_count: [L] int32 rows used per local expert; num_dropped: [] int32 pairs of this
     rank's tokens dropped at the source because their per-(source, expert) slot was >= M
     (only possible when a token lists one expert twice);

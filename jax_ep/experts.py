@@ -231,28 +231,42 @@ def _custom_gmm_bwd(kernels, cfgs, res, dy):
 _custom_gmm.defvjp(_custom_gmm_fwd, _custom_gmm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cuda_gmm(x, w, group_sizes, sms=0):
+def _gather_rows(x, row_index):
+    """x[row_index] with rows of zeros where the index is outside x's rows."""
+    valid = (row_index >= 0) & (row_index < x.shape[0])
+    rows = x[jnp.clip(row_index, 0, x.shape[0] - 1)]
+    return jnp.where(valid[:, None], rows, jnp.zeros((), x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cuda_gmm(x, w, group_sizes, row_index, sms=0):
     from jax_ep import _cuda
 
-    return _cuda.grouped_matmul(x, w, group_sizes, transpose_w=False, sm_count=sms)
+    return _cuda.grouped_matmul(x, w, group_sizes, transpose_w=False, sm_count=sms,
+                                row_index=row_index)
 
 
-def _cuda_gmm_fwd(x, w, group_sizes, sms):
-    return _cuda_gmm(x, w, group_sizes, sms), (x, w, group_sizes)
+def _cuda_gmm_fwd(x, w, group_sizes, row_index, sms):
+    return _cuda_gmm(x, w, group_sizes, row_index, sms), (x, w, group_sizes, row_index)
 
 
 def _cuda_gmm_bwd(sms, res, dy):
     from jax_ep import _cuda
 
-    x, w, group_sizes = res
+    x, w, group_sizes, row_index = res
     dy = _zero_padding_rows(dy.astype(x.dtype), group_sizes)
     dx = _cuda.grouped_matmul(dy, w, group_sizes, transpose_w=True, sm_count=sms)  # dy @ w^T
-    _, w_vjp = jax.vjp(lambda w_: jax.lax.ragged_dot(x, w_, group_sizes), w)
+    x_rows = x
+    if row_index is not None:  # each gathered row's cotangent back to its x row
+        x_rows = _gather_rows(x, row_index)
+        valid = (row_index >= 0) & (row_index < x.shape[0])
+        dx = jnp.zeros(x.shape, jnp.float32).at[jnp.where(valid, row_index, x.shape[0])].add(
+            dx.astype(jnp.float32), mode="drop").astype(x.dtype)
+    _, w_vjp = jax.vjp(lambda w_: jax.lax.ragged_dot(x_rows, w_, group_sizes), w)
     (dw,) = w_vjp(dy)
     dx, _ = vary_alike(dx, x)
     dw, _ = vary_alike(dw.astype(w.dtype), w)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 _cuda_gmm.defvjp(_cuda_gmm_fwd, _cuda_gmm_bwd)
@@ -290,7 +304,8 @@ def _choose(impl, x, w, overrides=None):
     return "ragged_dot", None
 
 
-def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None, sm_count=None):
+def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None, sm_count=None,
+                   row_index=None):
     """``x [M, K]`` rows grouped by expert times ``w [L, K, N]`` -> ``[M, N]`` in x's dtype,
     accumulated in float32; rows past ``sum(group_sizes)`` are zero.
 
@@ -298,7 +313,19 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None, sm_coun
     mgpu_configs: optional ``{(pass, K, N): GemmConfig}`` overriding ``TUNED_CONFIGS``.
     sm_count: ``impl="cuda"`` only: the SMs its kernel takes (None or 0: every SM), i.e. what
     a split low-latency call beside it leaves (``low_latency_split_gemm_sms``).
+    row_index: optional ``[P]`` int32: the grouped rows are ``x[row_index]`` (an index
+    outside x's rows reads zeros) and the result ``[P, N]``; ``impl="cuda"`` reads them by
+    index in its loads, the others gather first. A records low-latency dispatch's x with
+    ``handle.record_rows()``.
     """
+    if row_index is not None:
+        if row_index.ndim != 1 or not jnp.issubdtype(row_index.dtype, jnp.integer):
+            raise ValueError(f"row_index must be a 1-D integer array, got {row_index.shape} "
+                             f"{row_index.dtype}")
+        row_index = row_index.astype(jnp.int32)
+        if impl != "cuda":  # the others multiply the gathered rows
+            return grouped_matmul(_gather_rows(x, row_index), w, group_sizes, impl=impl,
+                                  mgpu_configs=mgpu_configs, sm_count=sm_count)
     used, cfgs = _choose(impl, x, w, overrides=mgpu_configs)
     sms = 0 if sm_count is None else sm_count
     if isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or sms < 0:
@@ -309,22 +336,25 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", mgpu_configs=None, sm_coun
     if used == "mgpu":
         return _custom_gmm(*vary_alike(x, w, group_sizes), _MGPU_KERNELS, cfgs)
     if used == "cuda":
-        return _cuda_gmm(*vary_alike(x, w, group_sizes), int(sms))
+        if row_index is None:
+            return _cuda_gmm(*vary_alike(x, w, group_sizes), None, int(sms))
+        return _cuda_gmm(*vary_alike(x, w, group_sizes, row_index), int(sms))
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def swiglu_mlp(rows, w_gate, w_up, w_down, group_sizes, *, impl="auto", mgpu_configs=None,
-               sm_count=None):
+               sm_count=None, row_index=None):
     """SwiGLU experts: ``(silu(rows @ w_gate[e]) * (rows @ w_up[e])) @ w_down[e]`` per group.
 
     rows [M, H]; w_gate, w_up [L, H, F]; w_down [L, F, H] -> [M, H] in rows' dtype.
-    impl, mgpu_configs, sm_count: as in ``grouped_matmul``.
+    impl, mgpu_configs, sm_count, row_index: as in ``grouped_matmul`` (with row_index the
+    result has its P rows).
     """
     gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=impl,
                             mgpu_configs=mgpu_configs, sm_count=sm_count)
-    gate = gmm(rows, w_gate)
-    up = gmm(rows, w_up)
+    gate = gmm(rows, w_gate, row_index=row_index)
+    up = gmm(rows, w_up, row_index=row_index)
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows.dtype)
     return gmm(h, w_down)
 

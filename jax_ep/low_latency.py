@@ -9,8 +9,14 @@ ranks in order, wrapping around (me, me + 1, ..., me - 1) — then by (source to
 ``[sum(recv_count[:l]), sum(recv_count[:l + 1]))``, the rows and group sizes that
 ``experts.grouped_matmul`` / ``swiglu_mlp`` take: a grouped GEMM then computes the used rows
 only, where a batched GEMM over the blocks computes all L*R*M (at DeepSeek-V3's 256 experts on
-two ranks, 32768 rows for ~1000 used). Combine takes ``y`` in the dispatch's layout, weights
-each returned row with the source's gate and sums the K rows of a token in k order.
+two ranks, 32768 rows for ~1000 used). ``layout="records"`` leaves the rows unexpanded: ``x``
+is ``[R*M, H]``, row ``s*M + t`` the token t of source s (if any of its pairs was kept here),
+and the handle is expert_major's, whose packed rows ``handle.record_rows()`` name:
+``experts.grouped_matmul(x, w, recv_count, row_index=handle.record_rows())`` reads them by
+index, so the receive stores each token once instead of once per pair (at DeepSeek-V3's
+decode shapes ~4x fewer bytes). Combine takes ``y`` in the dispatch's layout (records:
+expert_major's packed rows), weights each returned row with the source's gate and sums the K
+rows of a token in k order.
 
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
 that XLA can schedule independent work (another micro-batch's attention) between them; the
@@ -42,7 +48,13 @@ import jax.numpy as jnp
 
 from jax_ep import api
 from jax_ep import fp8 as _fp8
-from jax_ep._types import LL_LAYOUTS, LowLatencyConfig, LowLatencyHandle, LowLatencyOutput
+from jax_ep._types import (
+    LL_LAYOUTS,
+    LL_RECORDS,
+    LowLatencyConfig,
+    LowLatencyHandle,
+    LowLatencyOutput,
+)
 
 
 def _backend(config: LowLatencyConfig):
@@ -127,8 +139,9 @@ def low_latency_dispatch(x, topk_idx, *, num_experts, max_tokens_per_rank, axis_
     With ``use_fp8`` the tokens are quantised (one scale per 128 channels) before sending and
     arrive as e4m3 data + float32 scales; then no gradient flows back to ``x``. ``config``: a
     ``jax_ep.Config`` (its ``num_blocks``), kept by the handle for the combine. ``layout``:
-    ``"blocks"`` (``[L, R*M, H]``) or ``"expert_major"`` (the used rows packed by local
-    expert, ``[R*M*min(K, L), H]``; module docstring).
+    ``"blocks"`` (``[L, R*M, H]``), ``"expert_major"`` (the used rows packed by local
+    expert, ``[R*M*min(K, L), H]``) or ``"records"`` (each token once, ``[R*M, H]``, the
+    packed rows by index; module docstring).
     """
     x, topk_idx, config, num_invalid = _config(x, topk_idx, num_experts, max_tokens_per_rank,
                                                axis_name, use_fp8, ue8m0, backend, config,
@@ -155,8 +168,8 @@ def low_latency_dispatch_receive(pending) -> LowLatencyOutput:
 
 
 def low_latency_combine(y, topk_weights, handle: LowLatencyHandle):
-    """[L, R*M, H] (expert_major: [P, H]) expert outputs -> [T, H]: sum_k topk_weights[t, k] *
-    row(t, k).
+    """[L, R*M, H] (expert_major and records: [P, H]) expert outputs -> [T, H]:
+    sum_k topk_weights[t, k] * row(t, k).
 
     Order and rounding (both backends): every rank sums its own experts' rows of a token in k
     order, weighted, in float32, and rounds that partial to y's dtype (it crosses the wire
@@ -206,7 +219,8 @@ def _check_combine(y, topk_weights, handle):
     want = c.rows_shape
     if y.ndim != len(want) + 1 or y.shape[:-1] != want:
         dims = ", ".join(str(d) for d in want)
-        raise ValueError(f"y must be [{dims}, hidden] (the dispatch's {c.layout} rows), "
+        layout = "expert_major" if c.packed else c.layout  # records: the packed rows too
+        raise ValueError(f"y must be [{dims}, hidden] (the dispatch's {layout} rows), "
                          f"got shape {y.shape}")
     if y.dtype not in api._FLOAT_DTYPES:
         raise TypeError(f"y must be bfloat16, float16 or float32, got {y.dtype}")
@@ -233,7 +247,22 @@ def _ll_dispatch_bwd(config, handle, g):
     if config.use_fp8:
         return None, None  # quantised on the way: no gradient to x
     ones = jnp.ones((config.num_tokens, config.num_topk), jnp.float32)
-    return _backend(config).low_latency_combine(g.x, ones, handle), None
+    g_rows = _records_to_rows(g.x, handle) if config.layout == LL_RECORDS else g.x
+    return _backend(config).low_latency_combine(g_rows, ones, handle), None
+
+
+def _records_to_rows(g_records, handle):
+    """A records dispatch's cotangent [R*M, H] as packed rows for the combine: each record's
+    on the first packed row that reads it, zero on the others (the combine sums a token's
+    rows here with weight 1: exactly the record's cotangent)."""
+    rec = handle.record_rows()
+    P, RM = rec.shape[0], g_records.shape[0]
+    row = jnp.arange(P, dtype=jnp.int32)
+    slot = jnp.where(rec >= 0, rec, RM)
+    first = jnp.full((RM + 1,), P, jnp.int32).at[slot].min(row)
+    is_first = (rec >= 0) & (first[slot] == row)
+    rows = g_records[jnp.clip(rec, 0, RM - 1)]
+    return jnp.where(is_first[:, None], rows, jnp.zeros((), g_records.dtype))
 
 
 _ll_dispatch.defvjp(_ll_dispatch_fwd, _ll_dispatch_bwd)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jax_ep._types import (
     EXPERT_MAJOR,
+    LL_RECORDS,
     SOURCE_SLOTS,
     DispatchConfig,
     DispatchHandle,
@@ -332,7 +333,8 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
     """Block l holds the kept pairs for local expert l by source, in the order me, me + 1, ...,
     me - 1 (this rank's own pairs first), then by (source token, k): row = the counts for l of
     the sources before the pair's + the pair's slot at its source; expert_major packs the
-    blocks' used rows, group l after the groups before it."""
+    blocks' used rows, group l after the groups before it; records keeps each token once (the
+    handle is expert_major's)."""
     R, T, K, L = config.num_ranks, config.num_tokens, config.num_topk, config.num_local_experts
     rows = config.rows_per_expert
     n = R * T * K
@@ -369,9 +371,25 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
         pair_row=pair_row,
         config=config,
     )
+    if config.layout == LL_RECORDS:  # each token once, at row s*M + t, if a pair was kept
+        kept = jnp.zeros((R, T), bool).at[order].set(valid.reshape(R, T, K).any(axis=2))
+
+        def records(values):  # [R(src), T, ...] -> [R*M, ...], rows of no kept pair zero
+            values = jnp.where(kept.reshape(kept.shape + (1,) * (values.ndim - 2)), values,
+                               jnp.zeros((), values.dtype))
+            # padded (XLA:CPU's compiler crashed on an update of every row instead)
+            pad = [(0, 0), (0, config.max_tokens_per_rank - T)] + [(0, 0)] * (values.ndim - 2)
+            return jnp.pad(values, pad).reshape((rows,) + values.shape[2:])
+
+        out_x = records(sent["x"])
+        out_scales = None if scales is None else records(scales)
+    else:
+        out_x = place(x, 0)
+        out_scales = (None if scales is None
+                      else place(scales[order].reshape(R * T, -1)[token_row], 0))
     return LowLatencyOutput(
-        x=place(x, 0),
-        x_scales=None if scales is None else place(scales[order].reshape(R * T, -1)[token_row], 0),
+        x=out_x,
+        x_scales=out_scales,
         recv_count=counts,
         num_dropped=sent["num_dropped"],
         handle=handle,

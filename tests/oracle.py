@@ -234,6 +234,17 @@ def low_latency_packed(o, num_topk):
     return packed
 
 
+def low_latency_records(packed, payload, max_tokens):
+    """One rank's x in the records layout from its packed result: row s*M + t is source s's
+    token t (payload [R, T, ...]) if a packed row came from it, else zero."""
+    R, T = payload.shape[:2]
+    out = np.zeros((R * max_tokens,) + payload.shape[2:], payload.dtype)
+    for s, t in zip(packed["src_rank"], packed["src_token"]):
+        if s >= 0:
+            out[s * max_tokens + t] = payload[s, t]
+    return out
+
+
 def low_latency_unpacked(y, recv_count, rows):
     """Packed rows y [P, ...] of one rank -> blocks [L, rows, ...] (unused rows zero)."""
     L = len(recv_count)

@@ -475,7 +475,7 @@ def test_cuda_grouped_matmul_lowers_to_the_kernel_and_checks_arguments():
     gs = jnp.array([10, 0, 50, 30], jnp.int32)
 
     def loss(x, w):
-        return jnp.sum(experts._cuda_gmm(x, w, gs, 100).astype(jnp.float32) ** 2)
+        return jnp.sum(experts._cuda_gmm(x, w, gs, None, 100).astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -491,6 +491,35 @@ def test_cuda_grouped_matmul_lowers_to_the_kernel_and_checks_arguments():
         experts._choose("cuda", x.astype(jnp.float32), w.astype(jnp.float32))
     with pytest.raises(ValueError, match="impl='cuda' cannot take"):
         experts._choose("cuda", x[:, :100], w[:, :100])
+
+    # rows by index: the forward takes the index as an operand and has its rows
+    index = jnp.arange(60, dtype=jnp.int32)[::-1]
+    text = jax.jit(lambda x, w: experts._cuda_gmm(x, w, gs, index, 0)).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_ep_grouped_matmul" in ln]
+    assert len(calls) == 1 and "tensor<60xi32>" in calls[0] and "-> tensor<60x72xbf16>" in calls[0]
+    with pytest.raises(ValueError, match="row_index must be a 1-D integer array"):
+        experts.grouped_matmul(x, w, gs, impl="ragged_dot", row_index=index.astype(jnp.float32))
+
+
+def test_grouped_matmul_row_index_is_the_gathered_rows():
+    """row_index: the rows x[row_index] (an index outside x's rows reads zeros), forward and
+    gradients (dx summed over the rows that read the same x row)."""
+    x, w, _, _, gs, _ = _inputs()
+    rng = np.random.default_rng(0)
+    index = jnp.asarray(rng.integers(-2, x.shape[0] // 2 + 2, size=M), jnp.int32)
+    ct = jax.random.normal(jax.random.key(7), (M, F))
+    f = functools.partial(experts.grouped_matmul, group_sizes=gs, impl="ragged_dot")
+    got, (dx, dw) = _vjp(lambda x, w: f(x, w, row_index=index), (x, w), ct)
+    x_rows = experts._gather_rows(x, index)
+    want, (dx_rows, dw_w) = _vjp(f, (x_rows, w), ct)
+    _close(got, want, 1e-6)
+    _close(dw, dw_w, 1e-6)
+    valid = np.asarray((index >= 0) & (index < x.shape[0]))
+    dx_w = np.zeros(x.shape, np.float32)
+    np.add.at(dx_w, np.asarray(index)[valid], np.asarray(dx_rows)[valid])
+    _close(dx, dx_w, 1e-5)
+    assert not np.any(np.asarray(x_rows)[~valid])
 
 
 def _gpu_skip_reason():
@@ -536,3 +565,37 @@ def test_gpu_cuda_grouped_matmul_vs_ragged_dot(groups, k, n, dtype):
     _close(dw, dw_w, 1e-2, "dw")
     assert not np.any(np.asarray(got[total:].astype(jnp.float32)))
     assert not np.any(np.asarray(dx[total:].astype(jnp.float32)))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("groups,k,n", [("decode", 256, 512), ("large", 72, 1000)])
+def test_gpu_cuda_grouped_matmul_row_index_vs_ragged_dot(groups, k, n, dtype):
+    """row_index: the kernel reads x's rows by index (repeated rows, indices outside x read as
+    zeros), forward, dx (summed back onto x's rows) and dw against float32 ragged_dot on the
+    gathered rows."""
+    sizes = CUDA_GROUPS[groups]
+    total = sum(sizes)
+    p = total + 11
+    x_rows = max(total // 3, 4)
+    kx, kw, kc = jax.random.split(jax.random.key(9), 3)
+    x = jax.random.normal(kx, (x_rows, k)).astype(dtype)
+    w = (jax.random.normal(kw, (len(sizes), k, n)) * k ** -0.5).astype(dtype)
+    ct = jax.random.normal(kc, (p, n), jnp.float32).astype(dtype)
+    gs = jnp.array(sizes, jnp.int32)
+    index = jnp.asarray(np.random.default_rng(1).integers(-1, x_rows + 1, size=p), jnp.int32)
+    f = jax.jit(functools.partial(experts.grouped_matmul, group_sizes=gs, impl="cuda",
+                                  row_index=index, sm_count=3 if groups == "decode" else None))
+    got, (dx, dw) = _vjp(f, (x, w), ct)
+    keep = (jnp.arange(p) < total)[:, None]
+
+    def want_f(x, w):
+        return _ragged_f32(jnp.where(keep, experts._gather_rows(x, index), 0), w, gs)
+
+    want, (dx_w, dw_w) = _vjp(want_f, (x.astype(jnp.float32), w.astype(jnp.float32)),
+                              jnp.where(keep, ct, 0).astype(jnp.float32))
+    assert got.shape == (p, n) and dx.shape == x.shape
+    _close(got, want, 1e-2, "y")
+    _close(dx, dx_w, 1e-2, "dx")
+    _close(dw, dw_w, 1e-2, "dw")
+    assert not np.any(np.asarray(got[total:].astype(jnp.float32)))

@@ -758,10 +758,22 @@ def ll_round_trip(x, idx, w, y, **kw):
     return out, split, back, back_split
 
 
+def _ll_records_used(handle, M):
+    """[R, R*M]: the records some packed row reads (a records dispatch's x rows that hold data)."""
+    src_rank, src_token = np.asarray(handle.src_rank), np.asarray(handle.src_token)
+    used = np.zeros((src_rank.shape[0], M * src_rank.shape[0]), bool)
+    for r in range(src_rank.shape[0]):
+        keep = src_rank[r] >= 0
+        used[r, src_rank[r][keep] * M + src_token[r][keep]] = True
+    return used
+
+
 def assert_ll_round_trip(got, want):
     """ll_round_trip on CUDA against the reference: the used rows bit-equal, the sums close."""
     (out, split, back, back_split), (out_r, _, back_r, _) = got, want
     used = np.asarray(out_r.handle.src_rank) >= 0
+    if out_r.handle.config.layout == "records":  # x's rows are records, the handle packed
+        used = _ll_records_used(out_r.handle, out_r.handle.config.max_tokens_per_rank)
     assert_trees_equal(_ll_used(out, used), _ll_used(out_r, used), fp8_steps=True)
     assert_trees_equal(_ll_used(split, used), _ll_used(out_r, used), fp8_steps=True)
     assert_sums_close(back, back_r, jnp.bfloat16)
@@ -790,6 +802,7 @@ def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
     assert_ll_round_trip(*both(fn, x, idx, w, y))
 
 
+@pytest.mark.parametrize("layout", ["expert_major", "records"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kind,mask,T,M,H,junk,blocks", [
     ("random", 0.1, 64, 64, 256, False, None),     # T == M
@@ -797,9 +810,11 @@ def test_low_latency_matches_reference(kind, mask, T, M, junk, fp8):
     ("random", 0.3, 20, 32, 256, True, 2),         # -1 masks, bad ids, few CTAs
     ("random", 0.1, LL_WIDE_M, LL_WIDE_M, LL_WIDE_H, False, None),  # DeepSeek-V3's rows
 ])
-def test_low_latency_expert_major_matches_reference(kind, mask, T, M, H, junk, blocks, fp8):
+def test_low_latency_packed_layouts_match_reference(kind, mask, T, M, H, junk, blocks, fp8,
+                                                    layout):
     """layout="expert_major": the used rows packed by local expert into R*M*min(K, L) rows;
-    fused and split dispatch and combine against the reference (y's unused rows random)."""
+    "records": each token with a pair here once (R*M rows), the handle packed alike; fused and
+    split dispatch and combine against the reference (y's unused rows random)."""
     R = num_ranks()
     x, idx, w, E = _ll_inputs(T + M + 1, T, H, kind, mask, junk)
     P = R * M * min(LL_K, E // R)
@@ -808,17 +823,21 @@ def test_low_latency_expert_major_matches_reference(kind, mask, T, M, H, junk, b
 
     def fn(backend, x, idx, w, y):
         return ll_round_trip(x, idx, w, y, num_experts=E, max_tokens_per_rank=M, axis_name=AXIS,
-                             use_fp8=fp8, backend=backend, layout="expert_major",
+                             use_fp8=fp8, backend=backend, layout=layout,
                              config=blocks and jax_ep.Config(num_blocks=blocks))
 
     got, want = both(fn, x, idx, w, y)
-    assert got[0].x.shape == (R, P, H)
+    assert got[0].x.shape == (R, R * M if layout == "records" else P, H)
     assert_ll_round_trip(got, want)
 
 
-def test_low_latency_expert_major_gradients_match_reference():
+@pytest.mark.parametrize("layout", ["expert_major", "records"])
+def test_low_latency_packed_layouts_gradients_match_reference(layout):
     """The packed rows' backward passes: the combine's (a cached dispatch into packed rows)
-    and the dispatch's (a combine of packed rows)."""
+    and the dispatch's (a combine of packed rows; records: each record's cotangent on its
+    first packed row). Records reach the combine through the grouped GEMM's index."""
+    from jax_ep import experts
+
     R = num_ranks()
     T, M, H = 16, 16, 128
     x, idx, w, E = _ll_inputs(4, T, H, "random", 0.1, dtype=np.float32)
@@ -829,8 +848,10 @@ def test_low_latency_expert_major_gradients_match_reference():
         def loss(x, w):
             o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=M,
                                             axis_name=AXIS, use_fp8=False, backend=backend,
-                                            layout="expert_major")
-            return jnp.sum(jnp.sin(jax_ep.low_latency_combine(o.x * scale, w, o.handle)))
+                                            layout=layout)
+            rows = (experts._gather_rows(o.x, o.handle.record_rows()) if layout == "records"
+                    else o.x)
+            return jnp.sum(jnp.sin(jax_ep.low_latency_combine(rows * scale, w, o.handle)))
 
         return jax.grad(loss, argnums=(0, 1))(x, w)
 

@@ -106,6 +106,47 @@ def test_low_latency_expert_major_matches_oracle(R, T, M, H, K, E, kind, mask, u
 
 
 @pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("use_fp8", [False, True])
+@pytest.mark.parametrize("R,T,M,H,K,E,kind,mask", [
+    (1, 4, 4, 128, 2, 3, "random", 0.0),
+    (2, 8, 8, 256, 8, 16, "random", 0.2),
+    (4, 5, 7, 128, 3, 12, "random", 0.3),  # M > T: rows past a source's tokens
+    (4, 6, 6, 128, 4, 8, "one_expert", 0.0),
+])
+def test_low_latency_records_match_oracle(R, T, M, H, K, E, kind, mask, use_fp8, split):
+    """layout="records": each token that has a pair here once, at row s*M + t; the handle is
+    expert_major's, and the records read by handle.record_rows() are expert_major's rows."""
+    rng = np.random.default_rng(R * 3 + K)
+    x, idx, _ = make_inputs(rng, R, T, H, K, E, kind, mask, dtype=jnp.bfloat16)
+    out = ll_dispatch(x, idx, E, M, use_fp8, split=split, layout="records")
+    packed_out = ll_dispatch(x, idx, E, M, use_fp8, layout="expert_major")
+    if use_fp8:
+        data, scales = jax.vmap(jax_ep.quantize_fp8)(jnp.asarray(x))
+        payload, got_x = np.asarray(data).view(np.uint8), np.asarray(out.x).view(np.uint8)
+    else:
+        payload, got_x = np.asarray(x), np.asarray(out.x)
+    want, slot = oracle.low_latency_dispatch(payload, idx, E, M)
+    assert out.x.shape == (R, R * M, H)
+    record_rows = np.asarray(jax.vmap(lambda h: h.record_rows())(out.handle))
+    for r in range(R):
+        packed = oracle.low_latency_packed(want[r], K)
+        np.testing.assert_array_equal(got_x[r], oracle.low_latency_records(packed, payload, M),
+                                      err_msg=f"rank {r} x")
+        for name in ("src_rank", "src_token", "src_k", "pair_row"):
+            np.testing.assert_array_equal(getattr(out.handle, name)[r], packed[name],
+                                          err_msg=f"rank {r} {name}")
+        np.testing.assert_array_equal(out.recv_count[r], packed["recv_count"])
+        rows = record_rows[r]
+        used = rows >= 0
+        np.testing.assert_array_equal(got_x[r][rows[used]],
+                                      np.asarray(packed_out.x[r]).view(got_x.dtype)[used])
+        if use_fp8:
+            np.testing.assert_array_equal(
+                out.x_scales[r], oracle.low_latency_records(packed, np.asarray(scales), M))
+    np.testing.assert_array_equal(out.handle.send_slot, slot)
+
+
+@pytest.mark.parametrize("split", [False, True])
 def test_low_latency_expert_major_combine_matches_oracle(split):
     """The combine reads the packed rows through the handle; rows past the used ones (random
     here) are never read."""
@@ -155,11 +196,12 @@ def test_low_latency_combine_matches_oracle(split, dtype):
 
 
 @pytest.mark.parametrize("layout,axis_type", [("blocks", "Auto"), ("blocks", "Explicit"),
-                                              ("expert_major", "Auto")])
+                                              ("expert_major", "Auto"), ("records", "Auto")])
 def test_low_latency_decode_block_and_grads_match_dense(layout, axis_type):
     """Explicit: jax.make_mesh's default axis type (jax 0.7 on), under the mesh context that
     explicit sharding asks of programs. expert_major: the packed rows straight into grouped
-    GEMMs (recv_count the group sizes)."""
+    GEMMs (recv_count the group sizes); records: the same GEMMs reading the records by the
+    handle's index."""
     from jax_ep import experts
 
     if axis_type == "Explicit" and not hasattr(jax, "set_mesh"):
@@ -187,7 +229,8 @@ def test_low_latency_decode_block_and_grads_match_dense(layout, axis_type):
             y = jnp.einsum("lrf,lfh->lrh", h, p["w_out"])
         else:
             mm = partial(experts.grouped_matmul, group_sizes=o.recv_count, impl="ragged_dot")
-            y = mm(jax.nn.gelu(mm(o.x, p["w_in"])), p["w_out"])
+            index = o.handle.record_rows() if layout == "records" else None
+            y = mm(jax.nn.gelu(mm(o.x, p["w_in"], row_index=index)), p["w_out"])
         out = jax_ep.low_latency_combine(y, gates, o.handle)
         return jax.lax.psum(jnp.sum(jnp.sin(out)), AXIS)
 
@@ -236,6 +279,9 @@ def test_low_latency_validation():
     with pytest.raises(ValueError, match=r"y must be \[2, 8, hidden\]"):
         combine("blocks", "expert_major")
     combine("expert_major", "expert_major")
+    combine("records", "expert_major")  # records: the combine takes the packed rows
+    with pytest.raises(ValueError, match=r"y must be \[16, hidden\] \(the dispatch's expert_major"):
+        combine("records", "records")
 
     with pytest.raises(ValueError, match="exceed max_tokens_per_rank=4"):
         attempt(T=5)
@@ -350,7 +396,7 @@ def test_low_latency_block_order_and_invalid_ids(split):
     np.testing.assert_array_equal(out.num_invalid, [0, 2, 0, 1])
 
 
-@pytest.mark.parametrize("layout", ["blocks", "expert_major"])
+@pytest.mark.parametrize("layout", ["blocks", "expert_major", "records"])
 def test_decode_example_interleaves_two_micro_batches(layout):
     """examples/decode_overlap.py on 4 fake CPU devices: the interleaved split calls give the
     tokens of the fused calls in turn (expert_major: through grouped GEMMs)."""

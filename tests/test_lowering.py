@@ -74,16 +74,19 @@ def test_every_custom_call_is_fenced_by_optimization_barriers():
         assert users and all("optimization_barrier" in line for line in users), (target, users)
 
 
-def test_low_latency_expert_major_lowers_packed_rows():
+@pytest.mark.parametrize("layout", ["expert_major", "records"])
+def test_low_latency_packed_layouts_lower_packed_rows(layout):
     """layout="expert_major": the dispatch's rows, scales and handle rows are R*M*min(K, L)
-    packed rows (the handlers read the layout from x's rank), the combine takes y so."""
+    packed rows (the handlers read the layout from x's rank), the combine takes y so;
+    "records": x and its scales are R*M rows (the `records` attribute says so), the handle's
+    rows and y packed."""
     config = LowLatencyConfig(num_experts=8, num_ranks=2, num_tokens=8, hidden=256, num_topk=3,
                               max_tokens_per_rank=8, use_fp8=True, axis_name=AXIS,
-                              backend="cuda", layout="expert_major")
+                              backend="cuda", layout=layout)
 
     def per_device(x, idx):
         out = _cuda.low_latency_dispatch(x, idx, config)
-        y = jnp.zeros(out.x.shape, jnp.bfloat16)
+        y = jnp.zeros(config.rows_shape + (256,), jnp.bfloat16)
         return _cuda.low_latency_combine(y, jnp.ones(idx.shape), out.handle)[None]
 
     x = jnp.zeros((16, 256), jnp.bfloat16)
@@ -93,8 +96,10 @@ def test_low_latency_expert_major_lowers_packed_rows():
     dispatch = [line for line in text.splitlines() if "@jax_ep_ll_dispatch(" in line]
     combine = [line for line in text.splitlines() if "@jax_ep_ll_combine(" in line]
     assert len(dispatch) == 1 and len(combine) == 1
-    for shape in (f"tensor<{P}x256xf8E4M3FN>", f"tensor<{P}x2xf32>", f"tensor<{P}xi32>"):
+    X = 2 * 8 if layout == "records" else P
+    for shape in (f"tensor<{X}x256xf8E4M3FN>", f"tensor<{X}x2xf32>", f"tensor<{P}xi32>"):
         assert shape in dispatch[0], (shape, dispatch[0])
+    assert f"records = {str(layout == 'records').lower()}" in dispatch[0], dispatch[0]
     assert f"tensor<{P}x256xbf16>" in combine[0]
 
 

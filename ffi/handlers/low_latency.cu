@@ -354,7 +354,7 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
                                  ffi::ResultBuffer<ffi::S32> src_k,
                                  ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                                  int64_t max_tokens, int64_t num_tokens, int64_t num_topk,
-                                 const EpGroup& group, const Tuning& tuning,
+                                 bool records, const EpGroup& group, const Tuning& tuning,
                                  LLDispatchReceiveArgs& a) {
   const char* op = "low_latency_dispatch (receive)";
   auto dims = out_x->dimensions();
@@ -366,19 +366,25 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
     return invalid(std::string(op) + ": at most " +
                    std::to_string(kMaxStaticSmem / sizeof(int32_t) - 1) + " experts");
   // x [P, D]: the expert_major layout, every group packed (P rows hold every pair a rank can
-  // receive); else [L, R*M, D] blocks
-  const bool packed = dims.size() == 2;
+  // receive); records: x [R*M, D], each record once, the handle's rows packed; else
+  // [L, R*M, D] blocks
+  const bool packed = records || dims.size() == 2;
   const int64_t P = packed_rows(R, max_tokens, num_topk, L);
-  if (packed ? dims[0] != P : dims.size() != 3 || dims[0] != L || dims[1] != RM)
+  if (records ? dims.size() != 2 || dims[0] != RM
+      : packed ? dims[0] != P
+               : dims.size() != 3 || dims[0] != L || dims[1] != RM)
     return invalid(std::string(op) + ": x must be [L, R*M, D] = [" + std::to_string(L) + ", " +
-                   std::to_string(RM) + ", D] or, expert_major, [R*M*min(K, L), D] = [" +
-                   std::to_string(P) + ", D]; the EP axis must span every NVSHMEM PE");
+                   std::to_string(RM) + ", D], expert_major [R*M*min(K, L), D] = [" +
+                   std::to_string(P) + ", D] or records [R*M, D]; the EP axis must span "
+                   "every NVSHMEM PE");
   const size_t elem = element_bytes(out_x->element_type());
   if (elem == 0) return invalid(std::string(op) + ": unsupported dtype of x");
   const int D = static_cast<int>(dims[dims.size() - 1]);
-  const size_t rows = packed ? size_t(P) : size_t(L) * RM;
+  const size_t rows = records ? size_t(RM) : packed ? size_t(P) : size_t(L) * RM;
+  const size_t handle_rows = packed ? size_t(P) : size_t(L) * RM;
   a = LLDispatchReceiveArgs{};
   a.num_rows = packed ? static_cast<int>(P) : 0;
+  a.records = records;
   a.row_bytes = size_t(D) * elem;
   const bool fp8 = out_scales->element_count() != 0;
   if (fp8 && (out_x->element_type() != ffi::DataType::F8E4M3FN || D % 128 != 0 ||
@@ -388,11 +394,14 @@ ffi::Error make_dispatch_receive(const int32_t* call, ffi::Buffer<ffi::S32> rank
   a.scale_bytes = fp8 ? sizeof(float) * size_t(D / 128) : 0;
   const bool want_src = src_rank->element_count() != 0;
   if (recv_count->element_count() != size_t(L) ||
-      (want_src && (src_rank->element_count() != rows || src_token->element_count() != rows ||
-                    src_k->element_count() != rows ||
+      (want_src && (src_rank->element_count() != handle_rows ||
+                    src_token->element_count() != handle_rows ||
+                    src_k->element_count() != handle_rows ||
                     pair_row->element_count() != size_t(R) * num_tokens * num_topk)))
-    return invalid(std::string(op) + ": recv_count must be [L], src_* one per row of x and "
-                   "pair_row [R, T, K] (or empty)");
+    return invalid(std::string(op) + ": recv_count must be [L], src_* one per row (packed "
+                   "rows for records) and pair_row [R, T, K] (or empty)");
+  if (records && !want_src)
+    return invalid(std::string(op) + ": a records dispatch returns the handle's rows");
   if (num_tokens < 0 || num_tokens > max_tokens)
     return invalid(std::string(op) + ": num_tokens must be in [0, max_tokens_per_rank]");
   a.plan = plan_ll_dispatch(R, static_cast<int>(num_experts), static_cast<int>(max_tokens),
@@ -451,7 +460,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::ResultBuffer<ffi::S32> src_k,
                          ffi::ResultBuffer<ffi::S32> pair_row, int64_t num_experts,
                          int64_t max_tokens, bool use_fp8, bool ue8m0, bool cached,
-                         EpGroup group, Tuning tuning) {
+                         bool records, EpGroup group, Tuning tuning) {
   LLDispatchSendArgs send;
   if (auto err = make_dispatch_send(x, topk_idx, slots_in, rank, send_slot, call, num_dropped,
                                     num_experts, max_tokens, use_fp8, ue8m0, cached, group,
@@ -462,8 +471,8 @@ ffi::Error dispatch_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   LLDispatchReceiveArgs receive;
   if (auto err = make_dispatch_receive(send.call_out, rank, out_x, out_scales, recv_count,
                                        src_rank, src_token, src_k, pair_row, num_experts,
-                                       max_tokens, send.num_tokens, send.num_topk, group, tuning,
-                                       receive);
+                                       max_tokens, send.num_tokens, send.num_topk, records,
+                                       group, tuning, receive);
       err.failure())
     return err;
   if (receive.row_bytes != send.row_bytes || receive.scale_bytes != send.scale_bytes)
@@ -661,6 +670,7 @@ auto dispatch_binding() {
       .Attr<bool>("use_fp8")
       .Attr<bool>("ue8m0")
       .Attr<bool>("cached")
+      .Attr<bool>("records")
       .Attr<EpGroup>("group")
       .Attr<Tuning>("tuning");
 }

@@ -88,13 +88,15 @@ __device__ __forceinline__ int swizzled(int row, int chunk, int chunks_per_row) 
 // at once share its rows), as many blocks as the SMs the call is sized for hold. `ends`: each
 // group's end row (the inclusive sum of the sizes, negative ones counted as 0); groups end at
 // P. w[l] is [K, N] (smem tiles [kBK][kBN], read by transposing loads) or, kTransW, [N, K]
-// ([kBN][kBK]).
+// ([kBN][kBK]). `index` (or nullptr: row i itself): the x row of each of the P rows, among
+// x_rows; one outside them reads as zeros.
 template <typename T, bool kTransW>
 __global__ void __launch_bounds__(kThreads)
-    grouped_gemm_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                        const int32_t* __restrict__ ends, T* __restrict__ y, int P, int K,
-                        int N, int L) {
+    grouped_gemm_kernel(const T* __restrict__ x, const int32_t* __restrict__ index, int x_rows,
+                        const T* __restrict__ w, const int32_t* __restrict__ ends,
+                        T* __restrict__ y, int P, int K, int N, int L) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int x_row[kBM];  // the x row of each row of the pass (-1: zeros)
   T* a_tiles = reinterpret_cast<T*>(smem);       // [kStages][kBM][kBK]
   T* b_tiles = a_tiles + kStages * kBM * kBK;    // [kStages][kBK * kBN]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -115,15 +117,20 @@ __global__ void __launch_bounds__(kThreads)
     const int count = max(min(__ldg(ends + l), P) - start, 0);
     for (int m0 = 0; m0 < count; m0 += kBM) {
       const int rows = min(kBM, count - m0), mtiles = (rows + 15) / 16;
-      const T* x_rows = x + size_t(start + m0) * K;
+      // every thread's loads of the previous pass came before its loop's last barrier
+      if (tid < kBM) {
+        const int r = start + m0 + tid;
+        int from = tid < rows ? (index != nullptr ? __ldg(index + r) : r) : -1;
+        x_row[tid] = from < x_rows ? from : -1;
+      }
       auto load_stage = [&](int stage, int kt) {
         const int k0 = kt * kBK;
         T* a = a_tiles + stage * kBM * kBK;
         for (int c = tid; c < mtiles * 16 * (kBK / 8); c += kThreads) {
-          const int r = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
-          const bool valid = r < rows && k0 + kc < K;
+          const int r = c / (kBK / 8), kc = (c % (kBK / 8)) * 8, from = x_row[r];
+          const bool valid = from >= 0 && k0 + kc < K;
           copy16_async(a + swizzled(r, kc / 8, kBK / 8),
-                       valid ? x_rows + size_t(r) * K + k0 + kc : x, valid);
+                       valid ? x + size_t(from) * K + k0 + kc : x, valid);
         }
         T* b = b_tiles + stage * kBK * kBN;
         for (int c = tid; c < kBK * kBN / 8; c += kThreads) {
@@ -149,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-      __syncthreads();  // the previous pass's tiles are read
+      __syncthreads();  // the previous pass's tiles are read; x_row is written
 #pragma unroll
       for (int s = 0; s < kStages - 1; ++s) {
         if (s < ktiles) load_stage(s, s);
@@ -212,8 +219,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, bool kTransW>
-cudaError_t launch(const void* x, const void* w, const int32_t* ends, void* y, int64_t rows,
-                   int64_t k, int64_t n, int64_t groups, int sm_count, cudaStream_t stream) {
+cudaError_t launch(const void* x, const int32_t* index, int64_t x_rows, const void* w,
+                   const int32_t* ends, void* y, int64_t rows, int64_t k, int64_t n,
+                   int64_t groups, int sm_count, cudaStream_t stream) {
   auto kernel = grouped_gemm_kernel<T, kTransW>;
   static const cudaError_t configured = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
@@ -230,7 +238,8 @@ cudaError_t launch(const void* x, const void* w, const int32_t* ends, void* y, i
   const int64_t items = groups * ((n + kBN - 1) / kBN);
   const int grid = static_cast<int>(std::min<int64_t>(items, int64_t(sms) * per_sm));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-      static_cast<const T*>(x), static_cast<const T*>(w), ends, static_cast<T*>(y),
+      static_cast<const T*>(x), index, static_cast<int>(x_rows), static_cast<const T*>(w), ends,
+      static_cast<T*>(y),
       static_cast<int>(rows), static_cast<int>(k), static_cast<int>(n),
       static_cast<int>(groups));
   return cudaGetLastError();
@@ -238,23 +247,22 @@ cudaError_t launch(const void* x, const void* w, const int32_t* ends, void* y, i
 
 }  // namespace
 
-cudaError_t launch_grouped_gemm(const void* x, const void* w, const int32_t* group_ends,
-                                void* y, ElementType type, int64_t rows, int64_t k, int64_t n,
+cudaError_t launch_grouped_gemm(const void* x, const int32_t* row_index, int64_t x_rows,
+                                const void* w, const int32_t* group_ends, void* y,
+                                ElementType type, int64_t rows, int64_t k, int64_t n,
                                 int64_t groups, bool transpose_w, int sm_count,
                                 cudaStream_t stream) {
   if (rows == 0 || n == 0) return cudaSuccess;
   if (groups == 0 || k == 0)  // no group, or no contraction: every row is zero
     return cudaMemsetAsync(y, 0, size_t(rows) * size_t(n) * 2, stream);
+  auto run = [&](auto kernel_launch) {
+    return kernel_launch(x, row_index, x_rows, w, group_ends, y, rows, k, n, groups, sm_count,
+                         stream);
+  };
   if (type == ElementType::kBF16)
-    return transpose_w ? launch<__nv_bfloat16, true>(x, w, group_ends, y, rows, k, n, groups,
-                                                     sm_count, stream)
-                       : launch<__nv_bfloat16, false>(x, w, group_ends, y, rows, k, n, groups,
-                                                      sm_count, stream);
+    return transpose_w ? run(launch<__nv_bfloat16, true>) : run(launch<__nv_bfloat16, false>);
   if (type == ElementType::kF16)
-    return transpose_w ? launch<__half, true>(x, w, group_ends, y, rows, k, n, groups, sm_count,
-                                              stream)
-                       : launch<__half, false>(x, w, group_ends, y, rows, k, n, groups, sm_count,
-                                               stream);
+    return transpose_w ? run(launch<__half, true>) : run(launch<__half, false>);
   return cudaErrorInvalidValue;
 }
 

@@ -569,7 +569,9 @@ __device__ __forceinline__ int position_of(int s, int me, int R) {
 // counts' scan is done, then stores the piece into the row of every pair of the record kept
 // here. So the only loads after the scan are those of later units, and a record is read once
 // however many of its pairs this rank holds (rather than counts, scan, index entry, record:
-// three dependent rounds, and a record read once per pair).
+// three dependent rounds, and a record read once per pair). Records (a.records): the piece is
+// stored once, into the record's own row s * M + t, if any of its pairs was kept here; the
+// handle's rows say which record each packed row reads.
 template <bool kPuts>
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
@@ -696,12 +698,14 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       const char* rec = data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
       for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
            pairs &= pairs - 1) {
-        const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
+        const int dst =
+            a.records ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         copy_record(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes,
                     a.out_scales != nullptr
                         ? reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes
                         : nullptr,
                     rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+        if (a.records) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
     }
@@ -712,7 +716,8 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       if (w.piece == 0) mark_source(row, w.s, w.t);
       for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
            pairs &= pairs - 1) {
-        const int dst = __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
+        const int dst =
+            a.records ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         int4* out =
             reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes);
 #pragma unroll
@@ -731,6 +736,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
             copy_row<true>(out_scales, rec + a.plan.scale_offset, a.scale_bytes, lane, 32);
           }
         }
+        if (a.records) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
     }

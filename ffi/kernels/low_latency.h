@@ -84,9 +84,11 @@ struct LLDispatchReceiveArgs {
   int num_tokens, num_topk;   // T and K of every source (the program is the same on every rank)
   size_t row_bytes, scale_bytes;
   int num_blocks;
-  int num_rows;               // expert_major: the packed output's rows; 0: [L, R*M] blocks
+  int num_rows;               // expert_major: the packed rows; 0: [L, R*M] blocks
+  bool records;               // out_x holds each record once ([R*M], row s*M + t), the
+                              // handle the packed rows (num_rows of them)
   const int32_t* call;
-  void* out_x;                // [L, R*M] (or [num_rows]) rows of row_bytes
+  void* out_x;                // [L, R*M] (or [num_rows], or records [R*M]) rows of row_bytes
   float* out_scales;          // nullptr unless FP8
   int32_t* recv_count;        // [L]
   int32_t* src_rank;          // [L, R*M] or [num_rows] (all three nullptr: not wanted)
