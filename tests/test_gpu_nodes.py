@@ -48,6 +48,8 @@ from test_gpu import (  # noqa: E402, F401
     test_low_latency_gradients_match_reference,
     test_low_latency_interleaved_split_calls,
     test_low_latency_matches_reference,
+    test_low_latency_packed_layouts_gradients_match_reference,
+    test_low_latency_packed_layouts_match_reference,
     test_low_latency_repeated_programs_are_bit_identical,
     test_low_latency_wide_rows_match_reference,
 )

@@ -569,10 +569,11 @@ __device__ __forceinline__ int position_of(int s, int me, int R) {
 // counts' scan is done, then stores the piece into the row of every pair of the record kept
 // here. So the only loads after the scan are those of later units, and a record is read once
 // however many of its pairs this rank holds (rather than counts, scan, index entry, record:
-// three dependent rounds, and a record read once per pair). Records (a.records): the piece is
+// three dependent rounds, and a record read once per pair). Records (kRecords): the piece is
 // stored once, into the record's own row s * M + t, if any of its pairs was kept here; the
-// handle's rows say which record each packed row reads.
-template <bool kPuts>
+// handle's rows say which record each packed row reads (a template parameter: the stores'
+// loop of the other layouts stays as it was, 0.3 µs a call faster than with a flag there).
+template <bool kPuts, bool kRecords>
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
@@ -699,13 +700,13 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
            pairs &= pairs - 1) {
         const int dst =
-            a.records ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
+            kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         copy_record(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes,
                     a.out_scales != nullptr
                         ? reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes
                         : nullptr,
                     rec, a.plan, a.row_bytes, a.scale_bytes, lane);
-        if (a.records) break;  // the record once, whatever its pairs here
+        if (kRecords) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
     }
@@ -717,7 +718,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
            pairs &= pairs - 1) {
         const int dst =
-            a.records ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
+            kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
         int4* out =
             reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes);
 #pragma unroll
@@ -736,7 +737,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
             copy_row<true>(out_scales, rec + a.plan.scale_offset, a.scale_bytes, lane, 32);
           }
         }
-        if (a.records) break;  // the record once, whatever its pairs here
+        if (kRecords) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
     }
@@ -758,23 +759,23 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatch
   dispatch_send<kPuts>(a, smem);
 }
 
-template <bool kPuts>
+template <bool kPuts, bool kRecords>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_receive<kPuts>(a, smem, read_call(a.call));
+  dispatch_receive<kPuts, kRecords>(a, smem, read_call(a.call));
 }
 
 // Send and receive in one launch of a resident grid (the receive half waits for this PE's own
 // arrival, raised by the last block of the send half; LLPlacement). One launch gap less.
-template <bool kPuts>
+template <bool kPuts, bool kRecords>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendArgs send,
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
   const uint64_t n = dispatch_send<kPuts>(send, smem);
   __syncthreads();  // shared memory is reused; this block's records are written
-  dispatch_receive<kPuts>(receive, smem, n);
+  dispatch_receive<kPuts, kRecords>(receive, smem, n);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -1265,8 +1266,11 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
 
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStream_t stream) {
   const size_t smem = sizeof(int) * (size_t(a.num_experts) + 1);
-  auto kernel =
-      a.ctx.spans_nodes ? ll_dispatch_receive_kernel<true> : ll_dispatch_receive_kernel<false>;
+  auto kernel = a.ctx.spans_nodes
+                    ? (a.records ? ll_dispatch_receive_kernel<true, true>
+                                 : ll_dispatch_receive_kernel<true, false>)
+                    : (a.records ? ll_dispatch_receive_kernel<false, true>
+                                 : ll_dispatch_receive_kernel<false, false>);
   return launch_after_previous(kernel, a.num_blocks, kLLThreads, smem, stream, a);
 }
 
@@ -1278,7 +1282,10 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
   const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
   const void* kernel = reinterpret_cast<const void*>(
-      send.ctx.spans_nodes ? ll_dispatch_kernel<true> : ll_dispatch_kernel<false>);
+      send.ctx.spans_nodes ? (receive.records ? ll_dispatch_kernel<true, true>
+                                              : ll_dispatch_kernel<true, false>)
+                           : (receive.records ? ll_dispatch_kernel<false, true>
+                                              : ll_dispatch_kernel<false, false>));
   cudaError_t status = allow_shared_memory(kernel, smem);
   if (status != cudaSuccess) return status;
   const int grid = resident_grid(kernel, smem, receive.num_blocks);
