@@ -25,6 +25,8 @@ Grouped matmul implementations (``impl``):
   bf16/f16, K and N multiples of 8; the kernel needs ``mma.sync`` (sm_80 on; the extension
   is built for sm_90 unless its build is given other architectures). Gradients:
   ``dx`` by the same kernel reading w transposed, ``dw`` by ``jax.lax.ragged_dot``'s transpose.
+  ``row_index=`` has it read x's rows by index (a ``layout="records"`` dispatch's tokens by
+  ``handle.record_rows()``) at no extra cost; the other implementations gather them first.
 * ``"auto"`` (default): ``"mgpu"`` on an sm_90 GPU (H100/H200) for bf16/f16 operands whose
   shapes fit some block config, ``"ragged_dot"`` otherwise. Decided at trace time.
 
