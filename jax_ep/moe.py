@@ -5,7 +5,8 @@ device inside ``jax.shard_map``: tokens are sharded over the EP axis, and each r
 weights of its ``num_experts // R`` local experts.
 
 ``moe_layer`` is the full layer (SwiGLU experts, optional shared expert, auxiliary losses);
-``moe_block`` is the minimal one (GELU experts, any layout).
+``decode_layer`` the same layer for a decode step through the low-latency calls; ``moe_block``
+is the minimal one (GELU experts, any layout).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import api, experts
 from jax_ep import config as _config
+from jax_ep import fp8 as _fp8
 from jax_ep._types import EXPERT_MAJOR, RANK_MAJOR, SOURCE_SLOTS
 
 
@@ -280,6 +282,65 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
     counts, balance, z_loss = _router_stats(topk_idx, probs, logits, num_experts, axis_name)
     aux = MoEAux(load_balancing_loss=balance, router_z_loss=z_loss, tokens_per_expert=counts,
                  num_dropped=jax.lax.psum(dropped, axis_name))
+    return y, aux
+
+
+def decode_layer(x, params: MoEParams, *, top_k, axis_name, max_tokens_per_rank=None,
+                 use_fp8=True, renormalize=True, backend="auto", config=None, gemm_impl=None,
+                 gemm_sms=None):
+    """``moe_layer`` for a decode step, through the low-latency calls (inside ``shard_map``).
+
+    Router (float32 softmax, top-k) -> ``low_latency_dispatch(layout="records")`` (FP8 on the
+    wire with ``use_fp8``: each token arrives once) -> ``experts.swiglu_mlp`` over the pairs'
+    rows read by index (``handle.record_rows()``; on CUDA jax_ep's grouped kernel for few rows
+    per expert, which reads each expert's weights once) -> ``low_latency_combine`` weighted by
+    the gates, plus the shared expert when ``params`` has one (inline). Expert matmuls run in
+    x's dtype.
+
+    Args:
+      x: [T, H] local tokens, T <= ``max_tokens_per_rank`` (default T).
+      params, top_k, axis_name, renormalize: as in ``moe_layer``.
+      use_fp8: quantize the rows for the wire (then no gradient reaches x through the
+        experts); False: x's dtype both ways, differentiable.
+      backend: ``"auto"``, ``"reference"`` or ``"cuda"``; config: a ``jax_ep.Config`` for the
+        low-latency calls (its ``num_blocks``).
+      gemm_impl: ``experts.grouped_matmul``'s impl; default ``"cuda"`` on the CUDA backend
+        where the kernel is built, else ``"auto"``. gemm_sms: its ``sm_count`` (``"cuda"``).
+    Returns:
+      ([T, H] output in x's dtype, ``MoEAux``; ``num_dropped``: the pairs the sources dropped,
+      only possible when a token lists an expert twice).
+    """
+    from jax_ep import low_latency as _ll
+
+    num_ranks = jax.lax.axis_size(axis_name)
+    num_local = params.w_gate.shape[0]
+    num_experts = num_local * num_ranks
+    if params.router.shape != (x.shape[-1], num_experts):
+        raise ValueError(f"router must be [H={x.shape[-1]}, E={num_experts}] (E = local experts "
+                         f"{num_local} x {num_ranks} ranks), got {params.router.shape}")
+    shared = None
+    if params.has_shared_expert:
+        shared = shared_expert(x, params.shared_gate, params.shared_up, params.shared_down)
+    topk_idx, gates, probs, logits = router(x, params.router, top_k, renormalize=renormalize)
+    out = _ll.low_latency_dispatch(
+        x, topk_idx, num_experts=num_experts,
+        max_tokens_per_rank=x.shape[0] if max_tokens_per_rank is None else max_tokens_per_rank,
+        axis_name=axis_name, use_fp8=use_fp8, backend=backend, config=config,
+        layout="records")
+    rows = out.x if out.x_scales is None else _fp8.dequantize_fp8(out.x, out.x_scales, x.dtype)
+    if gemm_impl is None:
+        native = out.handle.config.backend == "cuda" and experts._native_gemm_available()
+        gemm_impl = "cuda" if native else "auto"
+    cast = lambda w: w.astype(x.dtype)  # noqa: E731
+    y = experts.swiglu_mlp(rows.astype(x.dtype), cast(params.w_gate), cast(params.w_up),
+                           cast(params.w_down), out.recv_count, impl=gemm_impl,
+                           sm_count=gemm_sms, row_index=out.handle.record_rows())
+    y = _ll.low_latency_combine(y, gates, out.handle)
+    if shared is not None:
+        y = y + shared
+    counts, balance, z_loss = _router_stats(topk_idx, probs, logits, num_experts, axis_name)
+    aux = MoEAux(load_balancing_loss=balance, router_z_loss=z_loss, tokens_per_expert=counts,
+                 num_dropped=jax.lax.psum(out.num_dropped, axis_name))
     return y, aux
 
 

@@ -32,12 +32,12 @@ def make_params(key, H, F, E, S=None):
                          jax.random.normal(k[3], (E, F, H)) / np.sqrt(F), *shared)
 
 
-def ep_fns(R, params, **kw):
+def ep_fns(R, params, layer_fn=moe.moe_layer, **kw):
     """(forward: (params, x) -> (y, aux); value_and_grad: (params, x, target) ->
     ((loss, (y, aux)), (d params, d x)); place), each one compiled program."""
     m = mesh(R)
     specs = params.partition_specs(AXIS)
-    layer = partial(moe.moe_layer, axis_name=AXIS, backend="reference", **kw)
+    layer = partial(layer_fn, axis_name=AXIS, backend="reference", **kw)
 
     @partial(jax.shard_map, mesh=m, in_specs=(specs, P(AXIS)), out_specs=(P(AXIS), P()))
     def forward(params, x):
@@ -120,6 +120,62 @@ def test_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize, alignmen
         np.testing.assert_allclose(getattr(got[0], name), getattr(want[0], name), rtol=2e-4,
                                    atol=2e-5, err_msg=f"d loss / d {name}")
     np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5, err_msg="d loss / d x")
+
+
+@pytest.mark.parametrize("R,E,top_k,S,renormalize", [(4, 8, 2, None, True),
+                                                     (2, 8, 3, 6, False)])
+def test_decode_layer_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize):
+    """decode_layer (low-latency records dispatch, grouped GEMMs reading the rows by index,
+    low-latency combine) in float32 on the wire: the dense layer's values and gradients."""
+    T, H, F = 6, 8, 10
+    key = jax.random.key(R * 10 + E + top_k)
+    params = make_params(key, H, F, E, S)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (R * T, H), jnp.float32)
+    target = jax.random.normal(jax.random.fold_in(key, 2), (R * T, H), jnp.float32)
+    kw = dict(top_k=top_k, renormalize=renormalize)
+    _, value_and_grad, place = ep_fns(R, params, moe.decode_layer, use_fp8=False,
+                                      max_tokens_per_rank=T + 2, **kw)
+    (loss, (y, aux)), got = value_and_grad(*place(params, x, target))
+    (want_loss, (want_y, want_aux)), want = dense_value_and_grad(params, x, target, **kw)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_array_equal(aux.tokens_per_expert, want_aux.tokens_per_expert)
+    np.testing.assert_allclose(aux.load_balancing_loss, want_aux.load_balancing_loss, rtol=1e-5)
+    assert int(aux.num_dropped) == 0
+    for name in params._fields:
+        if getattr(params, name) is None:
+            continue
+        np.testing.assert_allclose(getattr(got[0], name), getattr(want[0], name), rtol=2e-4,
+                                   atol=2e-5, err_msg=f"d loss / d {name}")
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5, err_msg="d loss / d x")
+
+
+def test_decode_layer_fp8_matches_dense_to_fp8_rounding():
+    """FP8 on the wire (the default): the dense layer on the FP8-rounded tokens, exactly as
+    far as the experts go; no gradient reaches x through them."""
+    from jax_ep import fp8
+
+    R, T, H, F, E, top_k = 2, 4, 128, 16, 8, 2
+    key = jax.random.key(8)
+    params = make_params(key, H, F, E, S=8)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (R * T, H), jnp.float32)
+    forward, _, place = ep_fns(R, params, moe.decode_layer, top_k=top_k)
+    y, _ = forward(*place(params, x))
+    rounded = fp8.dequantize_fp8(*fp8.quantize_fp8(x))
+    shared = moe.shared_expert(x, params.shared_gate, params.shared_up, params.shared_down)
+    no_shared = params._replace(shared_gate=None, shared_up=None, shared_down=None)
+    # routed on x, the experts on the rounded rows
+    idx, gates, _, _ = moe.router(x, params.router, top_k)
+    every = jax.vmap(lambda e: jax.vmap(lambda r: experts_row(no_shared, e, r))(rounded))(
+        jnp.arange(E))  # [E, T, H]
+    picked = every[idx, jnp.arange(R * T)[:, None]]  # [T, K, H]
+    want = jnp.sum(gates[..., None] * picked, axis=1) + shared
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def experts_row(params, e, row):
+    h = jax.nn.silu(row @ params.w_gate[e]) * (row @ params.w_up[e])
+    return h @ params.w_down[e]
 
 
 def test_load_balancing_loss_is_one_when_uniform():
