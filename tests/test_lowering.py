@@ -465,3 +465,31 @@ def test_dispatch_use_fp8_quantises_in_the_dispatch_call():
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_ep_" in line]
     assert len(calls) == 1 and "@jax_ep_dispatch(" in calls[0], calls
     assert "quantize = true" in calls[0] and "f8E4M3FN" in calls[0], calls[0]
+
+
+def test_decode_layer_lowers_to_the_low_latency_calls_and_grouped_gemms(monkeypatch):
+    """moe.decode_layer on the CUDA backend: one records dispatch, the SwiGLU's three grouped
+    GEMMs (the first two reading the records by the handle's index), one combine."""
+    from jax_ep import api, experts, moe
+
+    monkeypatch.setattr(api, "cuda_available", lambda: (True, ""))
+    monkeypatch.setattr(experts, "_native_gemm_available", lambda: True)
+    R, T, H, F, E, K = 2, 8, 256, 128, 8, 2
+    params = moe.MoEParams(jnp.zeros((H, E)), *(jnp.zeros(s, jnp.bfloat16)
+                                                for s in ((E, H, F), (E, H, F), (E, F, H))))
+    mesh = jax.make_mesh((R,), (AXIS,), devices=jax.devices()[:R],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    f = jax.jit(jax.shard_map(
+        lambda x, p: moe.decode_layer(x, p, top_k=K, axis_name=AXIS, backend="cuda")[0],
+        mesh=mesh, in_specs=(P(AXIS), params.partition_specs(AXIS)), out_specs=P(AXIS),
+        check_vma=False))
+    text = f.trace(jnp.zeros((R * T, H), jnp.bfloat16), params).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_ep_" in ln]
+    targets = [re.search(r"@(jax_ep_\w+)", ln).group(1) for ln in calls]
+    assert targets == ["jax_ep_ll_dispatch"] + ["jax_ep_grouped_matmul"] * 3 + \
+        ["jax_ep_ll_combine"], targets
+    assert "records = true" in calls[0]
+    P_rows = R * T * min(K, E // R)
+    gathered = [f"tensor<{P_rows}xi32>" in ln.split("->")[0] for ln in calls[1:4]]
+    assert gathered == [True, True, False], calls[1:4]
