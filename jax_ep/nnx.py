@@ -1,4 +1,5 @@
-"""Flax NNX module of the expert-parallel MoE layer (``jax_ep.moe.moe_layer``).
+"""Flax NNX module of the expert-parallel MoE layer (``jax_ep.moe.moe_layer``, and
+``moe.decode_layer`` for decode steps).
 
 Flax is an optional dependency: ``import jax_ep`` never imports it, this module needs it.
 """
@@ -41,6 +42,7 @@ class MoE(nnx.Module):
     (the experts replicated over ``data``), and the auxiliary outputs cover all of them:
     counts summed, losses averaged over the groups. Add ``aux.load_balancing_loss`` (and
     ``router_z_loss``) to the training loss with the coefficients you want.
+    ``decode(x)``: the same for a decode step, through the low-latency calls.
     ``config``: a ``jax_ep.Config`` for the dispatch and combine.
     """
 
@@ -97,6 +99,25 @@ class MoE(nnx.Module):
         return moe.MoEParams(*(value(getattr(self, f)) for f in moe.MoEParams._fields))
 
     def __call__(self, x):
+        layer = partial(moe.moe_layer, top_k=self.top_k, axis_name=self.axis_name,
+                        capacity=self.capacity, capacity_factor=self.capacity_factor,
+                        expert_alignment=self.expert_alignment, renormalize=self.renormalize,
+                        backend=self.backend, config=self.config)
+        return self._run(layer, x)
+
+    def decode(self, x, *, max_tokens_per_rank=None, use_fp8=True):
+        """The same layer for a decode step (``moe.decode_layer``: the low-latency calls, the
+        experts on the rows read by index): x ``[..., H]`` as in ``__call__``, at most
+        ``max_tokens_per_rank`` tokens per device (default: its share of x); ``use_fp8``
+        quantizes the rows for the wire. Capacity settings do not apply (nothing is dropped
+        but pairs of a token listing an expert twice)."""
+        layer = partial(moe.decode_layer, top_k=self.top_k, axis_name=self.axis_name,
+                        max_tokens_per_rank=max_tokens_per_rank, use_fp8=use_fp8,
+                        renormalize=self.renormalize, backend=self.backend, config=self.config)
+        return self._run(layer, x)
+
+    def _run(self, layer, x):
+        """``layer(x, params)`` per device under ``jax.shard_map`` (see the class docstring)."""
         params = self.moe_params()
         mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
         if mesh.empty:
@@ -109,10 +130,6 @@ class MoE(nnx.Module):
         if x.shape[0] % shards:
             raise ValueError(f"{x.shape[0]} tokens do not split over the {shards} devices of "
                              f"axes {self.token_axes}")
-        layer = partial(moe.moe_layer, top_k=self.top_k, axis_name=self.axis_name,
-                        capacity=self.capacity, capacity_factor=self.capacity_factor,
-                        expert_alignment=self.expert_alignment, renormalize=self.renormalize,
-                        backend=self.backend, config=self.config)
         groups = tuple(a for a in self.token_axes if a != self.axis_name)
 
         def per_device(x, p):

@@ -82,6 +82,34 @@ def test_forward_and_grads_match_dense(shared_ffn, axis_type, x_spec):
                                    err_msg=f"d loss / d {name}")
 
 
+def test_decode_matches_dense_and_the_layer():
+    """MoE.decode (the low-latency calls, float32 on the wire here): the dense layer's output
+    and gradients, and the same as calling the module."""
+    R = 2
+    layer = ep_moe(R, shared_ffn=4)
+    x = jax.random.normal(jax.random.key(3), (R * 3, 8))
+    target = jax.random.normal(jax.random.key(4), x.shape)
+
+    def loss(layer, x):
+        y, _ = layer.decode(x, use_fp8=False, max_tokens_per_rank=4)
+        return jnp.sum((y - target) ** 2), y
+
+    (got_loss, y), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+    params = jax.tree.map(np.asarray, layer.moe_params())
+
+    def dense(params, x):
+        y, _ = moe.dense_moe_layer(x, params, top_k=2)
+        return jnp.sum((y - target) ** 2), y
+
+    (want_loss, want_y), want = jax.value_and_grad(dense, has_aux=True)(params, np.asarray(x))
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, nnx.jit(lambda m, x: m(x)[0])(layer, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for name in moe.MoEParams._fields:
+        np.testing.assert_allclose(grads[name][...], getattr(want, name), rtol=2e-4, atol=2e-5,
+                                   err_msg=f"d loss / d {name}")
+
+
 class Model(nnx.Module):
     """in-projection -> residual MoE -> out-projection: a regression model on random tokens."""
 
