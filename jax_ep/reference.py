@@ -372,7 +372,7 @@ def low_latency_receive(sent, config: LowLatencyConfig) -> LowLatencyOutput:
         config=config,
     )
     if config.layout == LL_RECORDS:  # each token once, at row s*M + t, if a pair was kept
-        kept = jnp.zeros((R, T), bool).at[order].set(valid.reshape(R, T, K).any(axis=2))
+        kept = jnp.any(sent["local"] >= 0, axis=2)  # [R(src), T]: a pair kept here
 
         def records(values):  # [R(src), T, ...] -> [R*M, ...], rows of no kept pair zero
             values = jnp.where(kept.reshape(kept.shape + (1,) * (values.ndim - 2)), values,

@@ -405,6 +405,11 @@ def test_decode_example_interleaves_two_micro_batches(layout):
     import subprocess
     import sys
 
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 7):
+        pytest.skip(f"jax {jax.__version__}: XLA:CPU computes some programs of split reference "
+                    "calls tied by optimization barriers wrong (0.6.1: the interleaved "
+                    "schedule's counts off; 0.7.0 and later right)")
+
     example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "decode_overlap.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, str(example), "--devices", "4", "--layers", "2",
