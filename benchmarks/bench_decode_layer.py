@@ -157,7 +157,8 @@ def main(argv=None):
                                         layout="expert_major", alignment=1)
         runtime.initialize(buffer_bytes=max(normal, runtime.default_buffer_bytes()),
                            low_latency_bytes=ll)
-    impl = "cuda" if backend == "cuda" and ep_experts._native_gemm_available() else "auto"
+    # the same expert GEMMs for every way, in one process over all GPUs too (a local kernel)
+    impl = "cuda" if platform == "gpu" and ep_experts._native_gemm_available() else "auto"
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
     mesh = jax.make_mesh((R,), (AXIS,), devices=jax.devices(),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,layoutprobe,overlap,trace,gemm,moelayer,example]
+#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,layoutprobe,overlap,trace,gemm,moelayer,decodelayer,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -171,6 +171,15 @@ if [[ ,$WHAT, == *,moelayer,* ]]; then  # one MoE layer's training step, four wa
   step "MoE layer step on $N GPUs"
   timeout 300 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_moe_layer.py ${LAYER_ARGS:-} \
     2>&1 | tee "$OUT/bench_moe_layer_$N.log" | grep -E "^\[rank 0\]" | sed 's/^\[rank 0\] //'
+fi
+if [[ ,$WHAT, == *,decodelayer,* ]]; then  # one MoE decode layer, five ways of EP
+  step "MoE decode layer on $N GPUs"
+  timeout 300 $PY -m jax_ep.launch -n "$N" $SHARE benchmarks/bench_decode_layer.py \
+    ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode_layer_$N.log" | grep -E "^\[rank 0\]" |
+    sed 's/^\[rank 0\] //'
+  # ragged_all_to_all runs only within one process: the same layer, one process, all GPUs
+  timeout 200 $PY benchmarks/bench_decode_layer.py --ways c,d ${DECODE_ARGS:-} 2>&1 |
+    tee "$OUT/bench_decode_layer_c_$N.log" | grep -E "^(\||\(|[0-9])"
 fi
 if [[ $WHAT == *example* && -n ${GPUS:-} ]]; then
   step "training example skipped: its XLA collectives (NCCL) need one GPU per rank"
