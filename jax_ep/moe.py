@@ -210,6 +210,17 @@ def shared_expert_beside(x, w_gate, w_up, w_down, *, config=None):
     return api.on_stream(fn, _config.stream(config) + 1)(x, w_gate, w_up, w_down)
 
 
+def _expert_counts(x, params: MoEParams, axis_name):
+    """(ranks, local experts, experts) of a layer, its router checked against them."""
+    num_ranks = jax.lax.axis_size(axis_name)
+    num_local = params.w_gate.shape[0]
+    num_experts = num_local * num_ranks
+    if params.router.shape != (x.shape[-1], num_experts):
+        raise ValueError(f"router must be [H={x.shape[-1]}, E={num_experts}] (E = local experts "
+                         f"{num_local} x {num_ranks} ranks), got {params.router.shape}")
+    return num_ranks, num_local, num_experts
+
+
 def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity_factor=None,
               expert_alignment=1, renormalize=True, backend="auto", config=None,
               shared_beside=True):
@@ -243,12 +254,7 @@ def moe_layer(x, params: MoEParams, *, top_k, axis_name, capacity=None, capacity
     """
     if capacity is not None and capacity_factor is not None:
         raise ValueError("give capacity or capacity_factor, not both")
-    num_ranks = jax.lax.axis_size(axis_name)
-    num_local = params.w_gate.shape[0]
-    num_experts = num_local * num_ranks
-    if params.router.shape != (x.shape[-1], num_experts):
-        raise ValueError(f"router must be [H={x.shape[-1]}, E={num_experts}] (E = local experts "
-                         f"{num_local} x {num_ranks} ranks), got {params.router.shape}")
+    num_ranks, num_local, num_experts = _expert_counts(x, params, axis_name)
     if capacity_factor is not None:
         capacity = expert_major_capacity(
             capacity_factor, num_tokens=x.shape[0], num_ranks=num_ranks, top_k=top_k,
@@ -312,12 +318,7 @@ def decode_layer(x, params: MoEParams, *, top_k, axis_name, max_tokens_per_rank=
     """
     from jax_ep import low_latency as _ll
 
-    num_ranks = jax.lax.axis_size(axis_name)
-    num_local = params.w_gate.shape[0]
-    num_experts = num_local * num_ranks
-    if params.router.shape != (x.shape[-1], num_experts):
-        raise ValueError(f"router must be [H={x.shape[-1]}, E={num_experts}] (E = local experts "
-                         f"{num_local} x {num_ranks} ranks), got {params.router.shape}")
+    _, _, num_experts = _expert_counts(x, params, axis_name)
     shared = None
     if params.has_shared_expert:
         shared = shared_expert(x, params.shared_gate, params.shared_up, params.shared_down)

@@ -66,6 +66,16 @@ def dense_value_and_grad(params, x, target, **kw):
     return err + LB * aux.load_balancing_loss + Z * aux.router_z_loss, (y, aux)
 
 
+def assert_grads_close(params, got, want):
+    """(d params, d x) of the EP layer against the dense layer's."""
+    for name in params._fields:
+        if getattr(params, name) is None:
+            continue
+        np.testing.assert_allclose(getattr(got[0], name), getattr(want[0], name), rtol=2e-4,
+                                   atol=2e-5, err_msg=f"d loss / d {name}")
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5, err_msg="d loss / d x")
+
+
 def numpy_router_stats(x, router, top_k):
     """tokens per expert and E * sum_e f_e P_e, straight from the definitions."""
     logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
@@ -114,12 +124,7 @@ def test_forward_grads_and_aux_match_dense(R, E, top_k, S, renormalize, alignmen
     np.testing.assert_allclose(want_aux.load_balancing_loss, balance, rtol=1e-5)
     assert int(aux.num_dropped) == 0
 
-    for name in params._fields:
-        if getattr(params, name) is None:
-            continue
-        np.testing.assert_allclose(getattr(got[0], name), getattr(want[0], name), rtol=2e-4,
-                                   atol=2e-5, err_msg=f"d loss / d {name}")
-    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5, err_msg="d loss / d x")
+    assert_grads_close(params, got, want)
 
 
 @pytest.mark.parametrize("R,E,top_k,S,renormalize", [(4, 8, 2, None, True),
@@ -142,12 +147,7 @@ def test_decode_layer_forward_grads_and_aux_match_dense(R, E, top_k, S, renormal
     np.testing.assert_array_equal(aux.tokens_per_expert, want_aux.tokens_per_expert)
     np.testing.assert_allclose(aux.load_balancing_loss, want_aux.load_balancing_loss, rtol=1e-5)
     assert int(aux.num_dropped) == 0
-    for name in params._fields:
-        if getattr(params, name) is None:
-            continue
-        np.testing.assert_allclose(getattr(got[0], name), getattr(want[0], name), rtol=2e-4,
-                                   atol=2e-5, err_msg=f"d loss / d {name}")
-    np.testing.assert_allclose(got[1], want[1], rtol=2e-4, atol=2e-5, err_msg="d loss / d x")
+    assert_grads_close(params, got, want)
 
 
 def test_decode_layer_fp8_matches_dense_to_fp8_rounding():
