@@ -302,11 +302,11 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // of the same R, E, M and K always coincide (see LLDispatchPlan).
 //
 // Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
-// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for each pair
-// sent here: the call number's low 32 bits << 32 | expert * M + slot (the global expert: a
-// source on another node puts its whole block, and the receiver keeps only the entries naming
-// its own experts), or 0xffffffff for a pair dropped at its source; an entry from an earlier
-// call, or never written, does not carry this call's number); data: records [R][M]: record
+// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for every
+// token of the call and k at every rank, wherever the pair went: the call number's low 32 bits
+// << 32 | expert * M + slot (the global expert: the receiver keeps only the entries naming its
+// own experts), or 0xffffffff for a pair with no expert or dropped at its source; so a receive
+// reads no entry of an earlier call); data: records [R][M]: record
 // (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16 bytes. A token
 // is stored once per destination rank.
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
@@ -326,8 +326,9 @@ namespace jax_ep {
 // call) and a data section (records). Call n's region of parity 0 puts its words section
 // first, at the start of its area, parity 1 last, at the area's end (ll_sections): so the
 // words of every call with the same ranks, experts, max tokens and top-k sit at the same place
-// whatever the size of its rows, and a stale word there is always an older call's word, never
-// bytes of a record that could happen to show this call's number.
+// whatever the size of its rows. Calls of another shape put their words elsewhere: a word
+// read there may be bytes of an older call's counts or records, so what a call reads by its
+// number alone must not be stale (the dispatch's headers are all rewritten every call).
 struct LLDispatchPlan {
   size_t counts = 0;         // words section: [R][L] int32
   size_t headers = 0;        // words section: [R][M][K] uint64: call << 32 | l * M + slot

@@ -379,22 +379,29 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
   if (warp != 0) return;
   const uint64_t tag = uint64_t(uint32_t(n)) << 32;
   const unsigned below = (1u << lane) - 1u;
+  // this PE's block [me] of the headers, the same offset at every rank
+  const size_t block_at = words + a.plan.headers + sizeof(uint64_t) * size_t(me) * M * K;
   for (int base = range_begin; base < range_end; base += 32) {
-    const int p = base + lane;
+    const int p = base + lane;  // token * K + k
     const int e = p < range_end ? expert_of(p) : -1;
     const unsigned peers = __match_any_sync(0xffffffffu, e);
+    uint32_t position = kNoPosition;  // no expert, or dropped at the source (slot >= M)
     if (e >= 0) {
       const int s = a.cached ? given[p] : before[e] + __popc(peers & below);
       const bool kept = s < M;
       a.send_slot[p] = kept ? s : -1;
-      const int r = e / L;
-      uint64_t* headers = reinterpret_cast<uint64_t*>(
-          ll_base(ctx, off_node<kPuts>(ctx, r) ? me : r) + words + a.plan.headers);
-      // p = token * K + k; a dropped pair's header says so (the fused dispatch's local copy
-      // waits for the header of every pair it sent to this rank)
-      store_relaxed(headers + size_t(me) * M * K + p,
-                    tag | (kept ? uint32_t(e * M + s) : kNoPosition));
+      if (kept) position = uint32_t(e * M + s);
     }
+    // Every rank reads the K headers of every record of every source, so each header goes to
+    // every rank of this node (those on other nodes get this PE's whole block [me], a put),
+    // a pair with no expert included: no header read is older than the call. (An older one
+    // carries an older number, but where an earlier call of another shape had its counts or
+    // records, stale bytes can show this call's number: two counts equal to it.)
+    if (p < range_end)
+      for (int d = 0; d < R; ++d)
+        if (!off_node<kPuts>(ctx, d))
+          store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, d) + block_at) + p,
+                        tag | position);
     __syncwarp();  // every lane has read before[] for this step
     if (e >= 0 && !a.cached && lane == __ffs(peers) - 1) before[e] += __popc(peers);
     __syncwarp();
