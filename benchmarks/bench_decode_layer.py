@@ -123,15 +123,21 @@ def main(argv=None):
     args = parse_args(argv)
     launched = "JAX_EP_RANK" in os.environ
     if launched:
-        from jax_ep import launch
+        from jax_ep import launch, runtime  # noqa: F401  (runtime: before JAX's GPU client
+        # starts, so that XLA leaves room for the NVSHMEM buffer)
 
         launch.init_distributed()
     platform = jax.default_backend()
     R = jax.device_count()
     if platform == "cpu" or (jax.process_count() == 1 and R > 1) or args.backend == "reference":
         backend = "reference"  # jax_ep's CUDA backend runs one process per GPU
-    else:
-        backend = jax_ep.api._resolve_backend(args.backend)
+    else:  # one process per GPU: the kernels, once the runtime below is initialised
+        from jax_ep import _native
+
+        module, why = _native.load()
+        if module is None and args.backend == "cuda":
+            sys.exit(f"--backend cuda: jax_ep's CUDA extension cannot load ({why})")
+        backend = "cuda" if module is not None else "reference"
     default = ("l,m,a,c,d" if platform == "cpu" else
                "c,d" if jax.process_count() == 1 and R > 1 else "l,m,a,d")
     ways = [w for w in (args.ways or default).split(",") if w]
