@@ -129,15 +129,9 @@ def main(argv=None):
         launch.init_distributed()
     platform = jax.default_backend()
     R = jax.device_count()
-    if platform == "cpu" or (jax.process_count() == 1 and R > 1) or args.backend == "reference":
-        backend = "reference"  # jax_ep's CUDA backend runs one process per GPU
-    else:  # one process per GPU: the kernels, once the runtime below is initialised
-        from jax_ep import _native
-
-        module, why = _native.load()
-        if module is None and args.backend == "cuda":
-            sys.exit(f"--backend cuda: jax_ep's CUDA extension cannot load ({why})")
-        backend = "cuda" if module is not None else "reference"
+    backend = training.jax_ep_backend(args.backend)
+    if args.backend == "cuda" and backend != "cuda":
+        sys.exit("--backend cuda needs one process per GPU (jax_ep.launch) and the extension")
     default = ("l,m,a,c,d" if platform == "cpu" else
                "c,d" if jax.process_count() == 1 and R > 1 else "l,m,a,d")
     ways = [w for w in (args.ways or default).split(",") if w]

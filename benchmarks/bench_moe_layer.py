@@ -593,6 +593,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def jax_ep_backend(asked: str, single_process: bool = False) -> str:
+    """jax_ep's backend for these benchmarks, decided before the runtime is initialised (so not
+    by `_resolve_backend`, which wants it initialised): the kernels with one process per GPU
+    where the extension loads, else the reference."""
+    if (jax.default_backend() == "cpu" or single_process or asked == "reference"
+            or jax.process_count() == 1 and jax.device_count() > 1):
+        return "reference"  # jax_ep's CUDA backend runs one process per GPU
+    from jax_ep import _native
+
+    module, why = _native.load()
+    if module is None:
+        print(f"note: jax_ep's CUDA extension cannot load ({why})")
+    return "cuda" if module is not None else "reference"
+
+
 def main(argv=None):
     args = parse_args(argv)
     launched = "JAX_EP_RANK" in os.environ
@@ -607,17 +622,7 @@ def main(argv=None):
     platform = jax.default_backend()
     R = jax.device_count()
     mode = "multi-process" if jax.process_count() > 1 else "single-process"
-    if platform == "cpu" or args.single_process or jax.process_count() == 1 and R > 1:
-        backend = "reference"  # jax_ep's CUDA backend runs one process per GPU
-    elif args.backend == "reference":
-        backend = "reference"
-    else:  # one process per GPU: the kernels, once the runtime below is initialised
-        from jax_ep import _native
-
-        module, why = _native.load()
-        backend = "cuda" if module is not None else "reference"
-        if module is None:
-            print(f"note: jax_ep's CUDA extension cannot load ({why})")
+    backend = jax_ep_backend(args.backend, args.single_process)
     if args.backend == "cuda" and backend != "cuda":
         print(f"note: --backend cuda needs one process per GPU (jax_ep.launch); ways a, b, e, f "
               f"use the reference backend here ({mode}, {platform})")
