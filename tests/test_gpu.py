@@ -1071,6 +1071,56 @@ def test_low_latency_headers_after_a_call_of_another_shape():
         np.testing.assert_array_equal(g, w, err_msg=name)
 
 
+def test_low_latency_combine_words_after_a_call_of_another_shape():
+    """A combine reads no gate word or tag older than itself, even where a call of another
+    shape left bytes that show its number. Combine a (BF16 rows of 8 KB, every token to every
+    rank, one pair of weight 1 a rank) leaves partial rows whose every 8-byte word is
+    (n << 32) | the bits of 2.0: a gate word of call n weighing 2, and two tags of which the
+    second shows n. Combine n, two calls later (the same parity, words at the area's start),
+    has 8 times the max tokens, so its gate words, tags and records lie over those rows, and
+    sends every token to expert 0 only: a stale tag of a rank with no partial would add a
+    stale row, a gate word read before its owner wrote it would weigh by 2. Its sums against
+    the oracle."""
+    from jax_ep import _native
+
+    module = _native.load()[0]
+    R = num_ranks()
+    E, K = LL_E_PER_RANK * R, LL_K
+    L = E // R
+    M_a, H_a, M, T, H = 8, 4096, 64, 16, 128
+
+    def call(max_tokens):
+        def fn(x, idx, w, y):
+            o = jax_ep.low_latency_dispatch(x, idx, num_experts=E, max_tokens_per_rank=max_tokens,
+                                            axis_name=AXIS, use_fp8=False, backend="cuda")
+            return jax_ep.low_latency_combine(y, w, o.handle)
+        return fn
+
+    rng = np.random.default_rng(5)
+    x = np.asarray(jnp.asarray(rng.standard_normal((R, T, H)), jnp.bfloat16))
+    idx = np.full((R, T, K), -1, np.int32)
+    idx[:, :, 0] = 0  # every token to expert 0 (rank 0), the other pairs masked
+    w = rng.random((R, T, K)).astype(np.float32)
+    y = np.asarray(jnp.asarray(rng.standard_normal((R, L, R * M, H)), jnp.bfloat16))
+    if int(module.low_latency_calls()[1]) % 2 == 0:  # so that call a's number is even
+        jax.block_until_ready(run(call(M), R, x, idx, w, y))
+    n = int(module.low_latency_calls()[1]) + 3  # after call a and one more
+    words = np.full((R, L, R * M_a, H_a // 4), (n << 32) | 0x40000000, np.uint64)
+    y_a = words.view(np.uint16).view(jnp.bfloat16)
+    ks = np.arange(K)
+    # token t's k-th expert: on rank k % R, so every token has pairs at every rank
+    idx_a = np.stack([np.stack([(ks % R) * L + (t + ks // R) % L for t in range(M_a)])
+                      for _ in range(R)]).astype(np.int32)
+    w_a = np.broadcast_to(np.where(ks < R, 1.0, 0.0), (R, M_a, K)).astype(np.float32)
+    x_a = np.zeros((R, M_a, H_a), jnp.bfloat16)
+
+    jax.block_until_ready(run(call(M_a), R, x_a, idx_a, w_a, y_a))
+    jax.block_until_ready(run(call(M), R, x, idx, w, y))
+    got = run(call(M), R, x, idx, w, y)
+    assert int(module.low_latency_calls()[1]) == n
+    assert_sums_close(got, oracle.low_latency_combine(y, w, idx, E, M), jnp.bfloat16)
+
+
 def test_low_latency_consecutive_calls():
     """Six dispatch + combine calls with different data in one program (every buffer half
     reused several times)."""

@@ -908,6 +908,23 @@ __device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_
   }
 }
 
+// The tag of this PE's record at owner s (byte offset tag_at of the buffer).
+template <bool kPuts>
+__device__ __forceinline__ void write_tag(const PeerContext& ctx, int s, size_t tag_at,
+                                          uint32_t value) {
+  if (off_node<kPuts>(ctx, s)) put_u32(ctx, pe_of(ctx, s), tag_at, value);
+  else *reinterpret_cast<uint32_t*>(ll_base(ctx, s) + tag_at) = value;
+}
+
+// Word i of the combine's words section's shape (LLControl::combine_words): where the last call
+// of this parity had the same, its gate words and tags hold words of older calls only (numbers
+// below n), else possibly another shape's bytes. Recomputed where used (kernel arguments): kept
+// in registers across the send, it spilled.
+__device__ __forceinline__ uint64_t combine_words_shape(const LLCombineSendArgs& a, int i) {
+  return i == 0 ? uint64_t(uint32_t(a.max_tokens)) << 32 | uint32_t(a.num_tokens)
+                : uint64_t(uint32_t(a.ctx.num_ranks)) << 32 | uint32_t(a.num_topk);
+}
+
 // Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
 // block resident (LLPlacement): a peer's blocks wait for the gate words that this
 // rank's first blocks write.
@@ -919,11 +936,21 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int* count = smem;  // [L]: used rows per local expert
   __shared__ uint64_t call_s;
+  __shared__ bool fresh_s;  // the last call of this parity had this words section's shape
   LLControl* mine = ll_control(ctx, me);
   profile_mark(ctx, kProfLLCombineSend, kEnter);
   if (warp == 0) {  // the region must be free at every destination
+    // both parities' shapes, loaded beside the wait (written by sends that have completed, as
+    // the call counter: every kernel starts after the one before it)
+    const volatile uint64_t* words = mine->combine_words[0];
+    uint64_t even0 = 0, even1 = 0, odd0 = 0, odd1 = 0;
+    if (lane == 0) even0 = words[0], even1 = words[1], odd0 = words[2], odd1 = words[3];
     const uint64_t n = warp_enter_send(ctx, kOpCombine, "low_latency_combine (send)");
-    if (lane == 0) call_s = n;
+    if (lane == 0) {
+      call_s = n;
+      fresh_s = (n & 1 ? odd0 : even0) == combine_words_shape(a, 0) &&
+                (n & 1 ? odd1 : even1) == combine_words_shape(a, 1);
+    }
   } else {
     for (int l = tid - 32; l < L; l += blockDim.x - 32)
       count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
@@ -939,11 +966,14 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     __syncthreads();
   }
   const uint64_t n = call_s;
+  const bool fresh = fresh_s;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   // This rank's weights, as tagged words, into every other rank's buffer (the first blocks'
   // threads, one 8-byte store each): the expert ranks read them locally, and a word carries
-  // its call number, so no fence and no flag stand between the stores and their use.
+  // its call number, so no fence and no flag stand between the stores and their use. After a
+  // call of another shape, block 0 stores them all and raises this PE's gates flag at each
+  // rank, which waits for that instead (a stale word there might show n by chance).
   if (R > 1) {
     const int pairs = T * K, total = (R - 1) * pairs;
     const uint64_t tag = uint64_t(uint32_t(n)) << 32;
@@ -961,11 +991,31 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
           put_own_signal_warp(ctx, d, mine_at, sizeof(uint64_t) * size_t(pairs),
                               &mine->gates[pe_of(ctx, me)], n);
     }
-    for (int i = int(blockIdx.x) * blockDim.x + tid; i < total; i += gridDim.x * blockDim.x) {
+    const int first = fresh ? int(blockIdx.x) * blockDim.x : blockIdx.x == 0 ? 0 : total;
+    const int stride = fresh ? gridDim.x * blockDim.x : blockDim.x;
+    for (int i = first + tid; i < total; i += stride) {
       const int r = (me + 1 + i / pairs) % R, p = i % pairs;
       if (off_node<kPuts>(ctx, r)) continue;
       store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + mine_at) + p,
                     tag | __float_as_uint(__ldg(a.weights + p)));
+    }
+    if (!fresh && blockIdx.x == 0) {
+      __syncthreads();  // the release below carries every thread's stores
+      const size_t flag = control_offset(mine, &mine->gates[pe_of(ctx, me)]);
+      if (warp == 0)
+        for (int d = lane; d < R; d += 32)
+          if (d != me && !off_node<kPuts>(ctx, d))
+            store_release(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[pe_of(ctx, d)]) +
+                                                      flag),
+                          n);
+    }
+    if (!fresh) {  // every block: the flags of this node's owners, before any gate word is read
+      if (warp == 0)
+        for (int s = lane; s < R; s += 32)
+          if (s != me && !off_node<kPuts>(ctx, s))
+            wait_flag(ctx, &mine->gates[pe_of(ctx, s)], n, "low_latency_combine (send)",
+                      "gate words of the owner", s);
+      __syncthreads();
     }
   }
   if (blockIdx.x == 0 && tid == 0) {
@@ -1004,8 +1054,15 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       if (g.row >= 0) g.weight = pair_weight<kPuts>(a, at.words, n, s, t, lane);
       mask = __ballot_sync(0xffffffffu, g.row >= 0);
     }
-    if (mask == 0) continue;  // no pair of (s, t) here: the owner expects no partial from us
-    const size_t q = u % pieces, off = q * piece, bytes = min(piece, a.row_bytes - off);
+    // the owner sums the records tagged with this call. No pair of (s, t) here: the owner
+    // expects no partial from us; after a call of another shape the tag says so (n - 1), so
+    // that no stale word there shows n by chance.
+    const size_t q = u % pieces;
+    if (q == 0 && lane == 0 && (mask != 0 || !fresh_s))
+      write_tag<kPuts>(ctx, s, at.words + a.plan.tags + sizeof(uint32_t) * (size_t(t) * R + me),
+                       uint32_t(mask != 0 ? n : n - 1));
+    if (mask == 0) continue;
+    const size_t off = q * piece, bytes = min(piece, a.row_bytes - off);
     // an owner on another node: the piece is summed into this PE's staging row (s, t), then put
     const bool far = off_node<kPuts>(ctx, s);
     const size_t record =
@@ -1013,11 +1070,6 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
     char* dst = far ? ll_base(ctx, me) + at.data + a.plan.staging +
                           (size_t(s) * a.max_tokens + t) * a.plan.record_stride + off
                     : ll_base(ctx, s) + record;
-    if (q == 0 && lane == 0) {  // the owner sums the records tagged with this call
-      const size_t tag_at = at.words + a.plan.tags + sizeof(uint32_t) * (size_t(t) * R + me);
-      if (far) put_u32(ctx, pe_of(ctx, s), tag_at, uint32_t(n));
-      else *reinterpret_cast<uint32_t*>(ll_base(ctx, s) + tag_at) = uint32_t(n);
-    }
     switch (a.dtype) {
       case LLElement::kBF16:
         partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
@@ -1032,6 +1084,11 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   }
 
   if (ll_last_block(ctx, kCounterCombineSend, true, kPuts) && warp == 0) {
+    if (lane < 2) {  // read by this PE's next call of this parity, after its receive of this one
+      volatile uint64_t* last = mine->combine_words[n & 1];
+      last[lane] = combine_words_shape(a, lane);
+    }
+    __syncwarp();
     warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }

@@ -146,9 +146,14 @@ struct LLControl {
   // consumed[op][parity][d] = n: PE d has finished the receive of its call n (raised at every
   // PE of the job, as done[] above). Both indexed by PE.
   uint64_t consumed[kLLOps][2][kMaxRanks];
-  // gates[s] = n: PE s, on another node, has put its gate words of combine call n here
-  // (peers of this node store them as tagged words, which need no flag)
+  // gates[s] = n: PE s has written its gate words of combine call n here: put by a PE on
+  // another node; stored by a peer of this node only where the call's words section may hold
+  // another shape's bytes (combine_words below), else they are tagged words, which need no flag
   uint64_t gates[kMaxRanks];
+  // combine_words[parity] = the shape of this PE's last combine call of that parity ({M << 32
+  // | T, R << 32 | K}): a call of the same shape finds, at its gate words and tags, only words
+  // of older calls. The same on every PE (every PE runs every call, with the same shapes).
+  uint64_t combine_words[2][2];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
