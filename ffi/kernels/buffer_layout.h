@@ -312,9 +312,11 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
 // owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of
 // the pair's float32 weight; a word carries its own call number, so the expert rank reads it
-// with neither a flag nor a fence), tags [M][R] uint32 (tag (token, r) = the low 32 bits of
-// the number of the call whose partial row r wrote into record (token, r): the owner sums the
-// records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
+// with neither a flag nor a fence, except after a call of another shape: LLControl's
+// combine_words), tags [M][R] uint32 (tag (token, r) = the low 32 bits of the number of the
+// call whose partial row r wrote into record (token, r), or of the call before it where r had
+// no pair of the token and the call's shape differs from its parity's last: the owner sums
+// the records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
 // partial row expert rank r summed over its pairs of that token, padded to 16 bytes; for a
 // group across nodes also staging [R][M]: row (owner, token), this rank's partial for an owner
 // on another node, written here and put from here into the owner's record.
@@ -328,7 +330,8 @@ namespace jax_ep {
 // words of every call with the same ranks, experts, max tokens and top-k sit at the same place
 // whatever the size of its rows. Calls of another shape put their words elsewhere: a word
 // read there may be bytes of an older call's counts or records, so what a call reads by its
-// number alone must not be stale (the dispatch's headers are all rewritten every call).
+// number alone must not be stale (the dispatch's headers are all rewritten every call; the
+// combine rewrites all its tags, and flags its gate words, when its shape changes).
 struct LLDispatchPlan {
   size_t counts = 0;         // words section: [R][L] int32
   size_t headers = 0;        // words section: [R][M][K] uint64: call << 32 | l * M + slot
