@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension against the machine's own jax/NVSHMEM, run the GPU
 # suite through the launcher on all GPUs, then the benchmarks. Logs go to $OUT (or ./out).
-#   [GPUS=g] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,layoutprobe,overlap,trace,gemm,moelayer,decodelayer,example]
+#   [GPUS=g] [PART=i/k] bash benchmarks/run_on_device.sh [ranks] [what: prebuilt,build,test,copytest,slotstest,slotsweep,lltest,bench,sweep,variants,ll,graphs,storeprobe,copyprobe,layoutprobe,overlap,trace,gemm,moelayer,decodelayer,example]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-$(nvidia-smi -L | grep -c '^GPU ')}
@@ -41,9 +41,17 @@ if [[ ,$WHAT, == *,build,* ]]; then
   grep -E "jax_ep|initialised|compiled|failed|launch" $OUT/failure_probe.log 2>/dev/null | head -20
 fi
 if [[ ,$WHAT, == *,test,* ]]; then
-  step "GPU suite on $N GPUs"
-  timeout $((420 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider --capture=sys tests/test_gpu.py \
-    2>&1 | tee "$OUT/gpu_suite_$N.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
+  # PART=i/k: the i-th of k consecutive slices of the suite's tests (ranks sharing one GPU
+  # take longer than one device call for the whole suite)
+  TESTS=(tests/test_gpu.py)
+  if [[ -n ${PART:-} ]]; then
+    mapfile -t TESTS < <($PY -m pytest --collect-only -q -p no:cacheprovider tests/test_gpu.py 2>/dev/null |
+      grep "::" | awk -v part="$PART" 'BEGIN { split(part, p, "/") } { id[NR] = $0 }
+        END { per = int((NR + p[2] - 1) / p[2]); for (j = (p[1] - 1) * per + 1; j <= p[1] * per && j <= NR; ++j) print id[j] }')
+  fi
+  step "GPU suite on $N GPUs${PART:+, part $PART: ${#TESTS[@]} tests}"
+  timeout $((420 * SLOW)) $PY -m jax_ep.launch -n "$N" $SHARE -- -m pytest -q -p no:cacheprovider --capture=sys "${TESTS[@]}" \
+    2>&1 | tee "$OUT/gpu_suite_$N${PART:+_${PART/\//of}}.log" | grep -E "passed|failed|error|Error|FAILED|timed out|\[rank 0\] [^ ]*$" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ $WHAT == *copytest* ]]; then  # the copy-engine paths' part of the suite only
