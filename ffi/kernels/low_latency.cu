@@ -999,22 +999,18 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + mine_at) + p,
                     tag | __float_as_uint(__ldg(a.weights + p)));
     }
-    if (!fresh && blockIdx.x == 0) {
-      __syncthreads();  // the release below carries every thread's stores
-      const size_t flag = control_offset(mine, &mine->gates[pe_of(ctx, me)]);
+    if (!fresh) {
+      // block 0 raises this PE's gates flag at each rank of its node once its words are
+      // stored (the release carries every thread's stores), and every block waits for the
+      // flags of the owners (those on another node signal after their put) before reading
+      // a gate word
+      if (blockIdx.x == 0) {
+        __syncthreads();
+        if (warp == 0) warp_signal_peers<false>(ctx, &mine->gates[pe_of(ctx, me)], n);
+      }
       if (warp == 0)
-        for (int d = lane; d < R; d += 32)
-          if (d != me && !off_node<kPuts>(ctx, d))
-            store_release(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[pe_of(ctx, d)]) +
-                                                      flag),
-                          n);
-    }
-    if (!fresh) {  // every block: the flags of this node's owners, before any gate word is read
-      if (warp == 0)
-        for (int s = lane; s < R; s += 32)
-          if (s != me && !off_node<kPuts>(ctx, s))
-            wait_flag(ctx, &mine->gates[pe_of(ctx, s)], n, "low_latency_combine (send)",
-                      "gate words of the owner", s);
+        warp_wait_peers(ctx, mine->gates, n, "low_latency_combine (send)",
+                        "gate words of the owner");
       __syncthreads();
     }
   }
