@@ -301,14 +301,15 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // (records); parity 0 puts its words first, parity 1 last, so that the words sections of calls
 // of the same R, E, M and K always coincide (see LLDispatchPlan).
 //
-// Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
-// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for every
+// Dispatch region (at the receiver): counts [R][L] uint64 (row s: source s's kept pairs per
+// local expert, tagged with the call), the pair headers [R][M][K] uint64 (entry (s, token, k), written for every
 // token of the call and k at every rank, wherever the pair went: the call number's low 32 bits
 // << 32 | expert * M + slot (the global expert: the receiver keeps only the entries naming its
 // own experts), or 0xffffffff for a pair with no expert or dropped at its source; so a receive
 // reads no entry of an earlier call); data: records [R][M]: record
-// (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16 bytes. A token
-// is stored once per destination rank.
+// (s, token) = the row (data), then the FP8 scales, as tagged 16-byte words (LLDispatchPlan).
+// A token is stored once per destination rank (at every rank of its node where its call's
+// shape differs from its parity's last).
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
 // owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of
 // the pair's float32 weight; a word carries its own call number, so the expert rank reads it
@@ -332,14 +333,21 @@ namespace jax_ep {
 // read there may be bytes of an older call's counts or records, so what a call reads by its
 // number alone must not be stale (the dispatch's headers are all rewritten every call; the
 // combine rewrites all its tags, and flags its gate words, when its shape changes).
+// A dispatch record travels as 16-byte words of kLLWordPayload bytes each and the call's
+// number (low 32 bits) in the last 4: each word is stored and loaded as one 128-bit access, so
+// a receiver that finds the word tagged with its call holds the word's bytes of that call, with
+// no flag or fence between the store and the load (ll_dispatch_fresh in low_latency.cu).
+constexpr size_t kLLWordPayload = 12;
+
 struct LLDispatchPlan {
-  size_t counts = 0;         // words section: [R][L] int32
+  size_t counts = 0;         // words section: [R][L] uint64: call << 32 | count
   size_t headers = 0;        // words section: [R][M][K] uint64: call << 32 | l * M + slot
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [R][M] records (source, token)
-  size_t record_stride = 0;
-  size_t data_offset = 0;    // inside a record
-  size_t scale_offset = 0;   // inside a record
+  size_t record_stride = 0;  // record_words 16-byte words
+  size_t record_words = 0;   // words of a record's payload: the row, then the FP8 scales
+  size_t payload_bytes = 0;  // the row's bytes and the scales'
+  size_t scale_offset = 0;   // the scales in the payload (after the row)
   size_t bytes = 0;          // region size
 };
 
@@ -348,13 +356,14 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
                                                           size_t row_bytes, size_t scale_bytes) {
   LLDispatchPlan p;
   p.counts = 0;
-  p.headers = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
+  p.headers = align_up(sizeof(uint64_t) * size_t(num_experts), kRegionAlign);
   p.words_bytes = align_up(
       p.headers + sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk, kRegionAlign);
   p.records = 0;
-  p.data_offset = 0;
-  p.scale_offset = row_stride(row_bytes);
-  p.record_stride = p.scale_offset + row_stride(scale_bytes);
+  p.scale_offset = row_bytes;
+  p.payload_bytes = row_bytes + scale_bytes;
+  p.record_words = (p.payload_bytes + kLLWordPayload - 1) / kLLWordPayload;
+  p.record_stride = 16 * p.record_words;
   p.bytes = align_up(p.words_bytes + p.record_stride * size_t(num_ranks) * max_tokens,
                      kRegionAlign);
   return p;

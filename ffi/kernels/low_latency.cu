@@ -219,33 +219,15 @@ __device__ __forceinline__ void stage_ints(int* dst, const int32_t* src, int n,
   }
 }
 
-// Copies a record written by a peer (its data, then `scale_bytes` of FP8 scales or none) into
-// its output rows, one warp's lanes striding. Where the scales fit one 16-byte load per lane,
-// they are loaded before the data and stored after it: one memory latency per row, not two.
-__device__ __forceinline__ void copy_record(void* dst_data, void* dst_scales, const char* rec,
-                                            const LLDispatchPlan& plan, size_t data_bytes,
-                                            size_t scale_bytes, int lane) {
-  const char* src_scales = rec + plan.scale_offset;
-  const bool together = dst_scales != nullptr && scale_bytes <= 16 * 32 &&
-                        ((reinterpret_cast<uintptr_t>(dst_scales) |
-                          reinterpret_cast<uintptr_t>(src_scales) | scale_bytes) & 15) == 0;
-  const bool mine = together && size_t(lane) * 16 < scale_bytes;
-  int4 scales;
-  if (mine) scales = __ldcg(reinterpret_cast<const int4*>(src_scales) + lane);
-  copy_row<true>(dst_data, rec + plan.data_offset, data_bytes, lane, 32);
-  if (mine) reinterpret_cast<int4*>(dst_scales)[lane] = scales;
-  if (dst_scales != nullptr && !together)
-    copy_row<true>(dst_scales, src_scales, scale_bytes, lane, 32);
-}
-
 // ----------------------------------------------------------------------------- dispatch send
 
-// Quantises token t's row (8 threads per 128-channel block, 16 channels each) and stores the
-// e4m3 data and scales into every destination record; `thread` of `threads` (the token warps)
-// take part, with the loads of kRounds rounds in flight before any store (fp8.cuh).
+// Quantises token t's row (8 threads per 128-channel block, 16 channels each) into the
+// record's payload staged in shared memory (e4m3 data, then the scales); `thread` of `threads`
+// (the token warps of a group) take part, with the loads of kRounds rounds in flight before
+// any store (fp8.cuh).
 template <typename T>
-__device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                   int num_dst, int thread, int threads) {
+__device__ void quantize_to_stage(const LLDispatchSendArgs& a, int t, char* stage, int thread,
+                                  int threads) {
   constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
   const int H = a.hidden, chunks = H / 16;
   const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
@@ -268,25 +250,20 @@ __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* con
       int4 packed;
       const float scale = quantize16(v, a.ue8m0, &packed);
       if (!active) continue;
-      const bool writes_scale = (c & 7) == 0;
-      for (int d = 0; d < num_dst; ++d) {
-        char* rec = dst[d];
-        if (rec == nullptr) continue;
-        reinterpret_cast<int4*>(rec + a.plan.data_offset)[c] = packed;
-        if (writes_scale) reinterpret_cast<float*>(rec + a.plan.scale_offset)[c / 8] = scale;
-      }
+      reinterpret_cast<int4*>(stage)[c] = packed;
+      if ((c & 7) == 0) reinterpret_cast<float*>(stage + a.plan.scale_offset)[c / 8] = scale;
     }
   }
 }
 
-// Stores token t's raw row (row_bytes) into every destination record: loaded once, kBatch
-// loads of each thread in flight before its stores; `thread` of `threads` take part.
-__device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                int num_dst, int thread, int threads) {
+// Stages token t's raw row (row_bytes) in shared memory; `thread` of `threads` take part.
+__device__ void copy_raw_to_stage(const LLDispatchSendArgs& a, int t, char* stage, int thread,
+                                  int threads) {
   const char* row = static_cast<const char*>(a.x) + size_t(t) * a.row_bytes;
   if (((reinterpret_cast<uintptr_t>(row) | a.row_bytes) & 15) == 0) {
     constexpr int kBatch = 4;
     const int4* src = reinterpret_cast<const int4*>(row);
+    int4* out = reinterpret_cast<int4*>(stage);
     const size_t n = a.row_bytes / 16;
     for (size_t i0 = thread; i0 < n; i0 += size_t(kBatch) * threads) {
       int4 v[kBatch];
@@ -295,20 +272,36 @@ __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const*
         const size_t i = i0 + size_t(b) * threads;
         if (i < n) v[b] = __ldg(src + i);
       }
-      for (int d = 0; d < num_dst; ++d) {
-        if (dst[d] == nullptr) continue;
-        int4* out = reinterpret_cast<int4*>(dst[d] + a.plan.data_offset);
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const size_t i = i0 + size_t(b) * threads;
-          if (i < n) out[i] = v[b];
-        }
+      for (int b = 0; b < kBatch; ++b) {
+        const size_t i = i0 + size_t(b) * threads;
+        if (i < n) out[i] = v[b];
       }
     }
   } else {
-    for (int d = 0; d < num_dst; ++d)
-      if (dst[d] != nullptr)
-        copy_row(dst[d] + a.plan.data_offset, row, a.row_bytes, thread, threads);
+    for (size_t i = thread; i < a.row_bytes; i += threads) stage[i] = row[i];
+  }
+}
+
+// The staged payload of one record as tagged words (kLLWordPayload bytes and the call's tag
+// each) into the record at each destination: `dst` (num_dst of them), or where `every` is
+// set, record `record` at every rank of the group (a call whose shape differs from its
+// parity's last, so that later calls of this shape find words of this shape there).
+__device__ void store_staged_words(const LLDispatchSendArgs& a, const char* stage, uint32_t tag,
+                                   char* const* dst, int num_dst, bool every, size_t record,
+                                   int thread, int threads) {
+  const int words = int(a.plan.record_words);
+  for (int w = thread; w < words; w += threads) {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(stage + kLLWordPayload * size_t(w));
+    const uint32_t x = p[0], y = p[1], z = p[2];
+    if (every) {
+      for (int r = 0; r < a.ctx.num_ranks; ++r)
+        store_word(static_cast<char*>(a.ctx.peers[pe_of(a.ctx, r)]) + record + 16 * size_t(w),
+                   x, y, z, tag);
+    } else {
+      for (int d = 0; d < num_dst; ++d)
+        if (dst[d] != nullptr) store_word(dst[d] + 16 * size_t(w), x, y, z, tag);
+    }
   }
 }
 
@@ -371,9 +364,10 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
   for (int j = thread; j < block_experts(E); j += kSlotThreads) {
     const int e = int(blockIdx.x) + j * int(gridDim.x), r = e / L, l = e % L;
     const int seen = total[e];
-    const size_t count_at = words + a.plan.counts + sizeof(int32_t) * size_t(me * L + l);
-    if (off_node<kPuts>(ctx, r)) put_i32(ctx, pe_of(ctx, r), count_at, min(seen, M));
-    else *reinterpret_cast<int32_t*>(ll_base(ctx, r) + count_at) = min(seen, M);
+    const size_t count_at = words + a.plan.counts + sizeof(uint64_t) * size_t(me * L + l);
+    const uint64_t count = uint64_t(uint32_t(n)) << 32 | uint32_t(min(seen, M));
+    if (off_node<kPuts>(ctx, r)) put_u64(ctx, pe_of(ctx, r), count_at, count);
+    else store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + count_at), count);
     if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
   }
   if (warp != 0) return;
@@ -408,17 +402,48 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
   }
 }
 
+// Word j of the dispatch's shape ({M << 32 | T, R << 32 | K, E << 32 | record stride}): where
+// its words and records lie and which of them a call may write (LLControl::dispatch_words).
+__device__ __forceinline__ uint64_t dispatch_shape(int M, int T, int R, int K, int E,
+                                                   size_t stride, int j) {
+  return j == 0   ? uint64_t(uint32_t(M)) << 32 | uint32_t(T)
+         : j == 1 ? uint64_t(uint32_t(R)) << 32 | uint32_t(K)
+                  : uint64_t(uint32_t(E)) << 32 | uint32_t(stride);
+}
+
 // The token warps: every block sends whole tokens, each row once per destination rank (not
-// once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes). The
-// slot warps meanwhile number this block's range of pairs
+// once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes), as
+// tagged words; the slot warps meanwhile number this block's range of pairs
 // (block_expert_slots): the two do not wait for each other, nor does any block for another.
-// Returns the call number (every thread). smem: ll_dispatch_send_smem() bytes.
+// Returns the call number (every thread) and, in *fresh, whether the receive may read the
+// call's words as they land (a call of its parity's last shape, on one node): then no arrival
+// is raised. smem: ll_dispatch_send_smem() bytes, the records' stages from a.stage_offset.
+// This PE's bookkeeping of call n (warp 0 of the send's last block): the
+// call's shape and freshness for its parity's next send and for its receive, the dropped
+// pairs, the call number.
+__device__ void finish_dispatch_send(const LLDispatchSendArgs& a, uint64_t n, bool fresh) {
+  LLControl* mine = ll_control(a.ctx, a.ctx.rank);
+  const int lane = threadIdx.x & 31;
+  if (lane < 3)  // read by this PE's next send of this parity
+    mine->dispatch_words[n & 1][lane] = dispatch_shape(
+        a.max_tokens, a.num_tokens, a.ctx.num_ranks, a.num_topk, a.num_experts,
+        a.plan.record_stride, lane);
+  if (lane == 0) {
+    mine->dispatch_fresh[n & 1] = fresh ? 1 : 0;  // read by a split receive of call n
+    *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
+    a.call_out[0] = int32_t(uint32_t(n));
+    a.call_out[1] = int32_t(uint32_t(n >> 32));
+    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
+  }
+}
+
 template <bool kPuts>
-__device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
+__device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* fresh) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
   __shared__ uint64_t call_s;
+  __shared__ bool fresh_s;
   // per group of token warps (below): its token's destination records and far ranks
   __shared__ int num_dst[kTokenWarps], num_far[kTokenWarps];
   __shared__ char* dst[kTokenWarps][kLLMaxTopk];
@@ -432,26 +457,45 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
   } else if (warp == 0) {
+    // both parities' last shapes, loaded beside the wait (written by sends that have
+    // completed: every kernel of ours starts after the one before it)
+    const uint64_t last =
+        lane < 6 ? *(reinterpret_cast<const volatile uint64_t*>(mine->dispatch_words) + lane) : 0;
     // The region of this parity at every destination must have been read (call n - 2).
     const uint64_t n = warp_enter_send(ctx, kOpDispatch, "low_latency_dispatch (send)");
-    if (lane == 0) call_s = n;
+    const int j = lane - 3 * int(n & 1);
+    const bool same = j < 0 || j >= 3 ||
+                      last == dispatch_shape(M, T, R, K, E, a.plan.record_stride, j);
+    const bool all_same = __all_sync(0xffffffffu, same);
+    if (lane == 0) {
+      call_s = n;
+      fresh_s = !kPuts && all_same;
+    }
   }
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
   const uint64_t n = call_s;
+  const bool is_fresh = fresh_s;
+  *fresh = is_fresh;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   if (token_warp) {
     // The token warps split into `groups` groups that send one token each at a time, as many
-    // as the block has tokens (up to one warp a token): with few CTAs a block's tokens go
-    // side by side instead of one after another, each a chain of dependent loads and barriers.
+    // as the block has tokens (up to one warp a token) and shared memory stages: with few
+    // CTAs a block's tokens go side by side instead of one after another, each a chain of
+    // dependent loads and barriers.
     const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
     int groups = 1;
-    while (groups * 2 <= min(per_block, kTokenWarps)) groups *= 2;
+    while (groups * 2 <= min(min(per_block, kTokenWarps), a.stage_groups)) groups *= 2;
     const int group_warps = kTokenWarps / groups, g = warp / group_warps, gw = warp % group_warps;
     const int group_threads = group_warps * 32, thread = tid - g * group_threads;
     char* const* my_dst = dst[g];
+    char* stage = reinterpret_cast<char*>(smem) + a.stage_offset + size_t(g) * a.stage_bytes;
+    // a call of another shape writes every record at every rank (none is on another node)
+    const bool every = !kPuts && !is_fresh;
     for (int t = int(blockIdx.x) + g * int(gridDim.x); t < T; t += groups * int(gridDim.x)) {
+      const size_t record =
+          at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
       if (gw == 0) {  // the distinct destination ranks of token t
         int r = -1;
         if (lane < K) {
@@ -468,8 +512,6 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         const unsigned stores = __ballot_sync(0xffffffffu, leader && !put);
         const unsigned puts = __ballot_sync(0xffffffffu, put);
         const bool own_stored = __ballot_sync(0xffffffffu, leader && r == me) != 0;
-        const size_t record =
-            at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
         const unsigned below = (1u << lane) - 1u;
         if (leader && !put) dst[g][__popc(stores & below)] = ll_base(ctx, r) + record;
         if (put) far[g][__popc(puts & below)] = r;
@@ -480,35 +522,34 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
           num_far[g] = __popc(puts);
         }
       }
-      group_sync(kTokenBarrier0 + g, group_threads);
+      // the payload's last word past the scales, zeroed (the staging writes never reach it)
+      for (size_t i = a.plan.payload_bytes + thread; i < a.plan.record_words * kLLWordPayload;
+           i += group_threads)
+        stage[i] = 0;
+      if (a.use_fp8) {
+        switch (a.x_type) {
+          case LLElement::kBF16:
+            quantize_to_stage<__nv_bfloat16>(a, t, stage, thread, group_threads);
+            break;
+          case LLElement::kF16: quantize_to_stage<__half>(a, t, stage, thread, group_threads); break;
+          default: quantize_to_stage<float>(a, t, stage, thread, group_threads); break;
+        }
+      } else {
+        copy_raw_to_stage(a, t, stage, thread, group_threads);
+      }
+      group_sync(kTokenBarrier0 + g, group_threads);  // the stage and dst[g] are complete
       // this warp's puts of token t (lane j: far rank gw + j * group_warps), read before the
       // group's next token overwrites far[g]
       const int fi = gw + lane * group_warps;
       const int my_far = fi < num_far[g] ? far[g][fi] : -1;
-      if (a.use_fp8) {
-        switch (a.x_type) {
-          case LLElement::kBF16:
-            quantize_and_store<__nv_bfloat16>(a, t, my_dst, num_dst[g], thread, group_threads);
-            break;
-          case LLElement::kF16:
-            quantize_and_store<__half>(a, t, my_dst, num_dst[g], thread, group_threads);
-            break;
-          default:
-            quantize_and_store<float>(a, t, my_dst, num_dst[g], thread, group_threads);
-            break;
-        }
-      } else {
-        copy_raw_to_all(a, t, my_dst, num_dst[g], thread, group_threads);
-      }
-      group_sync(kTokenBarrier0 + g, group_threads);  // dst[g] is rewritten for the next token
+      store_staged_words(a, stage, uint32_t(n), my_dst, num_dst[g], every, record, thread,
+                         group_threads);
+      group_sync(kTokenBarrier0 + g, group_threads);  // the stage and dst[g] are reused next
       unsigned far_lanes = __ballot_sync(0xffffffffu, my_far >= 0);
       if (far_lanes != 0) {  // the record is complete in this PE's own copy: put it
-        const size_t record =
-            at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
-        const size_t bytes = a.scale_bytes > 0 ? a.plan.scale_offset + a.scale_bytes : a.row_bytes;
         for (; far_lanes != 0; far_lanes &= far_lanes - 1)
           put_own_warp(ctx, __shfl_sync(0xffffffffu, my_far, __ffs(far_lanes) - 1), record,
-                       bytes);
+                       a.plan.record_stride);
       }
     }
   } else {
@@ -520,9 +561,9 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     }
   }
 
-  // ---- the last block raises arrived[me] at every destination and reports the dropped pairs
-  // (the peers first: the dropped count's exchange is a round trip that only this PE's
-  // outputs wait for)
+  // ---- the last block raises arrived[me] at every destination (where the receive waits for
+  // it) and reports the dropped pairs (the peers first: the dropped count's exchange is a
+  // round trip that only this PE's outputs wait for)
   const bool last = ll_last_block(ctx, kCounterDispatchSend, true, kPuts);
   if (kPuts && last) {
     // this PE's pair headers, staged in its own block [me], to every rank on another node
@@ -535,13 +576,9 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     __syncthreads();
   }
   if (last && warp == 0) {
-    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
-    if (lane == 0) {
-      *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
-      a.call_out[0] = int32_t(uint32_t(n));
-      a.call_out[1] = int32_t(uint32_t(n >> 32));
-      *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
-    }
+    if (!is_fresh)
+      warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
+    finish_dispatch_send(a, n, is_fresh);
   }
   profile_end(ctx, kProfLLDispatchSend);
   return n;
@@ -549,15 +586,14 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- dispatch receive
 
-// Largest number of 16-byte loads a lane holds for one unit of the dispatch receive.
+// Largest number of tagged words a lane holds for one unit of the dispatch receive.
 constexpr int kReceiveVecs = 4;
 
-// One unit of the dispatch receive, in registers: a piece of record (s, t) and the record's
-// pair headers (lane k: pair k's).
+// One unit of the dispatch receive, in registers: `vecs` blocks of 32 words of record (s, t)
+// (lane i: word i of each block) and the record's pair headers (lane k: pair k's).
 struct ReceiveUnit {
   uint64_t header;
-  int4 data[kReceiveVecs];
-  int4 scales;
+  uint4 words[kReceiveVecs];
 };
 
 // Sources in every expert's block in the order me, me + 1, ..., me - 1 (position q of source
@@ -569,52 +605,66 @@ __device__ __forceinline__ int position_of(int s, int me, int R) {
   return s >= me ? s - me : s - me + R;
 }
 
+// A block of 32 tagged words (lane i holds word i: payload bytes 12i..12i+11) as 24 16-byte
+// chunks of the payload: lane q < 24 gets bytes 16q..16q+15 (whole warp).
+__device__ __forceinline__ int4 words_to_chunk(const uint4& w, int lane) {
+  int v[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int m = 4 * lane + q, src = (m / 3) & 31, r = m % 3;
+    const int x = __shfl_sync(0xffffffffu, int(w.x), src);
+    const int y = __shfl_sync(0xffffffffu, int(w.y), src);
+    const int z = __shfl_sync(0xffffffffu, int(w.z), src);
+    v[q] = r == 0 ? x : r == 1 ? y : z;
+  }
+  return int4{v[0], v[1], v[2], v[3]};
+}
+
 // prefix: E + 1 ints of shared memory (over (local expert, source position), expert-major).
 //
 // Work is dealt by record piece, not by output row: a warp loads a piece of record (s, t)
-// (vecs 16-byte loads per lane) and the record's K pair headers in one round, before the
+// (vecs blocks of 32 words per warp) and the record's K pair headers in one round, before the
 // counts' scan is done, then stores the piece into the row of every pair of the record kept
 // here. So the only loads after the scan are those of later units, and a record is read once
-// however many of its pairs this rank holds (rather than counts, scan, index entry, record:
-// three dependent rounds, and a record read once per pair). Records (kRecords): the piece is
-// stored once, into the record's own row s * M + t, if any of its pairs was kept here; the
-// handle's rows say which record each packed row reads (a template parameter: the stores'
-// loop of the other layouts stays as it was, 0.3 µs a call faster than with a flag there).
+// however many of its pairs this rank holds. Where the call's shape is its parity's last
+// (fresh), nothing waits for the sources' arrival: the counts, the headers and the record
+// words carry the call's number, and a word found with an older one is loaded again until its
+// store lands. Records (kRecords): the piece is stored once, into the record's own row
+// s * M + t, if any of its pairs was kept here; the handle's rows say which record each packed
+// row reads (a template parameter: the stores' loop of the other layouts stays as it was).
 template <bool kPuts, bool kRecords>
-__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
+__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n,
+                                 bool fresh) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
   LLControl* mine = ll_control(ctx, me);
+  const char* op = "low_latency_dispatch (receive)";
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
-  if (warp == 0)
-    warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, "low_latency_dispatch (receive)",
-                    "rows sent");
+  if (!fresh && warp == 0)
+    warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, op, "rows sent");
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* words = ll_base(ctx, me) + at.words;
   const char* data = ll_base(ctx, me) + at.data;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(words + a.plan.counts);
+  const uint64_t* counts = reinterpret_cast<const uint64_t*>(words + a.plan.counts);
   const uint64_t* headers = reinterpret_cast<const uint64_t*>(words + a.plan.headers);
+  const uint32_t tag = uint32_t(n);
 
-  // Units: (record, piece) of every record, by source position. A piece is
-  // `vecs` 16-byte loads per lane, as many as make one unit per warp of the grid (at most
-  // kReceiveVecs); unaligned rows: whole records, copied by copy_record.
-  const bool vec = ((a.row_bytes | a.plan.data_offset | a.plan.record_stride |
-                     reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0;
-  const int row_vecs = int(a.row_bytes / 16), chunks = (row_vecs + 31) / 32;
+  // Units: (record, piece) of every record, by source position. A piece is `vecs` blocks of
+  // 32 words, as many as make one unit per warp of the grid (at most kReceiveVecs); rows
+  // whose payload does not split into 16-byte chunks: whole records, byte by byte.
+  const bool vec = ((a.row_bytes | a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_x) |
+                     reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
+  const int record_words = int(a.plan.record_words), blocks = (record_words + 31) / 32;
   const int grid_warps = int(gridDim.x) * kWarps;
   const int records = R * T;
-  const int vecs = vec ? min(kReceiveVecs, max(1, (records * chunks + grid_warps - 1) / grid_warps))
+  const int vecs = vec ? min(kReceiveVecs, max(1, (records * blocks + grid_warps - 1) / grid_warps))
                        : 0;
-  const int pieces = vec ? (chunks + vecs - 1) / vecs : 1;
+  const int pieces = vec ? (blocks + vecs - 1) / vecs : 1;
   const int units = records * pieces;
-  // FP8 scales in one 16-byte load per lane with piece 0 (else copied after the data)
-  const bool scales_together =
-      a.out_scales != nullptr && vec && a.scale_bytes <= 16 * 32 &&
-      ((a.scale_bytes | a.plan.scale_offset | reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
 
   struct Unit {
     int s, t, piece;
@@ -623,20 +673,19 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     const int record = u / pieces;
     return Unit{source_at(record / T, me, R), record % T, u % pieces};
   };
+  auto record_of = [&](const Unit& w) {
+    return data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
+  };
   auto load_unit = [&](int u, ReceiveUnit& x) {
     const Unit w = unit_at(u);
-    const size_t r = size_t(w.s) * M + w.t;
-    x.header = lane < K ? __ldcg(headers + r * K + lane) : 0;
+    x.header = lane < K ? load_relaxed(headers + (size_t(w.s) * M + w.t) * K + lane) : 0;
     if (!vec) return;
-    const char* rec = data + a.plan.records + r * a.plan.record_stride;
-    const int4* src = reinterpret_cast<const int4*>(rec + a.plan.data_offset);
+    const char* rec = record_of(w);
 #pragma unroll
     for (int j = 0; j < kReceiveVecs; ++j) {
       const int i = (w.piece * vecs + j) * 32 + lane;
-      if (j < vecs && i < row_vecs) x.data[j] = __ldcg(src + i);
+      if (j < vecs && i < record_words) x.words[j] = load_word(rec + 16 * size_t(i));
     }
-    if (w.piece == 0 && scales_together && lane * 16 < int(a.scale_bytes))
-      x.scales = __ldcg(reinterpret_cast<const int4*>(rec + a.plan.scale_offset) + lane);
   };
 
   // the first unit's loads go out before the counts' (a load's first use stalls the thread)
@@ -645,7 +694,8 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   if (u < units) load_unit(u, x);
   for (int i = tid; i < E; i += blockDim.x) {
     const int l = i / R, s = source_at(i % R, me, R);
-    prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
+    const int c = int(wait_tagged(ctx, counts + s * L + l, tag, op, "pair counts", s));
+    prefix[i] = min(max(c, 0), M);
   }
   __syncthreads();
   block_exclusive_scan(prefix, E);
@@ -670,17 +720,20 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   }
 
   // lane k: the output row of pair k of record (s, .) if it was kept here in this call (a
-  // header from an earlier call, one naming another rank's expert (a source on another node
-  // puts all its headers), or one naming rows outside the source's count, is skipped)
-  const uint32_t tag = uint32_t(n);
-  auto pair_row = [&](uint64_t header, int s) {
-    if (lane >= K || uint32_t(header >> 32) != tag) return -1;
+  // header naming another rank's expert (a source on another node puts all its headers), or
+  // one naming rows outside the source's count, is skipped); a header still showing an older
+  // call is loaded again until this call's lands (every source writes every header)
+  auto pair_row = [&](uint64_t header, const Unit& w) {
+    if (lane >= K) return -1;
+    if (uint32_t(header >> 32) != tag)
+      header = wait_tagged(ctx, headers + (size_t(w.s) * M + w.t) * K + lane, tag, op,
+                           "pair headers", w.s);
     const uint32_t pos = uint32_t(header);
     if (pos == kNoPosition) return -1;
     const uint32_t l = pos / uint32_t(M) - uint32_t(me * L);  // expert - first one here
     const int slot = int(pos % uint32_t(M));
     if (l >= uint32_t(L)) return -1;
-    const int j = int(l) * R + position_of(s, me, R);
+    const int j = int(l) * R + position_of(w.s, me, R);
     if (slot >= prefix[j + 1] - prefix[j]) return -1;
     if (packed) return prefix[j] + slot < used ? prefix[j] + slot : -1;
     return int(l) * RM + (prefix[j] - prefix[l * R]) + slot;
@@ -696,23 +749,31 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
     if (lane < K) a.pair_row[(size_t(s) * T + t) * K + lane] = row;
   };
-  // Unaligned rows: whole records, one pair's row after another. A loop of its own: with
-  // copy_record inside the vector loop the unit's registers stayed live and spilled.
+  // Unaligned rows: whole records, word by word, each payload byte to its row. A loop of its
+  // own: slow, and rare (rows of a size or address not a multiple of 16 bytes).
   if (!vec) {
     for (; u < units; u += grid_warps) {
       const Unit w = unit_at(u);
-      const int row = pair_row(x.header, w.s);
+      const int row = pair_row(x.header, w);
       mark_source(row, w.s, w.t);
-      const char* rec = data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
-           pairs &= pairs - 1) {
-        const int dst =
-            kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
-        copy_record(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes,
-                    a.out_scales != nullptr
-                        ? reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes
-                        : nullptr,
-                    rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+      const char* rec = record_of(w);
+      for (unsigned left = __ballot_sync(0xffffffffu, row >= 0); left != 0; left &= left - 1) {
+        const int dst = kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(left) - 1);
+        for (int i = lane; i < record_words; i += 32) {
+          const char* at_word = rec + 16 * size_t(i);
+          const uint4 word =
+              wait_word(ctx, at_word, load_word(at_word), tag, op, "rows sent", w.s);
+          const uint32_t payload[3] = {word.x, word.y, word.z};
+          for (int b = 0; b < int(kLLWordPayload); ++b) {
+            const size_t off = kLLWordPayload * size_t(i) + b;
+            const char byte = reinterpret_cast<const char*>(payload)[b];
+            if (off < a.row_bytes)
+              static_cast<char*>(a.out_x)[size_t(dst) * a.row_bytes + off] = byte;
+            else if (off < a.plan.payload_bytes)
+              reinterpret_cast<char*>(a.out_scales)[size_t(dst) * a.scale_bytes + off -
+                                                    a.row_bytes] = byte;
+          }
+        }
         if (kRecords) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
@@ -720,31 +781,37 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   } else {
     for (; u < units; u += grid_warps) {
       const Unit w = unit_at(u);
-      const int row = pair_row(x.header, w.s);
+      const int row = pair_row(x.header, w);
       if (w.piece == 0) mark_source(row, w.s, w.t);
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
-           pairs &= pairs - 1) {
-        const int dst =
-            kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
-        int4* out =
-            reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes);
+      const unsigned pairs = __ballot_sync(0xffffffffu, row >= 0);
+      if (pairs != 0) {
+        // the piece's words of this call (loaded again until they land), as 16-byte chunks
+        const char* rec = record_of(w);
+        int4 chunk[kReceiveVecs];
 #pragma unroll
         for (int j = 0; j < kReceiveVecs; ++j) {
           const int i = (w.piece * vecs + j) * 32 + lane;
-          if (j < vecs && i < row_vecs) out[i] = x.data[j];
+          if (j < vecs && i < record_words)
+            x.words[j] = wait_word(ctx, rec + 16 * size_t(i), x.words[j], tag, op, "rows sent",
+                                   w.s);
+          if (j < vecs) chunk[j] = words_to_chunk(x.words[j], lane);
         }
-        if (w.piece == 0 && a.out_scales != nullptr) {
-          char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes;
-          if (scales_together) {
-            if (lane * 16 < int(a.scale_bytes))
-              reinterpret_cast<int4*>(out_scales)[lane] = x.scales;
-          } else {
-            const char* rec =
-                data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
-            copy_row<true>(out_scales, rec + a.plan.scale_offset, a.scale_bytes, lane, 32);
+        for (unsigned left = pairs; left != 0; left &= left - 1) {
+          const int dst =
+              kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(left) - 1);
+#pragma unroll
+          for (int j = 0; j < kReceiveVecs; ++j) {
+            const size_t off = size_t((w.piece * vecs + j) * 32) * kLLWordPayload + 16 * lane;
+            if (j >= vecs || lane >= 24 || off >= a.plan.payload_bytes) continue;
+            if (off < a.row_bytes)
+              *reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes +
+                                       off) = chunk[j];
+            else
+              *reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_scales) +
+                                       size_t(dst) * a.scale_bytes + off - a.row_bytes) = chunk[j];
           }
+          if (kRecords) break;  // the record once, whatever its pairs here
         }
-        if (kRecords) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
     }
@@ -763,14 +830,19 @@ template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_send<kPuts>(a, smem);
+  bool fresh;
+  dispatch_send<kPuts>(a, smem, &fresh);
 }
 
 template <bool kPuts, bool kRecords>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_receive<kPuts, kRecords>(a, smem, read_call(a.call));
+  const uint64_t n = read_call(a.call);
+  // whether its send found its parity's last shape (that send has completed: kernel order)
+  const bool fresh = reinterpret_cast<const volatile uint64_t*>(
+                         ll_control(a.ctx, a.ctx.rank)->dispatch_fresh)[n & 1] != 0;
+  dispatch_receive<kPuts, kRecords>(a, smem, n, fresh);
 }
 
 // Send and receive in one launch of a resident grid (the receive half waits for this PE's own
@@ -780,9 +852,10 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  const uint64_t n = dispatch_send<kPuts>(send, smem);
+  bool fresh;
+  const uint64_t n = dispatch_send<kPuts>(send, smem, &fresh);
   __syncthreads();  // shared memory is reused; this block's records are written
-  dispatch_receive<kPuts, kRecords>(receive, smem, n);
+  dispatch_receive<kPuts, kRecords>(receive, smem, n, fresh);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -1316,7 +1389,7 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
                          ? a.num_tokens
                          : (a.num_experts + kSlotWarps - 1) / kSlotWarps;
   const int grid = wanted < a.num_blocks ? wanted : a.num_blocks;
-  const size_t smem = ll_dispatch_send_smem(a.num_tokens, a.num_topk, a.num_experts, a.cached);
+  const size_t smem = ll_dispatch_send_smem(a);
   auto kernel =
       a.ctx.spans_nodes ? ll_dispatch_send_kernel<true> : ll_dispatch_send_kernel<false>;
   const cudaError_t status = allow_shared_memory(reinterpret_cast<const void*>(kernel), smem);
@@ -1337,8 +1410,7 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream,
                                LLPlacement placement) {
-  const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.num_experts,
-                                                 send.cached);
+  const size_t send_smem = ll_dispatch_send_smem(send);
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
   const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
   const void* kernel = reinterpret_cast<const void*>(

@@ -154,6 +154,16 @@ struct LLControl {
   // | T, R << 32 | K}): a call of the same shape finds, at its gate words and tags, only words
   // of older calls. The same on every PE (every PE runs every call, with the same shapes).
   uint64_t combine_words[2][2];
+  // dispatch_words[parity] = the shape of this PE's last dispatch send of that parity ({M << 32
+  // | T, R << 32 | K, E << 32 | record stride}): a call of the same shape finds, at every word
+  // of its region a source may write, only words tagged with older calls of this shape (a call
+  // of another shape writes every record at every rank), and reads them as they land, without
+  // the sources' arrival. The same on every PE (every PE runs every call, with the same
+  // shapes).
+  uint64_t dispatch_words[2][3];
+  // dispatch_fresh[parity] = 1 where this PE's last dispatch send of that parity found the
+  // shape of the one before it (so its receive reads the words as they land), else 0
+  uint64_t dispatch_fresh[2];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {

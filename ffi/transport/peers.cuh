@@ -197,6 +197,36 @@ __device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p
   return uint32_t(v);
 }
 
+// A tagged 16-byte word: three 32-bit payload words and a tag (.w), stored and loaded as one
+// 128-bit access (single-copy atomic: a load returns the whole word of one store).
+__device__ __forceinline__ void store_word(void* p, uint32_t a, uint32_t b, uint32_t c,
+                                           uint32_t tag) {
+  const uint64_t lo = uint64_t(a) | uint64_t(b) << 32, hi = uint64_t(c) | uint64_t(tag) << 32;
+  asm volatile("{\n .reg .b128 w;\n mov.b128 w, {%1, %2};\n st.relaxed.sys.global.b128 [%0], w;\n}"
+               ::"l"(p), "l"(lo), "l"(hi) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_word(const void* p) {
+  uint64_t lo, hi;
+  asm volatile("{\n .reg .b128 w;\n ld.relaxed.sys.global.b128 w, [%2];\n mov.b128 {%0, %1}, w;\n}"
+               : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+  return make_uint4(uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32));
+}
+
+// The word at p once its tag is `tag` (w: a load of it already made); bounded as wait_flag.
+__device__ inline uint4 wait_word(const PeerContext& ctx, const void* p, uint4 w, uint32_t tag,
+                                  const char* op, const char* what, int peer) {
+  if (w.w == tag) return w;
+  const uint64_t start = global_timer_ns();
+  while ((w = load_word(p)).w != tag) {
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      report_timeout(ctx, op, what, peer, tag, w.w);
+      trap_after_report();
+    }
+  }
+  return w;
+}
+
 // Two 64-bit values (addresses) as four words tagged with `call`, their low halves first: a
 // reader waits for each word (wait_tagged) and joins them with tagged_pair_value.
 __device__ inline void store_tagged_pair(uint64_t* words, uint64_t call, uint64_t a,
