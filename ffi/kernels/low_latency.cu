@@ -326,15 +326,16 @@ __device__ void stage_pair_ids(const LLDispatchSendArgs& a, int* smem, int threa
 // barrier since). A pair's slot is its rank among its expert's pairs in pair order (cached:
 // the handle's slot). Every block counts all pairs per expert in shared memory (a few
 // shared atomics a thread), then writes the counts of its experts (e = block + j * grid) at
-// their ranks, adding the pairs past max_tokens to `dropped`, and numbers its own range of
-// pairs in order (one warp, 32 pairs a step, each expert's pairs before the range counted):
+// their ranks (block 0 also the pairs past max_tokens, the call's dropped count), and numbers
+// its own range of pairs in order (one warp, 32 pairs a step, each expert's pairs before the
+// range counted):
 // send_slot and the pair headers (me, token, k) -> (call n, local expert, slot). The work per
 // block shrinks with the grid on both sides, so few blocks number as fast as many (dealing
 // whole experts to blocks, 16 CTAs took 15 µs against 3 at one per SM). Pairs with an
 // out-of-range id are left to the token pass (send_slot -1).
 template <bool kPuts>
 __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size_t words,
-                                   int* smem, unsigned* dropped, int warp) {
+                                   int* smem, int warp) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, K = a.num_topk, M = a.max_tokens, n_pairs = a.num_tokens * K;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
@@ -368,7 +369,13 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
     const uint64_t count = uint64_t(uint32_t(n)) << 32 | uint32_t(min(seen, M));
     if (off_node<kPuts>(ctx, r)) put_u64(ctx, pe_of(ctx, r), count_at, count);
     else store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + count_at), count);
-    if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
+  }
+  // the pairs past max_tokens, from block 0's counts (every block has all of them)
+  if (blockIdx.x == 0 && warp == 0) {
+    int over = 0;
+    for (int e = lane; e < E && !a.cached; e += 32) over += max(0, total[e] - M);
+    for (int d = 16; d > 0; d >>= 1) over += __shfl_xor_sync(0xffffffffu, over, d);
+    if (lane == 0) *a.num_dropped = over;
   }
   if (warp != 0) return;
   const uint64_t tag = uint64_t(uint32_t(n)) << 32;
@@ -411,16 +418,9 @@ __device__ __forceinline__ uint64_t dispatch_shape(int M, int T, int R, int K, i
                   : uint64_t(uint32_t(E)) << 32 | uint32_t(stride);
 }
 
-// The token warps: every block sends whole tokens, each row once per destination rank (not
-// once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes), as
-// tagged words; the slot warps meanwhile number this block's range of pairs
-// (block_expert_slots): the two do not wait for each other, nor does any block for another.
-// Returns the call number (every thread) and, in *fresh, whether the receive may read the
-// call's words as they land (a call of its parity's last shape, on one node): then no arrival
-// is raised. smem: ll_dispatch_send_smem() bytes, the records' stages from a.stage_offset.
-// This PE's bookkeeping of call n (warp 0 of the send's last block): the
-// call's shape and freshness for its parity's next send and for its receive, the dropped
-// pairs, the call number.
+// This PE's bookkeeping of call n, once every block of its send has read the call counter
+// (warp 0 of the last block): the call's shape and freshness for its parity's next send and
+// for a split receive, the call number.
 __device__ void finish_dispatch_send(const LLDispatchSendArgs& a, uint64_t n, bool fresh) {
   LLControl* mine = ll_control(a.ctx, a.ctx.rank);
   const int lane = threadIdx.x & 31;
@@ -429,16 +429,23 @@ __device__ void finish_dispatch_send(const LLDispatchSendArgs& a, uint64_t n, bo
         a.max_tokens, a.num_tokens, a.ctx.num_ranks, a.num_topk, a.num_experts,
         a.plan.record_stride, lane);
   if (lane == 0) {
-    mine->dispatch_fresh[n & 1] = fresh ? 1 : 0;  // read by a split receive of call n
-    *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
-    a.call_out[0] = int32_t(uint32_t(n));
-    a.call_out[1] = int32_t(uint32_t(n >> 32));
+    mine->dispatch_fresh[n & 1] = fresh ? 1 : 0;
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
   }
 }
 
+// The token warps: every block sends whole tokens, each row once per destination rank (not
+// once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes), as
+// tagged words; the slot warps meanwhile number this block's range of pairs
+// (block_expert_slots): the two do not wait for each other, nor does any block for another.
+// Returns the call number (every thread) and, in *fresh, whether the receive may read the
+// call's words as they land (a call of its parity's last shape, on one node): then no arrival
+// is raised. smem: ll_dispatch_send_smem() bytes, the records' stages from a.stage_offset.
+// defer: a fresh call leaves its closing to the receive of the same kernel (its last block
+// calls finish_dispatch_send), so that no block fences or counts between its two halves.
 template <bool kPuts>
-__device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* fresh) {
+__device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* fresh,
+                                  bool defer = false) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
@@ -477,6 +484,10 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
   const uint64_t n = call_s;
   const bool is_fresh = fresh_s;
   *fresh = is_fresh;
+  if (blockIdx.x == 0 && tid == 0) {
+    a.call_out[0] = int32_t(uint32_t(n));
+    a.call_out[1] = int32_t(uint32_t(n >> 32));
+  }
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   if (token_warp) {
@@ -554,17 +565,20 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
     }
   } else {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
-    block_expert_slots<kPuts>(a, n, at.words, smem, &mine->dropped_pairs, warp - kTokenWarps);
+    block_expert_slots<kPuts>(a, n, at.words, smem, warp - kTokenWarps);
     if (warp == kTokenWarps) {
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
     }
   }
 
-  // ---- the last block raises arrived[me] at every destination (where the receive waits for
-  // it) and reports the dropped pairs (the peers first: the dropped count's exchange is a
-  // round trip that only this PE's outputs wait for)
-  const bool last = ll_last_block(ctx, kCounterDispatchSend, true, kPuts);
+  // ---- the last block raises arrived[me] at every destination, where the receive waits for
+  // it (the blocks' fences: its release carries their stores), and this PE's bookkeeping
+  if (defer && is_fresh) {
+    profile_end(ctx, kProfLLDispatchSend);
+    return n;
+  }
+  const bool last = ll_last_block(ctx, kCounterDispatchSend, !is_fresh, kPuts);
   if (kPuts && last) {
     // this PE's pair headers, staged in its own block [me], to every rank on another node
     const size_t headers = at.words + a.plan.headers + sizeof(uint64_t) * size_t(me) * M * K;
@@ -632,9 +646,11 @@ __device__ __forceinline__ int4 words_to_chunk(const uint4& w, int lane) {
 // store lands. Records (kRecords): the piece is stored once, into the record's own row
 // s * M + t, if any of its pairs was kept here; the handle's rows say which record each packed
 // row reads (a template parameter: the stores' loop of the other layouts stays as it was).
+// send: the send of the same kernel whose closing was deferred to this one (a fresh call),
+// else nullptr.
 template <bool kPuts, bool kRecords>
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n,
-                                 bool fresh) {
+                                 bool fresh, const LLDispatchSendArgs* send = nullptr) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
@@ -817,10 +833,13 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
   }
 
-  // every CTA has read what it needed: tell every source its region may be reused
-  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0)
+  // every CTA has read what it needed: tell every source its region may be reused (after a
+  // deferred send's bookkeeping)
+  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0) {
+    if (send != nullptr) finish_dispatch_send(*send, n, true);
     warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpDispatch][n & 1][pe_of(ctx, me)], n,
                       /*every_pe=*/true);
+  }
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
@@ -853,9 +872,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
   extern __shared__ int smem[];
   wait_previous_kernel();
   bool fresh;
-  const uint64_t n = dispatch_send<kPuts>(send, smem, &fresh);
+  const uint64_t n = dispatch_send<kPuts>(send, smem, &fresh, /*defer=*/true);
   __syncthreads();  // shared memory is reused; this block's records are written
-  dispatch_receive<kPuts, kRecords>(receive, smem, n, fresh);
+  dispatch_receive<kPuts, kRecords>(receive, smem, n, fresh, fresh ? &send : nullptr);
 }
 
 // ----------------------------------------------------------------------------- combine send

@@ -140,7 +140,6 @@ constexpr int kLLOps = 2;  // 0: dispatch (and cached dispatch), 1: combine
 struct LLControl {
   uint64_t calls[kLLOps];          // calls of each op started by this PE's send kernels
   uint32_t block_counter[8];       // "last block" arrival counters, one per kernel
-  uint32_t dropped_pairs;          // the running dispatch send's pairs past max_tokens
   // arrived[op][parity][s] = n: PE s has written all its data of call n into this buffer
   uint64_t arrived[kLLOps][2][kMaxRanks];
   // consumed[op][parity][d] = n: PE d has finished the receive of its call n (raised at every
