@@ -316,9 +316,11 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // with neither a flag nor a fence, except after a call of another shape: LLControl's
 // combine_words), tags [M][R] uint32 (tag (token, r) = the low 32 bits of the number of the
 // call whose partial row r wrote into record (token, r), or of the call before it where r had
-// no pair of the token and the call's shape differs from its parity's last: the owner sums
-// the records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
-// partial row expert rank r summed over its pairs of that token, padded to 16 bytes; for a
+// no pair of the token, written by every rank for every token every call: the owner sums the
+// records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
+// partial row expert rank r summed over its pairs of that token, as tagged 16-byte words (a
+// call of another shape than its parity's last writes every record, zeros where r has no
+// pair, so that later calls of its shape find only older numbers there); for a
 // group across nodes also staging [R][M]: row (owner, token), this rank's partial for an owner
 // on another node, written here and put from here into the owner's record.
 
@@ -374,6 +376,7 @@ struct LLCombinePlan {
   size_t tags = 0;           // words section: [M][R] uint32: call (low bits) of record (t, r)
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [M][R] partial rows (token, expert rank)
+  size_t record_words = 0;   // tagged 16-byte words of a partial row (as a dispatch record's)
   size_t record_stride = 0;
   size_t staging = 0;        // data section, staged only: [R][M] partial rows (owner, token)
   size_t bytes = 0;
@@ -390,7 +393,8 @@ JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_t
   p.words_bytes =
       p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
   p.records = 0;
-  p.record_stride = row_stride(row_bytes);
+  p.record_words = (row_bytes + kLLWordPayload - 1) / kLLWordPayload;
+  p.record_stride = 16 * p.record_words;
   const size_t rows = p.record_stride * size_t(max_tokens) * num_ranks;
   p.staging = p.records + rows;
   p.bytes = align_up(p.words_bytes + rows * (staged ? 2 : 1), kRegionAlign);

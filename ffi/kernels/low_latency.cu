@@ -31,9 +31,9 @@ static_assert(kTokenBarrier0 + kTokenWarps <= 16, "named barriers");
 __device__ __forceinline__ void group_sync(int barrier, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
 }
-// Bytes of a partial row one warp sums as one work unit: at most kPiece, a multiple of
-// kPieceQuantum (one 16-byte load per lane of a warp).
-constexpr size_t kPiece = 4096, kPieceQuantum = 512;
+// Words of a partial row one warp sums as one work unit: at most kPieceWords (~4.5 KB of
+// payload), a multiple of 64 (two words per lane of a warp, partial_words' round).
+constexpr size_t kPieceWords = 384;
 constexpr int kOpDispatch = 0, kOpCombine = 1;
 // A pair header's position for a pair dropped at its source (slot >= M): names no row
 constexpr uint32_t kNoPosition = 0xffffffffu;
@@ -914,88 +914,88 @@ __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t 
                                      "low_latency_combine (send)", "gate words of the owner", s));
 }
 
-// The partial row of one (owner, token) for bytes [off, off + bytes) of the row: the sum over
-// this rank's pairs (ks: the set lanes of `mask`, ascending) of weight * y[row], float32
-// without FMA, rounded to T; every lane of the warp calls it.
+// The partial row of one (owner, token), words [w0, w1) of its record: the sum over this
+// rank's pairs (ks: the set lanes of `mask`, ascending) of weight * y[row], float32 without
+// FMA, rounded to T, stored as words tagged `tag` into the record at `dst` (its word 0); a
+// word's elements past the row are zeros, and so is every word where mask is 0. Every lane of
+// the warp calls it; each takes kWords words a round, their loads from every row of a batch
+// in flight together.
 template <typename T>
-__device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_row,
-                              float my_weight, char* dst, size_t off, size_t bytes, int lane) {
-  constexpr int kBatch = 8;  // rows loaded at once
+__device__ void partial_words(const LLCombineSendArgs& a, unsigned mask, int my_row,
+                              float my_weight, char* dst, int w0, int w1, uint32_t tag,
+                              int lane) {
+  constexpr int kBatch = 4;                                // rows loaded at once
+  constexpr int kWords = 2;                                // words per lane a round
+  constexpr int kElems = int(kLLWordPayload / sizeof(T));  // elements of a word
   const char* y = static_cast<const char*>(a.y);
-  const bool vec = ((a.row_bytes | off | bytes | reinterpret_cast<uintptr_t>(y) |
-                     reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
-  // the loops run warp-uniformly (the shuffles need every lane); `active` guards the accesses
-  if (vec) {
-    constexpr int kVec = 16 / sizeof(T);
-    // kChunks 16-byte columns per lane, each of every row of a batch loaded in one round: a
-    // piece of 1 KB is one round of loads (docs/design.md, section 6.2)
-    constexpr int kChunks = 2;
-    const size_t chunks = bytes / 16;
-    for (size_t c0 = 0; c0 < chunks; c0 += 32 * kChunks) {
-      float acc[kChunks][kVec];
+  const int H = a.hidden;
+  const size_t row_bytes = a.row_bytes;
+  // 4-byte loads where every row starts 4-byte aligned, else element by element
+  const bool vec = ((row_bytes | reinterpret_cast<uintptr_t>(y)) & 3) == 0;
+  for (int wb = w0; wb < w1; wb += 32 * kWords) {  // warp-uniform (the shuffles need every lane)
+    float acc[kWords][kElems];
 #pragma unroll
-      for (int h = 0; h < kChunks; ++h)
+    for (int i = 0; i < kWords; ++i)
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[h][j] = 0.f;
-      for (unsigned m = mask; m != 0;) {
-        int4 raw[kBatch][kChunks];
-        float w[kBatch];
-        int n = 0;
+      for (int j = 0; j < kElems; ++j) acc[i][j] = 0.f;
+    for (unsigned m = mask; m != 0;) {
+      uint32_t raw[kBatch][kWords][3];
+      float wt[kBatch];
+      int got = 0;
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int k = m != 0 ? __ffs(m) - 1 : 0;  // m is the same in every lane
-          const int row = __shfl_sync(0xffffffffu, my_row, k);
-          w[b] = __shfl_sync(0xffffffffu, my_weight, k);
-          if (m != 0) {
-            const int4* src = reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off);
+      for (int b = 0; b < kBatch; ++b) {
+        const int k = m != 0 ? __ffs(m) - 1 : 0;  // m is the same in every lane
+        const int row = __shfl_sync(0xffffffffu, my_row, k);
+        wt[b] = __shfl_sync(0xffffffffu, my_weight, k);
+        if (m != 0) {
+          const char* src = y + size_t(row) * row_bytes;
 #pragma unroll
-            for (int h = 0; h < kChunks; ++h) {
-              const size_t c = c0 + h * 32 + lane;
-              if (c < chunks) raw[b][h] = __ldg(src + c);
+          for (int i = 0; i < kWords; ++i) {
+            const int w = wb + i * 32 + lane;
+            if (w >= w1) continue;
+            if (vec) {
+#pragma unroll
+              for (int q = 0; q < 3; ++q) {
+                const size_t at = kLLWordPayload * size_t(w) + 4 * q;
+                raw[b][i][q] =
+                    at + 4 <= row_bytes ? __ldg(reinterpret_cast<const uint32_t*>(src + at)) : 0u;
+              }
+            } else {
+              T* e = reinterpret_cast<T*>(raw[b][i]);
+#pragma unroll
+              for (int j = 0; j < kElems; ++j) {
+                const int h = w * kElems + j;
+                e[j] = h < H ? reinterpret_cast<const T*>(src)[h] : from_float<T>(0.f);
+              }
             }
-            m &= m - 1;
-            ++n;
           }
-        }
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (b >= n) break;
-#pragma unroll
-          for (int h = 0; h < kChunks; ++h) {
-            const T* v = reinterpret_cast<const T*>(&raw[b][h]);
-#pragma unroll
-            for (int j = 0; j < kVec; ++j)
-              acc[h][j] = __fadd_rn(acc[h][j], __fmul_rn(w[b], to_float<T>(v[j])));
-          }
+          m &= m - 1;
+          ++got;
         }
       }
 #pragma unroll
-      for (int h = 0; h < kChunks; ++h) {
-        const size_t c = c0 + h * 32 + lane;
-        if (c >= chunks) break;
-        int4 packed;
-        T* o = reinterpret_cast<T*>(&packed);
+      for (int b = 0; b < kBatch; ++b) {
+        if (b >= got) break;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[h][j]);
-        reinterpret_cast<int4*>(dst)[c] = packed;
+        for (int i = 0; i < kWords; ++i) {
+          if (wb + i * 32 + lane >= w1) continue;
+          const T* e = reinterpret_cast<const T*>(raw[b][i]);
+#pragma unroll
+          for (int j = 0; j < kElems; ++j)
+            acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(wt[b], to_float<T>(e[j])));
+        }
       }
     }
-  } else {
-    const size_t elements = bytes / sizeof(T);
-    for (size_t e0 = 0; e0 < elements; e0 += 32) {
-      const size_t e = e0 + lane;
-      const bool active = e < elements;
-      float acc = 0.f;
-      for (unsigned m = mask; m != 0; m &= m - 1) {
-        const int k = __ffs(m) - 1;
-        const int row = __shfl_sync(0xffffffffu, my_row, k);
-        const float w = __shfl_sync(0xffffffffu, my_weight, k);
-        if (active) {
-          const T v = reinterpret_cast<const T*>(y + size_t(row) * a.row_bytes + off)[e];
-          acc = __fadd_rn(acc, __fmul_rn(w, to_float<T>(v)));
-        }
-      }
-      if (active) reinterpret_cast<T*>(dst)[e] = from_float<T>(acc);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      const int w = wb + i * 32 + lane;
+      if (w >= w1) continue;
+      uint32_t out[3];
+      T* o = reinterpret_cast<T*>(out);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j)
+        o[j] = w * kElems + j < H ? from_float<T>(acc[i][j]) : from_float<T>(0.f);
+      store_word(dst + 16 * size_t(w), out[0], out[1], out[2], tag);
     }
   }
 }
@@ -1005,7 +1005,7 @@ template <bool kPuts>
 __device__ __forceinline__ void write_tag(const PeerContext& ctx, int s, size_t tag_at,
                                           uint32_t value) {
   if (off_node<kPuts>(ctx, s)) put_u32(ctx, pe_of(ctx, s), tag_at, value);
-  else *reinterpret_cast<uint32_t*>(ll_base(ctx, s) + tag_at) = value;
+  else store_relaxed_u32(reinterpret_cast<uint32_t*>(ll_base(ctx, s) + tag_at), value);
 }
 
 // Word i of the combine's words section's shape (LLControl::combine_words): where the last call
@@ -1013,15 +1013,16 @@ __device__ __forceinline__ void write_tag(const PeerContext& ctx, int s, size_t 
 // below n), else possibly another shape's bytes. Recomputed where used (kernel arguments): kept
 // in registers across the send, it spilled.
 __device__ __forceinline__ uint64_t combine_words_shape(const LLCombineSendArgs& a, int i) {
-  return i == 0 ? uint64_t(uint32_t(a.max_tokens)) << 32 | uint32_t(a.num_tokens)
-                : uint64_t(uint32_t(a.ctx.num_ranks)) << 32 | uint32_t(a.num_topk);
+  return i == 0   ? uint64_t(uint32_t(a.max_tokens)) << 32 | uint32_t(a.num_tokens)
+         : i == 1 ? uint64_t(uint32_t(a.ctx.num_ranks)) << 32 | uint32_t(a.num_topk)
+                  : uint64_t(a.plan.record_stride);
 }
 
 // Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
 // block resident (LLPlacement): a peer's blocks wait for the gate words that this
 // rank's first blocks write.
 template <bool kPuts>
-__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
+__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* tagged_out) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_local_experts, RM = a.rows_per_expert, K = a.num_topk, T = a.num_tokens;
   const int R = ctx.num_ranks, me = ctx.rank;
@@ -1034,14 +1035,15 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   if (warp == 0) {  // the region must be free at every destination
     // both parities' shapes, loaded beside the wait (written by sends that have completed, as
     // the call counter: every kernel starts after the one before it)
-    const volatile uint64_t* words = mine->combine_words[0];
-    uint64_t even0 = 0, even1 = 0, odd0 = 0, odd1 = 0;
-    if (lane == 0) even0 = words[0], even1 = words[1], odd0 = words[2], odd1 = words[3];
+    const uint64_t last =
+        lane < 6 ? *(reinterpret_cast<const volatile uint64_t*>(mine->combine_words) + lane) : 0;
     const uint64_t n = warp_enter_send(ctx, kOpCombine, "low_latency_combine (send)");
+    const int j = lane - 3 * int(n & 1);
+    const bool same = j < 0 || j >= 3 || last == combine_words_shape(a, j);
+    const bool all_same = __all_sync(0xffffffffu, same);
     if (lane == 0) {
       call_s = n;
-      fresh_s = (n & 1 ? odd0 : even0) == combine_words_shape(a, 0) &&
-                (n & 1 ? odd1 : even1) == combine_words_shape(a, 1);
+      fresh_s = all_same;
     }
   } else {
     for (int l = tid - 32; l < L; l += blockDim.x - 32)
@@ -1059,6 +1061,9 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   }
   const uint64_t n = call_s;
   const bool fresh = fresh_s;
+  // the owners read the partials as they land (no arrival); on one node only
+  const bool tagged = fresh && !kPuts;
+  *tagged_out = tagged;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   // This rank's weights, as tagged words, into every other rank's buffer (the first blocks'
@@ -1112,22 +1117,26 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   }
   profile_mark(ctx, kProfLLCombineSend, kWaited);
 
-  // One unit: a piece of the partial row of one (owner, token), owners after this rank first
-  // (their rows cross NVLink: sent first, they overlap the local ones) and this rank last. Each
-  // warp takes a contiguous run of units (pieces of one token mostly: one lookup); pieces are
-  // rounded up so that each warp has at most one unit where kPiece allows (rounded down, 128
-  // tokens of 14 KB made 3584 units of 512 B for 2112 warps: two rounds one after the other).
+  // One unit: a piece (words [w0, w1)) of the partial row of one (owner, token), owners after
+  // this rank first (their rows cross NVLink: sent first, they overlap the local ones) and this
+  // rank last. Each warp takes a contiguous run of units (pieces of one token mostly: one
+  // lookup); pieces are rounded up so that each warp has at most one unit where kPieceWords
+  // allows (rounded down, 128 tokens of 14 KB made 3584 units for 2112 warps: two rounds one
+  // after the other).
   const size_t warps = size_t(gridDim.x) * kWarps;
   const size_t rows = size_t(R) * T;
-  size_t piece = (a.row_bytes * rows + warps * kPieceQuantum - 1) / (warps * kPieceQuantum) *
-                 kPieceQuantum;
-  piece = piece < kPieceQuantum ? kPieceQuantum : piece > kPiece ? kPiece : piece;
-  const size_t pieces = (a.row_bytes + piece - 1) / piece;
+  const size_t words = a.plan.record_words;
+  size_t piece = (words * rows + warps * 64 - 1) / (warps * 64) * 64;
+  piece = piece < 64 ? 64 : piece > kPieceWords ? kPieceWords : piece;
+  const size_t pieces = (words + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
   // runs dealt block by block (warp w of every block before warp w + 1 of any): every block
   // gets some of the owners' units that cross NVLink, not only the first blocks
   const size_t u_begin = (size_t(warp) * gridDim.x + blockIdx.x) * per_warp;
   const size_t u_end = min(units, u_begin + per_warp);
+  // after a call of another shape (one node): a record of zeros where no pair is here, so that
+  // every record word of this shape shows an older call's number to the next calls
+  const bool zeros = !fresh && !kPuts;
   size_t current = ~size_t(0);
   GateEntry g{-1, 0.f};
   unsigned mask = 0;
@@ -1142,42 +1151,48 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       if (g.row >= 0) g.weight = pair_weight<kPuts>(a, at.words, n, s, t, lane);
       mask = __ballot_sync(0xffffffffu, g.row >= 0);
     }
-    // the owner sums the records tagged with this call. No pair of (s, t) here: the owner
-    // expects no partial from us; after a call of another shape the tag says so (n - 1), so
-    // that no stale word there shows n by chance.
+    // the owner sums the records tagged with this call: this rank's tag says whether it sent
+    // one (n) or holds no pair of (s, t) (n - 1), written every call where the owner reads the
+    // partials as they land or after a call of another shape (so that no stale word there
+    // shows n by chance), else only with a partial
     const size_t q = u % pieces;
-    if (q == 0 && lane == 0 && (mask != 0 || !fresh_s))
+    if (q == 0 && lane == 0 && (mask != 0 || !fresh || !kPuts))
       write_tag<kPuts>(ctx, s, at.words + a.plan.tags + sizeof(uint32_t) * (size_t(t) * R + me),
                        uint32_t(mask != 0 ? n : n - 1));
-    if (mask == 0) continue;
-    const size_t off = q * piece, bytes = min(piece, a.row_bytes - off);
+    if (mask == 0 && !zeros) continue;
+    const int w0 = int(q * piece), w1 = int(min(words, q * piece + piece));
     // an owner on another node: the piece is summed into this PE's staging row (s, t), then put
     const bool far = off_node<kPuts>(ctx, s);
-    const size_t record =
-        at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
+    const size_t record = at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride;
     char* dst = far ? ll_base(ctx, me) + at.data + a.plan.staging +
-                          (size_t(s) * a.max_tokens + t) * a.plan.record_stride + off
+                          (size_t(s) * a.max_tokens + t) * a.plan.record_stride
                     : ll_base(ctx, s) + record;
+    const uint32_t word_tag = uint32_t(mask != 0 ? n : n - 1);
     switch (a.dtype) {
       case LLElement::kBF16:
-        partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
+        partial_words<__nv_bfloat16>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
         break;
-      case LLElement::kF16: partial_piece<__half>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
-      default: partial_piece<float>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
+      case LLElement::kF16:
+        partial_words<__half>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
+        break;
+      default: partial_words<float>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane); break;
     }
     if (far) {
       __syncwarp();
-      put_warp(ctx, s, record, dst, bytes);
+      put_warp(ctx, s, record + 16 * size_t(w0), dst + 16 * size_t(w0), 16 * size_t(w1 - w0));
     }
   }
 
-  if (ll_last_block(ctx, kCounterCombineSend, true, kPuts) && warp == 0) {
-    if (lane < 2) {  // read by this PE's next call of this parity, after its receive of this one
+  // the last block raises arrived[me] where the owners wait for it (the blocks' fences: its
+  // release carries their stores)
+  if (ll_last_block(ctx, kCounterCombineSend, !tagged, kPuts) && warp == 0) {
+    if (lane < 3) {  // read by this PE's next call of this parity, after its receive of this one
       volatile uint64_t* last = mine->combine_words[n & 1];
       last[lane] = combine_words_shape(a, lane);
     }
     __syncwarp();
-    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
+    if (!tagged)
+      warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   profile_end(ctx, kProfLLCombineSend);
@@ -1186,136 +1201,122 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- combine receive
 
-// out[t] = the partials tagged with call n (those of the ranks holding a kept pair of t), added
-// in rank order in float32, rounded. Up to kBatch ranks, every rank's tag and partial are loaded
-// in one round (an untagged record is stale data, read and ignored); with more ranks the tags
-// come first, then the tagged partials, kBatch at a time.
+// The tag (token, r) of call n or of the call before it (rank r holds no pair of the token),
+// loaded again until one of them lands; bounded as wait_flag.
+__device__ inline uint32_t wait_combine_tag(const PeerContext& ctx, const uint32_t* p,
+                                            uint32_t v, uint32_t now, int peer) {
+  if (v == now || v == now - 1) return v;
+  const uint64_t start = global_timer_ns();
+  while ((v = load_relaxed_u32(p)) != now && v != now - 1) {
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      report_timeout(ctx, "low_latency_combine (receive)", "partial row tags", peer, now, v);
+      trap_after_report();
+    }
+  }
+  return v;
+}
+
+// out[t] = the partials of call n added in rank order in float32, rounded: rank r's where its
+// tag (t, r) shows n. Each thread takes kUnits words of the output (a word's elements of one
+// token) and loads, kBatch ranks at a time, every rank's tag and word in one round. tagged:
+// the owner did not wait for the ranks' arrival, and every rank writes every tag (n - 1: it
+// holds no pair of t), so a tag or word still showing an older call is loaded again until
+// this call's lands; else every word of the call has arrived, and a tag other than n is an
+// older call's.
 template <typename T>
 __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, const char* data,
-                            uint64_t n) {
-  const int H = a.hidden;
+                            uint64_t n, bool tagged) {
+  constexpr int kElems = int(kLLWordPayload / sizeof(T));
+  // kUnits words per thread with their loads in flight together: with ~2 a thread (T = 128,
+  // H = 7168 on 132 SMs) that is one round of load latency, not two
+  constexpr int kUnits = 2, kBatch = 2;
+  const int H = a.hidden, R = a.ctx.num_ranks;
+  const int record_words = int(a.plan.record_words);
   const size_t threads = size_t(gridDim.x) * blockDim.x;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int R = a.ctx.num_ranks;
-  constexpr int kVec = 16 / sizeof(T);
+  const size_t units = size_t(a.num_tokens) * record_words;
   T* out = static_cast<T*>(a.out);
+  const size_t out_row = size_t(H) * sizeof(T);
+  const bool vec = ((out_row | reinterpret_cast<uintptr_t>(out)) & 3) == 0;
   const char* records = data + a.plan.records;
   const uint32_t* tags = reinterpret_cast<const uint32_t*>(words + a.plan.tags);
-  const uint32_t tag_now = uint32_t(n);
-  auto partial = [&](int t, int r) { return records + (size_t(t) * R + r) * a.plan.record_stride; };
-  if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
-    const int per_token = H / kVec;
-    const size_t units = size_t(a.num_tokens) * per_token;
-    // kUnits units per thread with their loads in flight together: with ~2 units a thread
-    // (T = 128, H = 7168 on 132 SMs) that is one round of load latency, not two
-    constexpr int kUnits = 2, kBatch = 4;  // partials of each unit loaded at once
-    const bool together = R <= kBatch;
-    for (size_t u0 = first; u0 < units; u0 += kUnits * threads) {
-      int token[kUnits], column[kUnits];
-      float acc[kUnits][kVec];
+  const uint32_t now = uint32_t(n);
+  auto word_at = [&](int t, int r, int w) {
+    return records + (size_t(t) * R + r) * a.plan.record_stride + 16 * size_t(w);
+  };
+  for (size_t u0 = first; u0 < units; u0 += kUnits * threads) {
+    int token[kUnits], word[kUnits];
+    float acc[kUnits][kElems];
 #pragma unroll
-      for (int v = 0; v < kUnits; ++v) {
-        const size_t u = u0 + v * threads;
-        token[v] = u < units ? int(u / per_token) : 0;
-        column[v] = int(u % per_token);
+    for (int v = 0; v < kUnits; ++v) {
+      const size_t u = u0 + v * threads;
+      token[v] = u < units ? int(u / record_words) : 0;
+      word[v] = int(u % record_words);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[v][j] = 0.f;
-      }
-      if (together) {
-        uint32_t tag[kUnits][kBatch];
-        int4 raw[kUnits][kBatch];
-#pragma unroll
-        for (int v = 0; v < kUnits; ++v)
-#pragma unroll
-          for (int b = 0; b < kBatch; ++b)
-            if (b < R && u0 + v * threads < units) {
-              tag[v][b] = __ldcg(tags + size_t(token[v]) * R + b);
-              raw[v][b] = __ldcg(reinterpret_cast<const int4*>(partial(token[v], b)) + column[v]);
-            }
-#pragma unroll
-        for (int v = 0; v < kUnits; ++v)
-#pragma unroll
-          for (int b = 0; b < kBatch; ++b) {
-            if (b >= R || u0 + v * threads >= units) break;
-            if (tag[v][b] != tag_now) continue;
-            const T* e = reinterpret_cast<const T*>(&raw[v][b]);
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
-          }
-      } else {
-        for (int r0 = 0; r0 < R; r0 += 32) {  // ranks r0 + bit of `left`, 32 at a time
-          unsigned left[kUnits];
-#pragma unroll
-          for (int v = 0; v < kUnits; ++v) {
-            left[v] = 0;
-            if (u0 + v * threads < units)
-              for (int r = r0; r < R && r < r0 + 32; ++r)
-                left[v] |= unsigned(__ldcg(tags + size_t(token[v]) * R + r) == tag_now) << (r - r0);
-          }
-          while (true) {
-            int4 raw[kUnits][kBatch];
-            int got[kUnits];
-            bool any = false;
-#pragma unroll
-            for (int v = 0; v < kUnits; ++v) {
-              got[v] = 0;
-#pragma unroll
-              for (int b = 0; b < kBatch; ++b) {
-                if (left[v] == 0) break;
-                const int r = r0 + __ffs(left[v]) - 1;
-                left[v] &= left[v] - 1;
-                raw[v][b] =
-                    __ldcg(reinterpret_cast<const int4*>(partial(token[v], r)) + column[v]);
-                got[v] = b + 1;
-              }
-              any = any || got[v] > 0;
-            }
-            if (!any) break;
-#pragma unroll
-            for (int v = 0; v < kUnits; ++v)
-#pragma unroll
-              for (int b = 0; b < kBatch; ++b) {
-                if (b >= got[v]) break;
-                const T* e = reinterpret_cast<const T*>(&raw[v][b]);
-#pragma unroll
-                for (int j = 0; j < kVec; ++j)
-                  acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
-              }
-          }
-        }
-      }
-#pragma unroll
-      for (int v = 0; v < kUnits; ++v) {
-        if (u0 + v * threads >= units) break;
-        int4 packed;
-        T* o = reinterpret_cast<T*>(&packed);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[v][j]);
-        reinterpret_cast<int4*>(out + size_t(token[v]) * H)[column[v]] = packed;
-      }
+      for (int j = 0; j < kElems; ++j) acc[v][j] = 0.f;
     }
-  } else {
-    const size_t units = size_t(a.num_tokens) * H;
-    for (size_t u = first; u < units; u += threads) {
-      const int t = int(u / H), h = int(u % H);
-      float acc = 0.f;
-      for (int r = 0; r < R; ++r) {
-        if (__ldcg(tags + size_t(t) * R + r) != tag_now) continue;
-        const T v = __ldcg(reinterpret_cast<const T*>(partial(t, r)) + h);
-        acc = __fadd_rn(acc, to_float<T>(v));
+    for (int r0 = 0; r0 < R; r0 += kBatch) {
+      uint32_t tag[kUnits][kBatch];
+      uint4 part[kUnits][kBatch];
+#pragma unroll
+      for (int v = 0; v < kUnits; ++v)
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if (r0 + b < R && u0 + v * threads < units) {
+            tag[v][b] = load_relaxed_u32(tags + size_t(token[v]) * R + r0 + b);
+            part[v][b] = load_word(word_at(token[v], r0 + b, word[v]));
+          }
+#pragma unroll
+      for (int v = 0; v < kUnits; ++v)
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int r = r0 + b;
+          if (r >= R || u0 + v * threads >= units) break;
+          const uint32_t tg =
+              tagged ? wait_combine_tag(a.ctx, tags + size_t(token[v]) * R + r, tag[v][b], now, r)
+                     : tag[v][b];
+          if (tg != now) continue;
+          const uint4 w =
+              tagged ? wait_word(a.ctx, word_at(token[v], r, word[v]), part[v][b], now,
+                                 "low_latency_combine (receive)", "partial rows", r)
+                     : part[v][b];
+          const uint32_t p[3] = {w.x, w.y, w.z};
+          const T* e = reinterpret_cast<const T*>(p);
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
+        }
+    }
+#pragma unroll
+    for (int v = 0; v < kUnits; ++v) {
+      if (u0 + v * threads >= units) break;
+      const int h0 = word[v] * kElems;
+      if (vec) {
+        uint32_t packed[3];
+        T* o = reinterpret_cast<T*>(packed);
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) o[j] = from_float<T>(acc[v][j]);
+        char* row = reinterpret_cast<char*>(out + size_t(token[v]) * H);
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+          const size_t at = kLLWordPayload * size_t(word[v]) + 4 * i;
+          if (at + 4 <= out_row) *reinterpret_cast<uint32_t*>(row + at) = packed[i];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kElems; ++j)
+          if (h0 + j < H) out[size_t(token[v]) * H + h0 + j] = from_float<T>(acc[v][j]);
       }
-      out[u] = from_float<T>(acc);
     }
   }
 }
 
 template <bool kPuts>
-__device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
+__device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n, bool tagged) {
   const PeerContext& ctx = a.ctx;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
   LLControl* mine = ll_control(ctx, ctx.rank);
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
-  if (threadIdx.x < 32)
+  if (!tagged && threadIdx.x < 32)
     warp_wait_peers(ctx, mine->arrived[kOpCombine][n & 1], n, "low_latency_combine (receive)",
                     "partial rows sent back");
   __syncthreads();
@@ -1323,9 +1324,9 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   const char* words = ll_base(ctx, ctx.rank) + at.words;
   const char* data = ll_base(ctx, ctx.rank) + at.data;
   switch (a.dtype) {
-    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, words, data, n); break;
-    case LLElement::kF16: combine_sum<__half>(a, words, data, n); break;
-    default: combine_sum<float>(a, words, data, n); break;
+    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, words, data, n, tagged); break;
+    case LLElement::kF16: combine_sum<__half>(a, words, data, n, tagged); break;
+    default: combine_sum<float>(a, words, data, n, tagged); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
     warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpCombine][n & 1][pe_of(ctx, ctx.rank)], n,
@@ -1339,7 +1340,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  combine_receive<kPuts>(receive, combine_send<kPuts>(send, smem));
+  bool tagged;
+  const uint64_t n = combine_send<kPuts>(send, smem, &tagged);
+  combine_receive<kPuts>(receive, n, tagged);
 }
 
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on

@@ -150,9 +150,10 @@ struct LLControl {
   // another shape's bytes (combine_words below), else they are tagged words, which need no flag
   uint64_t gates[kMaxRanks];
   // combine_words[parity] = the shape of this PE's last combine call of that parity ({M << 32
-  // | T, R << 32 | K}): a call of the same shape finds, at its gate words and tags, only words
-  // of older calls. The same on every PE (every PE runs every call, with the same shapes).
-  uint64_t combine_words[2][2];
+  // | T, R << 32 | K, record stride}): a call of the same shape finds, at its gate words, tags
+  // and record words, only words of older calls. The same on every PE (every PE runs every
+  // call, with the same shapes).
+  uint64_t combine_words[2][3];
   // dispatch_words[parity] = the shape of this PE's last dispatch send of that parity ({M << 32
   // | T, R << 32 | K, E << 32 | record stride}): a call of the same shape finds, at every word
   // of its region a source may write, only words tagged with older calls of this shape (a call

@@ -197,6 +197,16 @@ __device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p
   return uint32_t(v);
 }
 
+__device__ __forceinline__ void store_relaxed_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_relaxed_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // A tagged 16-byte word: three 32-bit payload words and a tag (.w), stored and loaded as one
 // 128-bit access (single-copy atomic: a load returns the whole word of one store).
 __device__ __forceinline__ void store_word(void* p, uint32_t a, uint32_t b, uint32_t c,
