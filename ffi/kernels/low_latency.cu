@@ -672,8 +672,11 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   // Units: (record, piece) of every record, by source position. A piece is `vecs` blocks of
   // 32 words, as many as make one unit per warp of the grid (at most kReceiveVecs); rows
   // whose payload does not split into 16-byte chunks: whole records, byte by byte.
-  const bool vec = ((a.row_bytes | a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_x) |
-                     reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
+  // (the FP8 scales need only 4-byte alignment: where their rows are not 16-byte multiples
+  // they are stored 4 bytes at a time)
+  const bool vec = ((a.row_bytes | reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0 &&
+                   ((a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_scales)) & 3) == 0;
+  const bool scales16 = ((a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
   const int record_words = int(a.plan.record_words), blocks = (record_words + 31) / 32;
   const int grid_warps = int(gridDim.x) * kWarps;
   const int records = R * T;
@@ -819,12 +822,21 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
           for (int j = 0; j < kReceiveVecs; ++j) {
             const size_t off = size_t((w.piece * vecs + j) * 32) * kLLWordPayload + 16 * lane;
             if (j >= vecs || lane >= 24 || off >= a.plan.payload_bytes) continue;
-            if (off < a.row_bytes)
+            if (off < a.row_bytes) {
               *reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes +
                                        off) = chunk[j];
-            else
-              *reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out_scales) +
-                                       size_t(dst) * a.scale_bytes + off - a.row_bytes) = chunk[j];
+              continue;
+            }
+            const size_t at = off - a.row_bytes;
+            char* scales = reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes;
+            if (scales16) {
+              *reinterpret_cast<int4*>(scales + at) = chunk[j];
+            } else {
+              const int v[4] = {chunk[j].x, chunk[j].y, chunk[j].z, chunk[j].w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+                if (at + 4 * i < a.scale_bytes) reinterpret_cast<int*>(scales + at)[i] = v[i];
+            }
           }
           if (kRecords) break;  // the record once, whatever its pairs here
         }
