@@ -32,7 +32,7 @@ __device__ __forceinline__ void group_sync(int barrier, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
 }
 // Words of a partial row one warp sums as one work unit: at most kPieceWords (~4.5 KB of
-// payload), a multiple of 64 (two words per lane of a warp, partial_words' round).
+// payload), a multiple of 128 (a group of four words per lane of a warp, partial_words' round).
 constexpr size_t kPieceWords = 384;
 constexpr int kOpDispatch = 0, kOpCombine = 1;
 // A pair header's position for a pair dropped at its source (slot >= M): names no row
@@ -926,32 +926,86 @@ __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t 
                                      "low_latency_combine (send)", "gate words of the owner", s));
 }
 
-// The partial row of one (owner, token), words [w0, w1) of its record: the sum over this
-// rank's pairs (ks: the set lanes of `mask`, ascending) of weight * y[row], float32 without
-// FMA, rounded to T, stored as words tagged `tag` into the record at `dst` (its word 0); a
-// word's elements past the row are zeros, and so is every word where mask is 0. Every lane of
-// the warp calls it; each takes kWords words a round, their loads from every row of a batch
-// in flight together.
-template <typename T>
+// A lane's share of a record where rows allow 16-byte accesses: kGroupWords words, whose 48
+// payload bytes are three 16-byte columns of the row (groups start at multiples of 48 bytes),
+// so a row is read and an output row written 16 bytes at a time (a word's 12 bytes took three
+// 4-byte loads or stores). Other rows go a word at a time, element by element.
+constexpr int kGroupWords = 4;
+template <bool kVec>
+constexpr int kLaneWords = kVec ? kGroupWords : 1;
+
+// Whether rows of row_bytes bytes from base may be accessed 16 bytes at a time.
+__device__ __forceinline__ bool rows_16_aligned(const void* base, size_t row_bytes) {
+  return ((row_bytes | reinterpret_cast<uintptr_t>(base)) & 15) == 0;
+}
+
+// Payload bytes [at, at + 12 kWords) of a row of row_bytes bytes (kVec: at a multiple of 48,
+// kWords kGroupWords) as 32-bit values; bytes past the row are zeros.
+template <typename T, bool kVec, int kWords>
+__device__ __forceinline__ void load_payload(const char* row, size_t at, size_t row_bytes,
+                                             uint32_t (&v)[3 * kWords]) {
+  if constexpr (kVec) {
+#pragma unroll
+    for (int q = 0; q < 3 * kWords / 4; ++q) {
+      const size_t c = at + 16 * q;
+      const int4 x = c < row_bytes ? __ldg(reinterpret_cast<const int4*>(row + c)) : int4{0, 0, 0, 0};
+      v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
+    }
+  } else {
+    T* e = reinterpret_cast<T*>(v);
+    const T* src = reinterpret_cast<const T*>(row);
+    const size_t h0 = at / sizeof(T), H = row_bytes / sizeof(T);
+#pragma unroll
+    for (int j = 0; j < 12 * kWords / int(sizeof(T)); ++j)
+      e[j] = h0 + j < H ? src[h0 + j] : from_float<T>(0.f);
+  }
+}
+
+// The 32-bit values v as payload bytes [at, at + 12 kWords) of a row of row_bytes bytes, those
+// past the row left out (load_payload's inverse).
+template <typename T, bool kVec, int kWords>
+__device__ __forceinline__ void store_payload(char* row, size_t at, size_t row_bytes,
+                                              const uint32_t (&v)[3 * kWords]) {
+  if constexpr (kVec) {
+#pragma unroll
+    for (int q = 0; q < 3 * kWords / 4; ++q)
+      if (at + 16 * q < row_bytes)
+        *reinterpret_cast<int4*>(row + at + 16 * q) =
+            int4{int(v[4 * q]), int(v[4 * q + 1]), int(v[4 * q + 2]), int(v[4 * q + 3])};
+  } else {
+    const T* e = reinterpret_cast<const T*>(v);
+    T* dst = reinterpret_cast<T*>(row);
+    const size_t h0 = at / sizeof(T), H = row_bytes / sizeof(T);
+#pragma unroll
+    for (int j = 0; j < 12 * kWords / int(sizeof(T)); ++j)
+      if (h0 + j < H) dst[h0 + j] = e[j];
+  }
+}
+
+// The partial row of one (owner, token), words [w0, w1) of its record (w0: a multiple of
+// kGroupWords): the sum over this rank's pairs (ks: the set lanes of `mask`, ascending) of
+// weight * y[row], float32 without FMA, rounded to T, stored as words tagged `tag` into the
+// record at `dst` (its word 0); a word's elements past the row are zeros, and so is every word
+// where mask is 0. Every lane of the warp calls it; each takes kLaneWords words a round, their
+// loads from every row of a batch in flight together.
+template <typename T, bool kVec>
 __device__ void partial_words(const LLCombineSendArgs& a, unsigned mask, int my_row,
                               float my_weight, char* dst, int w0, int w1, uint32_t tag,
                               int lane) {
-  constexpr int kBatch = 4;                                // rows loaded at once
-  constexpr int kWords = 2;                                // words per lane a round
-  constexpr int kElems = int(kLLWordPayload / sizeof(T));  // elements of a word
+  constexpr int kBatch = 4;  // rows loaded at once
+  constexpr int kWords = kLaneWords<kVec>;
+  constexpr int kElems = 12 * kWords / int(sizeof(T));  // elements of a lane's words
   const char* y = static_cast<const char*>(a.y);
-  const int H = a.hidden;
   const size_t row_bytes = a.row_bytes;
-  // 4-byte loads where every row starts 4-byte aligned, else element by element
-  const bool vec = ((row_bytes | reinterpret_cast<uintptr_t>(y)) & 3) == 0;
   for (int wb = w0; wb < w1; wb += 32 * kWords) {  // warp-uniform (the shuffles need every lane)
-    float acc[kWords][kElems];
+    const int first = wb + kWords * lane;  // this lane's first word
+    const bool active = first < w1;
+    const size_t at = kLLWordPayload * size_t(first);
+    float acc[kElems];
 #pragma unroll
-    for (int i = 0; i < kWords; ++i)
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) acc[i][j] = 0.f;
+    for (int j = 0; j < kElems; ++j) acc[j] = 0.f;
     for (unsigned m = mask; m != 0;) {
-      uint32_t raw[kBatch][kWords][3];
+      uint32_t raw[kBatch][3 * kWords];
       float wt[kBatch];
       int got = 0;
 #pragma unroll
@@ -960,56 +1014,44 @@ __device__ void partial_words(const LLCombineSendArgs& a, unsigned mask, int my_
         const int row = __shfl_sync(0xffffffffu, my_row, k);
         wt[b] = __shfl_sync(0xffffffffu, my_weight, k);
         if (m != 0) {
-          const char* src = y + size_t(row) * row_bytes;
-#pragma unroll
-          for (int i = 0; i < kWords; ++i) {
-            const int w = wb + i * 32 + lane;
-            if (w >= w1) continue;
-            if (vec) {
-#pragma unroll
-              for (int q = 0; q < 3; ++q) {
-                const size_t at = kLLWordPayload * size_t(w) + 4 * q;
-                raw[b][i][q] =
-                    at + 4 <= row_bytes ? __ldg(reinterpret_cast<const uint32_t*>(src + at)) : 0u;
-              }
-            } else {
-              T* e = reinterpret_cast<T*>(raw[b][i]);
-#pragma unroll
-              for (int j = 0; j < kElems; ++j) {
-                const int h = w * kElems + j;
-                e[j] = h < H ? reinterpret_cast<const T*>(src)[h] : from_float<T>(0.f);
-              }
-            }
-          }
+          if (active)
+            load_payload<T, kVec, kWords>(y + size_t(row) * row_bytes, at, row_bytes, raw[b]);
           m &= m - 1;
           ++got;
         }
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        if (b >= got) break;
+        if (b >= got || !active) break;
+        const T* e = reinterpret_cast<const T*>(raw[b]);
 #pragma unroll
-        for (int i = 0; i < kWords; ++i) {
-          if (wb + i * 32 + lane >= w1) continue;
-          const T* e = reinterpret_cast<const T*>(raw[b][i]);
-#pragma unroll
-          for (int j = 0; j < kElems; ++j)
-            acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(wt[b], to_float<T>(e[j])));
-        }
+        for (int j = 0; j < kElems; ++j)
+          acc[j] = __fadd_rn(acc[j], __fmul_rn(wt[b], to_float<T>(e[j])));
       }
     }
+    if (!active) continue;
+    uint32_t out[3 * kWords];
+    T* o = reinterpret_cast<T*>(out);
+    const size_t h0 = at / sizeof(T);
 #pragma unroll
-    for (int i = 0; i < kWords; ++i) {
-      const int w = wb + i * 32 + lane;
-      if (w >= w1) continue;
-      uint32_t out[3];
-      T* o = reinterpret_cast<T*>(out);
+    for (int j = 0; j < kElems; ++j)
+      o[j] = h0 + j < size_t(a.hidden) ? from_float<T>(acc[j]) : from_float<T>(0.f);
 #pragma unroll
-      for (int j = 0; j < kElems; ++j)
-        o[j] = w * kElems + j < H ? from_float<T>(acc[i][j]) : from_float<T>(0.f);
-      store_word(dst + 16 * size_t(w), out[0], out[1], out[2], tag);
-    }
+    for (int i = 0; i < kWords; ++i)
+      if (first + i < w1)
+        store_word(dst + 16 * size_t(first + i), out[3 * i], out[3 * i + 1], out[3 * i + 2], tag);
   }
+}
+
+// partial_words with 16-byte accesses where the rows allow them.
+template <typename T>
+__device__ __forceinline__ void partial_row(const LLCombineSendArgs& a, unsigned mask, int my_row,
+                                            float my_weight, char* dst, int w0, int w1,
+                                            uint32_t tag, int lane) {
+  if (rows_16_aligned(a.y, a.row_bytes))
+    partial_words<T, true>(a, mask, my_row, my_weight, dst, w0, w1, tag, lane);
+  else
+    partial_words<T, false>(a, mask, my_row, my_weight, dst, w0, w1, tag, lane);
 }
 
 // The tag of this PE's record at owner s (byte offset tag_at of the buffer).
@@ -1138,8 +1180,9 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
   const size_t warps = size_t(gridDim.x) * kWarps;
   const size_t rows = size_t(R) * T;
   const size_t words = a.plan.record_words;
-  size_t piece = (words * rows + warps * 64 - 1) / (warps * 64) * 64;
-  piece = piece < 64 ? 64 : piece > kPieceWords ? kPieceWords : piece;
+  constexpr size_t kRound = 32 * kGroupWords;  // words of a warp's round (16-byte rows)
+  size_t piece = (words * rows + warps * kRound - 1) / (warps * kRound) * kRound;
+  piece = piece < kRound ? kRound : piece > kPieceWords ? kPieceWords : piece;
   const size_t pieces = (words + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
   // runs dealt block by block (warp w of every block before warp w + 1 of any): every block
@@ -1182,12 +1225,12 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
     const uint32_t word_tag = uint32_t(mask != 0 ? n : n - 1);
     switch (a.dtype) {
       case LLElement::kBF16:
-        partial_words<__nv_bfloat16>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
+        partial_row<__nv_bfloat16>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
         break;
       case LLElement::kF16:
-        partial_words<__half>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
+        partial_row<__half>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
         break;
-      default: partial_words<float>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane); break;
+      default: partial_row<float>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane); break;
     }
     if (far) {
       __syncwarp();
@@ -1229,97 +1272,89 @@ __device__ inline uint32_t wait_combine_tag(const PeerContext& ctx, const uint32
 }
 
 // out[t] = the partials of call n added in rank order in float32, rounded: rank r's where its
-// tag (t, r) shows n. Each thread takes kUnits words of the output (a word's elements of one
-// token) and loads, kBatch ranks at a time, every rank's tag and word in one round. tagged:
+// tag (t, r) shows n. Each thread takes kLaneWords words of the output (their elements of one
+// token) and loads, kBatch ranks at a time, every rank's tag and words in one round. tagged:
 // the owner did not wait for the ranks' arrival, and every rank writes every tag (n - 1: it
 // holds no pair of t), so a tag or word still showing an older call is loaded again until
 // this call's lands; else every word of the call has arrived, and a tag other than n is an
 // older call's.
-template <typename T>
+template <typename T, bool kVec>
 __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, const char* data,
                             uint64_t n, bool tagged) {
-  constexpr int kElems = int(kLLWordPayload / sizeof(T));
-  // kUnits words per thread with their loads in flight together: with ~2 a thread (T = 128,
-  // H = 7168 on 132 SMs) that is one round of load latency, not two
-  constexpr int kUnits = 2, kBatch = 2;
+  constexpr int kBatch = 2;  // ranks loaded at once
+  constexpr int kWords = kLaneWords<kVec>;
+  constexpr int kElems = int(kLLWordPayload / sizeof(T));  // elements of a word
   const int H = a.hidden, R = a.ctx.num_ranks;
   const int record_words = int(a.plan.record_words);
+  const int groups = (record_words + kWords - 1) / kWords;
   const size_t threads = size_t(gridDim.x) * blockDim.x;
-  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t units = size_t(a.num_tokens) * record_words;
-  T* out = static_cast<T*>(a.out);
+  const size_t units = size_t(a.num_tokens) * groups;
+  char* out = static_cast<char*>(a.out);
   const size_t out_row = size_t(H) * sizeof(T);
-  const bool vec = ((out_row | reinterpret_cast<uintptr_t>(out)) & 3) == 0;
   const char* records = data + a.plan.records;
   const uint32_t* tags = reinterpret_cast<const uint32_t*>(words + a.plan.tags);
   const uint32_t now = uint32_t(n);
-  auto word_at = [&](int t, int r, int w) {
-    return records + (size_t(t) * R + r) * a.plan.record_stride + 16 * size_t(w);
-  };
-  for (size_t u0 = first; u0 < units; u0 += kUnits * threads) {
-    int token[kUnits], word[kUnits];
-    float acc[kUnits][kElems];
+  for (size_t u = size_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += threads) {
+    const int token = int(u / groups), first = int(u % groups) * kWords;
+    const int count = min(kWords, record_words - first);
+    const uint32_t* tag_at = tags + size_t(token) * R;
+    auto word_at = [&](int r, int i) {
+      return records + (size_t(token) * R + r) * a.plan.record_stride + 16 * size_t(first + i);
+    };
+    float acc[kWords][kElems];
 #pragma unroll
-    for (int v = 0; v < kUnits; ++v) {
-      const size_t u = u0 + v * threads;
-      token[v] = u < units ? int(u / record_words) : 0;
-      word[v] = int(u % record_words);
+    for (int i = 0; i < kWords; ++i)
 #pragma unroll
-      for (int j = 0; j < kElems; ++j) acc[v][j] = 0.f;
-    }
+      for (int j = 0; j < kElems; ++j) acc[i][j] = 0.f;
     for (int r0 = 0; r0 < R; r0 += kBatch) {
-      uint32_t tag[kUnits][kBatch];
-      uint4 part[kUnits][kBatch];
+      uint32_t tag[kBatch];
+      uint4 part[kBatch][kWords];
 #pragma unroll
-      for (int v = 0; v < kUnits; ++v)
+      for (int b = 0; b < kBatch; ++b) {
+        if (r0 + b >= R) break;
+        tag[b] = load_relaxed_u32(tag_at + r0 + b);
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b)
-          if (r0 + b < R && u0 + v * threads < units) {
-            tag[v][b] = load_relaxed_u32(tags + size_t(token[v]) * R + r0 + b);
-            part[v][b] = load_word(word_at(token[v], r0 + b, word[v]));
-          }
+        for (int i = 0; i < kWords; ++i)
+          if (i < count) part[b][i] = load_word(word_at(r0 + b, i));
+      }
 #pragma unroll
-      for (int v = 0; v < kUnits; ++v)
+      for (int b = 0; b < kBatch; ++b) {
+        const int r = r0 + b;
+        if (r >= R) break;
+        const uint32_t tg = tagged ? wait_combine_tag(a.ctx, tag_at + r, tag[b], now, r) : tag[b];
+        if (tg != now) continue;
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int r = r0 + b;
-          if (r >= R || u0 + v * threads >= units) break;
-          const uint32_t tg =
-              tagged ? wait_combine_tag(a.ctx, tags + size_t(token[v]) * R + r, tag[v][b], now, r)
-                     : tag[v][b];
-          if (tg != now) continue;
-          const uint4 w =
-              tagged ? wait_word(a.ctx, word_at(token[v], r, word[v]), part[v][b], now,
-                                 "low_latency_combine (receive)", "partial rows", r)
-                     : part[v][b];
+        for (int i = 0; i < kWords; ++i) {
+          if (i >= count) break;
+          const uint4 w = tagged ? wait_word(a.ctx, word_at(r, i), part[b][i], now,
+                                             "low_latency_combine (receive)", "partial rows", r)
+                                 : part[b][i];
           const uint32_t p[3] = {w.x, w.y, w.z};
           const T* e = reinterpret_cast<const T*>(p);
 #pragma unroll
-          for (int j = 0; j < kElems; ++j) acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
+          for (int j = 0; j < kElems; ++j) acc[i][j] = __fadd_rn(acc[i][j], to_float<T>(e[j]));
         }
-    }
-#pragma unroll
-    for (int v = 0; v < kUnits; ++v) {
-      if (u0 + v * threads >= units) break;
-      const int h0 = word[v] * kElems;
-      if (vec) {
-        uint32_t packed[3];
-        T* o = reinterpret_cast<T*>(packed);
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) o[j] = from_float<T>(acc[v][j]);
-        char* row = reinterpret_cast<char*>(out + size_t(token[v]) * H);
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-          const size_t at = kLLWordPayload * size_t(word[v]) + 4 * i;
-          if (at + 4 <= out_row) *reinterpret_cast<uint32_t*>(row + at) = packed[i];
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kElems; ++j)
-          if (h0 + j < H) out[size_t(token[v]) * H + h0 + j] = from_float<T>(acc[v][j]);
       }
     }
+    uint32_t packed[3 * kWords];
+    T* o = reinterpret_cast<T*>(packed);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i)
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) o[i * kElems + j] = from_float<T>(acc[i][j]);
+    store_payload<T, kVec, kWords>(out + size_t(token) * out_row, kLLWordPayload * size_t(first),
+                                   out_row, packed);
   }
+}
+
+// combine_sum with 16-byte stores where the output rows allow them.
+template <typename T>
+__device__ __forceinline__ void combine_out(const LLCombineReceiveArgs& a, const char* words,
+                                            const char* data, uint64_t n, bool tagged) {
+  if (rows_16_aligned(a.out, size_t(a.hidden) * sizeof(T)))
+    combine_sum<T, true>(a, words, data, n, tagged);
+  else
+    combine_sum<T, false>(a, words, data, n, tagged);
 }
 
 template <bool kPuts>
@@ -1336,9 +1371,9 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n, bool 
   const char* words = ll_base(ctx, ctx.rank) + at.words;
   const char* data = ll_base(ctx, ctx.rank) + at.data;
   switch (a.dtype) {
-    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, words, data, n, tagged); break;
-    case LLElement::kF16: combine_sum<__half>(a, words, data, n, tagged); break;
-    default: combine_sum<float>(a, words, data, n, tagged); break;
+    case LLElement::kBF16: combine_out<__nv_bfloat16>(a, words, data, n, tagged); break;
+    case LLElement::kF16: combine_out<__half>(a, words, data, n, tagged); break;
+    default: combine_out<float>(a, words, data, n, tagged); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
     warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpCombine][n & 1][pe_of(ctx, ctx.rank)], n,
