@@ -318,7 +318,7 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // call whose partial row r wrote into record (token, r), or of the call before it where r had
 // no pair of the token, written by every rank for every token every call: the owner sums the
 // records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
-// partial row expert rank r summed over its pairs of that token, as tagged 16-byte words (a
+// partial row expert rank r summed over its pairs of that token, as tagged 128-byte lines (a
 // call of another shape than its parity's last writes every record, zeros where r has no
 // pair, so that later calls of its shape find only older numbers there); for a
 // group across nodes also staging [R][M]: row (owner, token), this rank's partial for an owner
@@ -340,6 +340,12 @@ namespace jax_ep {
 // a receiver that finds the word tagged with its call holds the word's bytes of that call, with
 // no flag or fence between the store and the load (ll_dispatch_fresh in low_latency.cu).
 constexpr size_t kLLWordPayload = 12;
+// A combine record travels as 128-byte lines of kLLLinePayload bytes and the call's number (low
+// 32 bits) in the last 8 (NCCL's LL128 shape): eight lanes of a warp store a line, 16 bytes
+// each, in one instruction, and NVLink delivers such a line whole, so a receiver whose eight
+// lanes load the line in one instruction and find its tag holds the line's bytes of that call.
+// A sixteenth of the bytes carries tags where 16-byte words spend a quarter.
+constexpr size_t kLLLineBytes = 128, kLLLinePayload = 120;
 
 struct LLDispatchPlan {
   size_t counts = 0;         // words section: [R][L] uint64: call << 32 | count
@@ -376,7 +382,7 @@ struct LLCombinePlan {
   size_t tags = 0;           // words section: [M][R] uint32: call (low bits) of record (t, r)
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [M][R] partial rows (token, expert rank)
-  size_t record_words = 0;   // tagged 16-byte words of a partial row (as a dispatch record's)
+  size_t record_lines = 0;   // tagged 128-byte lines of a partial row
   size_t record_stride = 0;
   size_t staging = 0;        // data section, staged only: [R][M] partial rows (owner, token)
   size_t bytes = 0;
@@ -393,8 +399,8 @@ JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_t
   p.words_bytes =
       p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
   p.records = 0;
-  p.record_words = (row_bytes + kLLWordPayload - 1) / kLLWordPayload;
-  p.record_stride = 16 * p.record_words;
+  p.record_lines = (row_bytes + kLLLinePayload - 1) / kLLLinePayload;
+  p.record_stride = kLLLineBytes * p.record_lines;
   const size_t rows = p.record_stride * size_t(max_tokens) * num_ranks;
   p.staging = p.records + rows;
   p.bytes = align_up(p.words_bytes + rows * (staged ? 2 : 1), kRegionAlign);

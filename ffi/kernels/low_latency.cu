@@ -31,9 +31,9 @@ static_assert(kTokenBarrier0 + kTokenWarps <= 16, "named barriers");
 __device__ __forceinline__ void group_sync(int barrier, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
 }
-// Words of a partial row one warp sums as one work unit: at most kPieceWords (~4.5 KB of
-// payload), a multiple of 128 (a group of four words per lane of a warp, partial_words' round).
-constexpr size_t kPieceWords = 384;
+// Lines of a partial row one warp sums as one work unit: at most kPieceLines (~4.3 KB of
+// payload), a multiple of kWarpLines (partial_lines' round).
+constexpr size_t kPieceLines = 32;
 constexpr int kOpDispatch = 0, kOpCombine = 1;
 // A pair header's position for a pair dropped at its source (slot >= M): names no row
 constexpr uint32_t kNoPosition = 0xffffffffu;
@@ -926,86 +926,90 @@ __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t 
                                      "low_latency_combine (send)", "gate words of the owner", s));
 }
 
-// A lane's share of a record where rows allow 16-byte accesses: kGroupWords words, whose 48
-// payload bytes are three 16-byte columns of the row (groups start at multiples of 48 bytes),
-// so a row is read and an output row written 16 bytes at a time (a word's 12 bytes took three
-// 4-byte loads or stores). Other rows go a word at a time, element by element.
-constexpr int kGroupWords = 4;
-template <bool kVec>
-constexpr int kLaneWords = kVec ? kGroupWords : 1;
+// A lane's share of a record line: lane j of each eight of a warp holds payload bytes
+// [16 j, 16 j + 16) of a line (the last lane 8 bytes, then the line's tag), so a warp's round
+// is four lines, and kLineRounds rounds are summed together (their loads in flight at once).
+constexpr int kLineLanes = 8, kLineRounds = 2;
+constexpr int kWarpLines = 32 / kLineLanes * kLineRounds;  // lines of a warp's round
 
-// Whether rows of row_bytes bytes from base may be accessed 16 bytes at a time.
-__device__ __forceinline__ bool rows_16_aligned(const void* base, size_t row_bytes) {
-  return ((row_bytes | reinterpret_cast<uintptr_t>(base)) & 15) == 0;
+// Whether rows of row_bytes bytes from base may be accessed 8 bytes at a time (a line's
+// payload starts at multiples of 120 bytes: 8-byte aligned, not 16).
+__device__ __forceinline__ bool rows_8_aligned(const void* base, size_t row_bytes) {
+  return ((row_bytes | reinterpret_cast<uintptr_t>(base)) & 7) == 0;
 }
 
-// Payload bytes [at, at + 12 kWords) of a row of row_bytes bytes (kVec: at a multiple of 48,
-// kWords kGroupWords) as 32-bit values; bytes past the row are zeros.
-template <typename T, bool kVec, int kWords>
-__device__ __forceinline__ void load_payload(const char* row, size_t at, size_t row_bytes,
-                                             uint32_t (&v)[3 * kWords]) {
+// Bytes [at, at + 4 * kValues) of a row of row_bytes bytes as 32-bit values, those past the
+// row zeros: 8-byte loads (kVec: at and row_bytes multiples of 8), else element by element.
+template <typename T, bool kVec, int kValues>
+__device__ __forceinline__ void load_row_bytes(const char* row, size_t at, size_t row_bytes,
+                                               uint32_t (&v)[kValues]) {
   if constexpr (kVec) {
 #pragma unroll
-    for (int q = 0; q < 3 * kWords / 4; ++q) {
-      const size_t c = at + 16 * q;
-      const int4 x = c < row_bytes ? __ldg(reinterpret_cast<const int4*>(row + c)) : int4{0, 0, 0, 0};
-      v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
+    for (int q = 0; q < kValues / 2; ++q) {
+      const size_t c = at + 8 * q;
+      const uint2 x = c < row_bytes ? __ldg(reinterpret_cast<const uint2*>(row + c)) : uint2{0, 0};
+      v[2 * q] = x.x, v[2 * q + 1] = x.y;
     }
   } else {
     T* e = reinterpret_cast<T*>(v);
     const T* src = reinterpret_cast<const T*>(row);
     const size_t h0 = at / sizeof(T), H = row_bytes / sizeof(T);
 #pragma unroll
-    for (int j = 0; j < 12 * kWords / int(sizeof(T)); ++j)
+    for (int j = 0; j < 4 * kValues / int(sizeof(T)); ++j)
       e[j] = h0 + j < H ? src[h0 + j] : from_float<T>(0.f);
   }
 }
 
-// The 32-bit values v as payload bytes [at, at + 12 kWords) of a row of row_bytes bytes, those
-// past the row left out (load_payload's inverse).
-template <typename T, bool kVec, int kWords>
-__device__ __forceinline__ void store_payload(char* row, size_t at, size_t row_bytes,
-                                              const uint32_t (&v)[3 * kWords]) {
+// The 32-bit values v as bytes [at, at + 4 * count) of a row of row_bytes bytes (count: 2 or 4),
+// those past the row left out (load_row_bytes' inverse).
+template <typename T, bool kVec>
+__device__ __forceinline__ void store_row_bytes(char* row, size_t at, size_t row_bytes,
+                                                const uint32_t (&v)[4], int count) {
   if constexpr (kVec) {
 #pragma unroll
-    for (int q = 0; q < 3 * kWords / 4; ++q)
-      if (at + 16 * q < row_bytes)
-        *reinterpret_cast<int4*>(row + at + 16 * q) =
-            int4{int(v[4 * q]), int(v[4 * q + 1]), int(v[4 * q + 2]), int(v[4 * q + 3])};
+    for (int q = 0; q < 2; ++q)
+      if (2 * q < count && at + 8 * q < row_bytes)
+        *reinterpret_cast<uint2*>(row + at + 8 * q) = uint2{v[2 * q], v[2 * q + 1]};
   } else {
     const T* e = reinterpret_cast<const T*>(v);
     T* dst = reinterpret_cast<T*>(row);
     const size_t h0 = at / sizeof(T), H = row_bytes / sizeof(T);
 #pragma unroll
-    for (int j = 0; j < 12 * kWords / int(sizeof(T)); ++j)
-      if (h0 + j < H) dst[h0 + j] = e[j];
+    for (int j = 0; j < 16 / int(sizeof(T)); ++j)
+      if (j < count * 4 / int(sizeof(T)) && h0 + j < H) dst[h0 + j] = e[j];
   }
 }
 
-// The partial row of one (owner, token), words [w0, w1) of its record (w0: a multiple of
-// kGroupWords): the sum over this rank's pairs (ks: the set lanes of `mask`, ascending) of
-// weight * y[row], float32 without FMA, rounded to T, stored as words tagged `tag` into the
-// record at `dst` (its word 0); a word's elements past the row are zeros, and so is every word
-// where mask is 0. Every lane of the warp calls it; each takes kLaneWords words a round, their
-// loads from every row of a batch in flight together.
+// The partial row of one (owner, token), lines [l0, l1) of its record: the sum over this
+// rank's pairs (ks: the set lanes of `mask`, ascending) of weight * y[row], float32 without
+// FMA, rounded to T, stored as lines tagged `tag` into the record at `dst` (its line 0); a
+// line's bytes past the row are zeros, and so is every line where mask is 0. Every lane of the
+// warp calls it (the lines' stores and the shuffles need all of them).
 template <typename T, bool kVec>
-__device__ void partial_words(const LLCombineSendArgs& a, unsigned mask, int my_row,
-                              float my_weight, char* dst, int w0, int w1, uint32_t tag,
+__device__ void partial_lines(const LLCombineSendArgs& a, unsigned mask, int my_row,
+                              float my_weight, char* dst, int l0, int l1, uint32_t tag,
                               int lane) {
-  constexpr int kBatch = 4;  // rows loaded at once
-  constexpr int kWords = kLaneWords<kVec>;
-  constexpr int kElems = 12 * kWords / int(sizeof(T));  // elements of a lane's words
+  constexpr int kBatch = 4;                     // rows loaded at once
+  constexpr int kElems = 16 / int(sizeof(T));  // elements of a lane's 16 bytes
   const char* y = static_cast<const char*>(a.y);
   const size_t row_bytes = a.row_bytes;
-  for (int wb = w0; wb < w1; wb += 32 * kWords) {  // warp-uniform (the shuffles need every lane)
-    const int first = wb + kWords * lane;  // this lane's first word
-    const bool active = first < w1;
-    const size_t at = kLLWordPayload * size_t(first);
-    float acc[kElems];
+  const int part = lane % kLineLanes;  // 16-byte part of the line
+  const bool tag_lane = part == kLineLanes - 1;
+  for (int lb = l0; lb < l1; lb += kWarpLines) {  // warp-uniform
+    int line[kLineRounds];
+    size_t at[kLineRounds];
+    bool active[kLineRounds];
+    float acc[kLineRounds][kElems];
 #pragma unroll
-    for (int j = 0; j < kElems; ++j) acc[j] = 0.f;
+    for (int i = 0; i < kLineRounds; ++i) {
+      line[i] = lb + i * (32 / kLineLanes) + lane / kLineLanes;
+      active[i] = line[i] < l1;
+      at[i] = kLLLinePayload * size_t(line[i]) + 16 * part;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) acc[i][j] = 0.f;
+    }
     for (unsigned m = mask; m != 0;) {
-      uint32_t raw[kBatch][3 * kWords];
+      uint32_t raw[kBatch][kLineRounds][4];
       float wt[kBatch];
       int got = 0;
 #pragma unroll
@@ -1014,44 +1018,57 @@ __device__ void partial_words(const LLCombineSendArgs& a, unsigned mask, int my_
         const int row = __shfl_sync(0xffffffffu, my_row, k);
         wt[b] = __shfl_sync(0xffffffffu, my_weight, k);
         if (m != 0) {
-          if (active)
-            load_payload<T, kVec, kWords>(y + size_t(row) * row_bytes, at, row_bytes, raw[b]);
+#pragma unroll
+          for (int i = 0; i < kLineRounds; ++i) {
+            // the tag lane's last 8 bytes are the tag's: zeros loaded past the row stand there
+            if (active[i])
+              load_row_bytes<T, kVec, 4>(y + size_t(row) * row_bytes, at[i],
+                                         tag_lane ? min(row_bytes, at[i] + 8) : row_bytes,
+                                         raw[b][i]);
+          }
           m &= m - 1;
           ++got;
         }
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        if (b >= got || !active) break;
-        const T* e = reinterpret_cast<const T*>(raw[b]);
+        if (b >= got) break;
 #pragma unroll
-        for (int j = 0; j < kElems; ++j)
-          acc[j] = __fadd_rn(acc[j], __fmul_rn(wt[b], to_float<T>(e[j])));
+        for (int i = 0; i < kLineRounds; ++i) {
+          const T* e = reinterpret_cast<const T*>(raw[b][i]);
+#pragma unroll
+          for (int j = 0; j < kElems; ++j)
+            acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(wt[b], to_float<T>(e[j])));
+        }
       }
     }
-    if (!active) continue;
-    uint32_t out[3 * kWords];
-    T* o = reinterpret_cast<T*>(out);
-    const size_t h0 = at / sizeof(T);
 #pragma unroll
-    for (int j = 0; j < kElems; ++j)
-      o[j] = h0 + j < size_t(a.hidden) ? from_float<T>(acc[j]) : from_float<T>(0.f);
+    for (int i = 0; i < kLineRounds; ++i) {
+      uint32_t out[4];
+      T* o = reinterpret_cast<T*>(out);
+      const size_t h0 = at[i] / sizeof(T);
 #pragma unroll
-    for (int i = 0; i < kWords; ++i)
-      if (first + i < w1)
-        store_word(dst + 16 * size_t(first + i), out[3 * i], out[3 * i + 1], out[3 * i + 2], tag);
+      for (int j = 0; j < kElems; ++j)
+        o[j] = h0 + j < size_t(a.hidden) ? from_float<T>(acc[i][j]) : from_float<T>(0.f);
+      if (tag_lane) out[2] = tag, out[3] = 0;
+      // every lane of a line stores in this one instruction (the line travels whole)
+      if (active[i])
+        store_line_part(dst + kLLLineBytes * size_t(line[i]) + 16 * part,
+                        uint64_t(out[0]) | uint64_t(out[1]) << 32,
+                        uint64_t(out[2]) | uint64_t(out[3]) << 32);
+    }
   }
 }
 
-// partial_words with 16-byte accesses where the rows allow them.
+// partial_lines with 8-byte loads where the rows allow them.
 template <typename T>
 __device__ __forceinline__ void partial_row(const LLCombineSendArgs& a, unsigned mask, int my_row,
-                                            float my_weight, char* dst, int w0, int w1,
+                                            float my_weight, char* dst, int l0, int l1,
                                             uint32_t tag, int lane) {
-  if (rows_16_aligned(a.y, a.row_bytes))
-    partial_words<T, true>(a, mask, my_row, my_weight, dst, w0, w1, tag, lane);
+  if (rows_8_aligned(a.y, a.row_bytes))
+    partial_lines<T, true>(a, mask, my_row, my_weight, dst, l0, l1, tag, lane);
   else
-    partial_words<T, false>(a, mask, my_row, my_weight, dst, w0, w1, tag, lane);
+    partial_lines<T, false>(a, mask, my_row, my_weight, dst, l0, l1, tag, lane);
 }
 
 // The tag of this PE's record at owner s (byte offset tag_at of the buffer).
@@ -1171,26 +1188,26 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
   }
   profile_mark(ctx, kProfLLCombineSend, kWaited);
 
-  // One unit: a piece (words [w0, w1)) of the partial row of one (owner, token), owners after
+  // One unit: a piece (lines [l0, l1)) of the partial row of one (owner, token), owners after
   // this rank first (their rows cross NVLink: sent first, they overlap the local ones) and this
   // rank last. Each warp takes a contiguous run of units (pieces of one token mostly: one
-  // lookup); pieces are rounded up so that each warp has at most one unit where kPieceWords
+  // lookup); pieces are rounded up so that each warp has at most one unit where kPieceLines
   // allows (rounded down, 128 tokens of 14 KB made 3584 units for 2112 warps: two rounds one
   // after the other).
   const size_t warps = size_t(gridDim.x) * kWarps;
   const size_t rows = size_t(R) * T;
-  const size_t words = a.plan.record_words;
-  constexpr size_t kRound = 32 * kGroupWords;  // words of a warp's round (16-byte rows)
-  size_t piece = (words * rows + warps * kRound - 1) / (warps * kRound) * kRound;
-  piece = piece < kRound ? kRound : piece > kPieceWords ? kPieceWords : piece;
-  const size_t pieces = (words + piece - 1) / piece;
+  const size_t lines = a.plan.record_lines;
+  constexpr size_t kRound = kWarpLines;
+  size_t piece = (lines * rows + warps * kRound - 1) / (warps * kRound) * kRound;
+  piece = piece < kRound ? kRound : piece > kPieceLines ? kPieceLines : piece;
+  const size_t pieces = (lines + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
   // runs dealt block by block (warp w of every block before warp w + 1 of any): every block
   // gets some of the owners' units that cross NVLink, not only the first blocks
   const size_t u_begin = (size_t(warp) * gridDim.x + blockIdx.x) * per_warp;
   const size_t u_end = min(units, u_begin + per_warp);
   // after a call of another shape (one node): a record of zeros where no pair is here, so that
-  // every record word of this shape shows an older call's number to the next calls
+  // every record line of this shape shows an older call's number to the next calls
   const bool zeros = !fresh && !kPuts;
   size_t current = ~size_t(0);
   GateEntry g{-1, 0.f};
@@ -1215,26 +1232,27 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
       write_tag<kPuts>(ctx, s, at.words + a.plan.tags + sizeof(uint32_t) * (size_t(t) * R + me),
                        uint32_t(mask != 0 ? n : n - 1));
     if (mask == 0 && !zeros) continue;
-    const int w0 = int(q * piece), w1 = int(min(words, q * piece + piece));
+    const int l0 = int(q * piece), l1 = int(min(lines, q * piece + piece));
     // an owner on another node: the piece is summed into this PE's staging row (s, t), then put
     const bool far = off_node<kPuts>(ctx, s);
     const size_t record = at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride;
     char* dst = far ? ll_base(ctx, me) + at.data + a.plan.staging +
                           (size_t(s) * a.max_tokens + t) * a.plan.record_stride
                     : ll_base(ctx, s) + record;
-    const uint32_t word_tag = uint32_t(mask != 0 ? n : n - 1);
+    const uint32_t line_tag = uint32_t(mask != 0 ? n : n - 1);
     switch (a.dtype) {
       case LLElement::kBF16:
-        partial_row<__nv_bfloat16>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
+        partial_row<__nv_bfloat16>(a, mask, g.row, g.weight, dst, l0, l1, line_tag, lane);
         break;
       case LLElement::kF16:
-        partial_row<__half>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane);
+        partial_row<__half>(a, mask, g.row, g.weight, dst, l0, l1, line_tag, lane);
         break;
-      default: partial_row<float>(a, mask, g.row, g.weight, dst, w0, w1, word_tag, lane); break;
+      default: partial_row<float>(a, mask, g.row, g.weight, dst, l0, l1, line_tag, lane); break;
     }
     if (far) {
       __syncwarp();
-      put_warp(ctx, s, record + 16 * size_t(w0), dst + 16 * size_t(w0), 16 * size_t(w1 - w0));
+      put_warp(ctx, s, record + kLLLineBytes * size_t(l0), dst + kLLLineBytes * size_t(l0),
+               kLLLineBytes * size_t(l1 - l0));
     }
   }
 
@@ -1272,86 +1290,102 @@ __device__ inline uint32_t wait_combine_tag(const PeerContext& ctx, const uint32
 }
 
 // out[t] = the partials of call n added in rank order in float32, rounded: rank r's where its
-// tag (t, r) shows n. Each thread takes kLaneWords words of the output (their elements of one
-// token) and loads, kBatch ranks at a time, every rank's tag and words in one round. tagged:
-// the owner did not wait for the ranks' arrival, and every rank writes every tag (n - 1: it
-// holds no pair of t), so a tag or word still showing an older call is loaded again until
-// this call's lands; else every word of the call has arrived, and a tag other than n is an
-// older call's.
+// tag (t, r) shows n. Each eight lanes of a warp take one line of the output (a line's payload
+// of one token: 16 bytes a lane, 8 the last) and load, kBatch ranks at a time, every rank's tag
+// and line part in one round. tagged: the owner did not wait for the ranks' arrival, and every
+// rank writes every tag (n - 1: it holds no pair of t), so a tag still showing an older call
+// is loaded again until this call's lands, and so is a line whose tag lane does not show n
+// (all eight lanes again: they load the line in one instruction); else every line of the call
+// has arrived, and a tag other than n is an older call's.
 template <typename T, bool kVec>
 __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, const char* data,
                             uint64_t n, bool tagged) {
   constexpr int kBatch = 2;  // ranks loaded at once
-  constexpr int kWords = kLaneWords<kVec>;
-  constexpr int kElems = int(kLLWordPayload / sizeof(T));  // elements of a word
-  const int H = a.hidden, R = a.ctx.num_ranks;
-  const int record_words = int(a.plan.record_words);
-  const int groups = (record_words + kWords - 1) / kWords;
-  const size_t threads = size_t(gridDim.x) * blockDim.x;
-  const size_t units = size_t(a.num_tokens) * groups;
+  constexpr int kElems = 16 / int(sizeof(T));  // elements of a lane's 16 bytes
+  constexpr int kPerWarp = 32 / kLineLanes;    // lines a warp takes at once
+  const int R = a.ctx.num_ranks, lane = threadIdx.x & 31;
+  const int lines = int(a.plan.record_lines);
+  const size_t warps = size_t(gridDim.x) * (blockDim.x / 32);
+  const size_t units = size_t(a.num_tokens) * lines;
   char* out = static_cast<char*>(a.out);
-  const size_t out_row = size_t(H) * sizeof(T);
+  const size_t out_row = size_t(a.hidden) * sizeof(T);
   const char* records = data + a.plan.records;
   const uint32_t* tags = reinterpret_cast<const uint32_t*>(words + a.plan.tags);
   const uint32_t now = uint32_t(n);
-  for (size_t u = size_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += threads) {
-    const int token = int(u / groups), first = int(u % groups) * kWords;
-    const int count = min(kWords, record_words - first);
+  const int part = lane % kLineLanes, flag_src = lane - part + kLineLanes - 1;
+  const bool tag_lane = part == kLineLanes - 1;
+  const size_t first = (size_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * kPerWarp;
+  for (size_t u0 = first; u0 < units; u0 += warps * kPerWarp) {  // warp-uniform
+    const size_t u = u0 + lane / kLineLanes;
+    const bool active = u < units;
+    const int token = active ? int(u / lines) : 0, line = int(u % lines);
     const uint32_t* tag_at = tags + size_t(token) * R;
-    auto word_at = [&](int r, int i) {
-      return records + (size_t(token) * R + r) * a.plan.record_stride + 16 * size_t(first + i);
-    };
-    float acc[kWords][kElems];
+    const size_t at = kLLLineBytes * size_t(line) + 16 * part;
+    float acc[kElems];
 #pragma unroll
-    for (int i = 0; i < kWords; ++i)
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) acc[i][j] = 0.f;
+    for (int j = 0; j < kElems; ++j) acc[j] = 0.f;
     for (int r0 = 0; r0 < R; r0 += kBatch) {
-      uint32_t tag[kBatch];
-      uint4 part[kBatch][kWords];
+      bool use[kBatch];
+      uint64_t lo[kBatch], hi[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        if (r0 + b >= R) break;
-        tag[b] = load_relaxed_u32(tag_at + r0 + b);
-#pragma unroll
-        for (int i = 0; i < kWords; ++i)
-          if (i < count) part[b][i] = load_word(word_at(r0 + b, i));
+        const int r = r0 + b;
+        use[b] = false;
+        if (r >= R || !active) continue;
+        uint32_t tg = load_relaxed_u32(tag_at + r);
+        if (tagged) tg = wait_combine_tag(a.ctx, tag_at + r, tg, now, r);
+        use[b] = tg == now;
+        if (use[b])
+          load_line_part(records + (size_t(token) * R + r) * a.plan.record_stride + at, lo[b],
+                         hi[b]);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int r = r0 + b;
         if (r >= R) break;
-        const uint32_t tg = tagged ? wait_combine_tag(a.ctx, tag_at + r, tag[b], now, r) : tag[b];
-        if (tg != now) continue;
-#pragma unroll
-        for (int i = 0; i < kWords; ++i) {
-          if (i >= count) break;
-          const uint4 w = tagged ? wait_word(a.ctx, word_at(r, i), part[b][i], now,
-                                             "low_latency_combine (receive)", "partial rows", r)
-                                 : part[b][i];
-          const uint32_t p[3] = {w.x, w.y, w.z};
-          const T* e = reinterpret_cast<const T*>(p);
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) acc[i][j] = __fadd_rn(acc[i][j], to_float<T>(e[j]));
+        if (tagged) {  // every line part again until the line's tag lane shows n
+          const uint64_t start = global_timer_ns();
+          while (true) {
+            const bool landed = !use[b] || uint32_t(hi[b]) == now;
+            const bool line_in = __shfl_sync(0xffffffffu, landed, flag_src);
+            if (__all_sync(0xffffffffu, line_in)) break;
+            if (!line_in) {
+              if (global_timer_ns() - start > a.ctx.timeout_ns) {
+                if (tag_lane)
+                  report_timeout(a.ctx, "low_latency_combine (receive)", "partial row lines", r,
+                                 now, uint32_t(hi[b]));
+                trap_after_report();
+              }
+              load_line_part(records + (size_t(token) * R + r) * a.plan.record_stride + at,
+                             lo[b], hi[b]);
+            }
+          }
         }
+        if (!use[b]) continue;
+        const uint32_t p[4] = {uint32_t(lo[b]), uint32_t(lo[b] >> 32), uint32_t(hi[b]),
+                               uint32_t(hi[b] >> 32)};
+        const T* e = reinterpret_cast<const T*>(p);
+#pragma unroll
+        for (int j = 0; j < kElems; ++j)
+          if (!tag_lane || j < kElems / 2) acc[j] = __fadd_rn(acc[j], to_float<T>(e[j]));
       }
     }
-    uint32_t packed[3 * kWords];
+    if (!active) continue;
+    uint32_t packed[4];
     T* o = reinterpret_cast<T*>(packed);
 #pragma unroll
-    for (int i = 0; i < kWords; ++i)
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) o[i * kElems + j] = from_float<T>(acc[i][j]);
-    store_payload<T, kVec, kWords>(out + size_t(token) * out_row, kLLWordPayload * size_t(first),
-                                   out_row, packed);
+    for (int j = 0; j < kElems; ++j) o[j] = from_float<T>(acc[j]);
+    store_row_bytes<T, kVec>(out + size_t(token) * out_row,
+                             kLLLinePayload * size_t(line) + 16 * part, out_row, packed,
+                             tag_lane ? 2 : 4);
   }
 }
 
-// combine_sum with 16-byte stores where the output rows allow them.
+// combine_sum with 8-byte stores where the output rows allow them.
 template <typename T>
 __device__ __forceinline__ void combine_out(const LLCombineReceiveArgs& a, const char* words,
                                             const char* data, uint64_t n, bool tagged) {
-  if (rows_16_aligned(a.out, size_t(a.hidden) * sizeof(T)))
+  if (rows_8_aligned(a.out, size_t(a.hidden) * sizeof(T)))
     combine_sum<T, true>(a, words, data, n, tagged);
   else
     combine_sum<T, false>(a, words, data, n, tagged);

@@ -223,6 +223,18 @@ __device__ __forceinline__ uint4 load_word(const void* p) {
   return make_uint4(uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32));
 }
 
+// 16 bytes of a line (kLLLineBytes): lane j of eight stores or loads bytes [16 j, 16 j + 16),
+// all eight in one instruction (the line travels whole).
+__device__ __forceinline__ void store_line_part(void* p, uint64_t lo, uint64_t hi) {
+  asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi)
+               : "memory");
+}
+
+__device__ __forceinline__ void load_line_part(const void* p, uint64_t& lo, uint64_t& hi) {
+  asm volatile("ld.relaxed.sys.global.v2.b64 {%0, %1}, [%2];"
+               : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+}
+
 // The word at p once its tag is `tag` (w: a load of it already made); bounded as wait_flag.
 __device__ inline uint4 wait_word(const PeerContext& ctx, const void* p, uint4 w, uint32_t tag,
                                   const char* op, const char* what, int peer) {
