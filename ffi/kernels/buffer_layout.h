@@ -307,7 +307,7 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // << 32 | expert * M + slot (the global expert: the receiver keeps only the entries naming its
 // own experts), or 0xffffffff for a pair with no expert or dropped at its source; so a receive
 // reads no entry of an earlier call); data: records [R][M]: record
-// (s, token) = the row (data), then the FP8 scales, as tagged 16-byte words (LLDispatchPlan).
+// (s, token) = the row (data), then the FP8 scales, as tagged 128-byte lines (LLDispatchPlan).
 // A token is stored once per destination rank (at every rank of its node where its call's
 // shape differs from its parity's last).
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
@@ -335,16 +335,12 @@ namespace jax_ep {
 // read there may be bytes of an older call's counts or records, so what a call reads by its
 // number alone must not be stale (the dispatch's headers are all rewritten every call; the
 // combine rewrites all its tags, and flags its gate words, when its shape changes).
-// A dispatch record travels as 16-byte words of kLLWordPayload bytes each and the call's
-// number (low 32 bits) in the last 4: each word is stored and loaded as one 128-bit access, so
-// a receiver that finds the word tagged with its call holds the word's bytes of that call, with
-// no flag or fence between the store and the load (ll_dispatch_fresh in low_latency.cu).
-constexpr size_t kLLWordPayload = 12;
-// A combine record travels as 128-byte lines of kLLLinePayload bytes and the call's number (low
-// 32 bits) in the last 8 (NCCL's LL128 shape): eight lanes of a warp store a line, 16 bytes
-// each, in one instruction, and NVLink delivers such a line whole, so a receiver whose eight
-// lanes load the line in one instruction and find its tag holds the line's bytes of that call.
-// A sixteenth of the bytes carries tags where 16-byte words spend a quarter.
+// A record (the dispatch's and the combine's) travels as 128-byte lines of kLLLinePayload
+// bytes and the call's number (low 32 bits) in the last 8 (NCCL's LL128 shape): eight lanes of
+// a warp store a line, 16 bytes each, in one instruction, and NVLink delivers such a line whole,
+// so a receiver whose eight lanes load the line in one instruction and find its tag holds the
+// line's bytes of that call, with no flag or fence between the stores and the loads
+// (ll_dispatch_fresh in low_latency.cu). A sixteenth of the bytes carries tags.
 constexpr size_t kLLLineBytes = 128, kLLLinePayload = 120;
 
 struct LLDispatchPlan {
@@ -352,8 +348,8 @@ struct LLDispatchPlan {
   size_t headers = 0;        // words section: [R][M][K] uint64: call << 32 | l * M + slot
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [R][M] records (source, token)
-  size_t record_stride = 0;  // record_words 16-byte words
-  size_t record_words = 0;   // words of a record's payload: the row, then the FP8 scales
+  size_t record_stride = 0;  // record_lines 128-byte lines
+  size_t record_lines = 0;   // lines of a record's payload: the row, then the FP8 scales
   size_t payload_bytes = 0;  // the row's bytes and the scales'
   size_t scale_offset = 0;   // the scales in the payload (after the row)
   size_t bytes = 0;          // region size
@@ -370,8 +366,8 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
   p.records = 0;
   p.scale_offset = row_bytes;
   p.payload_bytes = row_bytes + scale_bytes;
-  p.record_words = (p.payload_bytes + kLLWordPayload - 1) / kLLWordPayload;
-  p.record_stride = 16 * p.record_words;
+  p.record_lines = (p.payload_bytes + kLLLinePayload - 1) / kLLLinePayload;
+  p.record_stride = kLLLineBytes * p.record_lines;
   p.bytes = align_up(p.words_bytes + p.record_stride * size_t(num_ranks) * max_tokens,
                      kRegionAlign);
   return p;

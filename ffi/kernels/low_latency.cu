@@ -34,6 +34,10 @@ __device__ __forceinline__ void group_sync(int barrier, int threads) {
 // Lines of a partial row one warp sums as one work unit: at most kPieceLines (~4.3 KB of
 // payload), a multiple of kWarpLines (partial_lines' round).
 constexpr size_t kPieceLines = 32;
+// A record line's lanes: lane j of each eight of a warp holds bytes [16 j, 16 j + 16) of a line
+// (the last lane 8 payload bytes, then the line's tag), so a warp holds four lines at once.
+constexpr int kLineLanes = int(kLLLineBytes / 16), kBlockLines = 32 / kLineLanes;
+constexpr int kBlockPayload = kBlockLines * int(kLLLinePayload);  // payload bytes of a block
 constexpr int kOpDispatch = 0, kOpCombine = 1;
 // A pair header's position for a pair dropped at its source (slot >= M): names no row
 constexpr uint32_t kNoPosition = 0xffffffffu;
@@ -283,24 +287,49 @@ __device__ void copy_raw_to_stage(const LLDispatchSendArgs& a, int t, char* stag
   }
 }
 
-// The staged payload of one record as tagged words (kLLWordPayload bytes and the call's tag
+// Every lane of the warp: waits until each line part this lane reads (need; v: a load of it
+// at p, bytes [16 j, 16 j + 16) of its line, j = lane % 8) belongs to a line whose tag (lane
+// 8k + 7's third word) shows `tag`; the eight lanes of a line not yet landed load their parts
+// again together (one instruction: the line is read whole). Bounded as wait_flag.
+__device__ inline void wait_line(const PeerContext& ctx, const void* p, uint4& v, bool need,
+                                 uint32_t tag, const char* op, const char* what, int peer) {
+  const int lane = threadIdx.x & 31, tag_lane = lane | (kLineLanes - 1);
+  uint64_t start = 0;
+  while (true) {
+    const bool line_in = __shfl_sync(0xffffffffu, !need || v.z == tag, tag_lane);
+    if (__all_sync(0xffffffffu, line_in)) return;
+    if (start == 0) start = global_timer_ns();
+    if (line_in) continue;
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      if (lane == tag_lane) report_timeout(ctx, op, what, peer, tag, v.z);
+      trap_after_report();
+    }
+    v = load_line_part(p);
+  }
+}
+
+// The staged payload of one record as tagged lines (kLLLinePayload bytes and the call's tag
 // each) into the record at each destination: `dst` (num_dst of them), or where `every` is
 // set, record `record` at every rank of the group (a call whose shape differs from its
-// parity's last, so that later calls of this shape find words of this shape there).
-__device__ void store_staged_words(const LLDispatchSendArgs& a, const char* stage, uint32_t tag,
+// parity's last, so that later calls of this shape find lines of this shape there). `thread`
+// of `threads` (whole warps): a line's eight parts go out from eight lanes of one warp in one
+// instruction.
+__device__ void store_staged_lines(const LLDispatchSendArgs& a, const char* stage, uint32_t tag,
                                    char* const* dst, int num_dst, bool every, size_t record,
                                    int thread, int threads) {
-  const int words = int(a.plan.record_words);
-  for (int w = thread; w < words; w += threads) {
-    const uint32_t* p = reinterpret_cast<const uint32_t*>(stage + kLLWordPayload * size_t(w));
-    const uint32_t x = p[0], y = p[1], z = p[2];
+  const int parts = int(a.plan.record_lines) * kLineLanes;
+  for (int i = thread; i < parts; i += threads) {
+    const int line = i / kLineLanes, part = i % kLineLanes;
+    const uint64_t* src =
+        reinterpret_cast<const uint64_t*>(stage + kLLLinePayload * size_t(line) + 16 * part);
+    const uint64_t lo = src[0], hi = part == kLineLanes - 1 ? uint64_t(tag) : src[1];
+    const size_t off = kLLLineBytes * size_t(line) + 16 * part;
     if (every) {
       for (int r = 0; r < a.ctx.num_ranks; ++r)
-        store_word(static_cast<char*>(a.ctx.peers[pe_of(a.ctx, r)]) + record + 16 * size_t(w),
-                   x, y, z, tag);
+        store_line_part(static_cast<char*>(a.ctx.peers[pe_of(a.ctx, r)]) + record + off, lo, hi);
     } else {
       for (int d = 0; d < num_dst; ++d)
-        if (dst[d] != nullptr) store_word(dst[d] + 16 * size_t(w), x, y, z, tag);
+        if (dst[d] != nullptr) store_line_part(dst[d] + off, lo, hi);
     }
   }
 }
@@ -436,10 +465,10 @@ __device__ void finish_dispatch_send(const LLDispatchSendArgs& a, uint64_t n, bo
 
 // The token warps: every block sends whole tokens, each row once per destination rank (not
 // once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes), as
-// tagged words; the slot warps meanwhile number this block's range of pairs
+// tagged lines; the slot warps meanwhile number this block's range of pairs
 // (block_expert_slots): the two do not wait for each other, nor does any block for another.
 // Returns the call number (every thread) and, in *fresh, whether the receive may read the
-// call's words as they land (a call of its parity's last shape, on one node): then no arrival
+// call's lines as they land (a call of its parity's last shape, on one node): then no arrival
 // is raised. smem: ll_dispatch_send_smem() bytes, the records' stages from a.stage_offset.
 // defer: a fresh call leaves its closing to the receive of the same kernel (its last block
 // calls finish_dispatch_send), so that no block fences or counts between its two halves.
@@ -533,8 +562,8 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
           num_far[g] = __popc(puts);
         }
       }
-      // the payload's last word past the scales, zeroed (the staging writes never reach it)
-      for (size_t i = a.plan.payload_bytes + thread; i < a.plan.record_words * kLLWordPayload;
+      // the payload's last line past the scales, zeroed (the staging writes never reach it)
+      for (size_t i = a.plan.payload_bytes + thread; i < a.plan.record_lines * kLLLinePayload;
            i += group_threads)
         stage[i] = 0;
       if (a.use_fp8) {
@@ -553,7 +582,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
       // group's next token overwrites far[g]
       const int fi = gw + lane * group_warps;
       const int my_far = fi < num_far[g] ? far[g][fi] : -1;
-      store_staged_words(a, stage, uint32_t(n), my_dst, num_dst[g], every, record, thread,
+      store_staged_lines(a, stage, uint32_t(n), my_dst, num_dst[g], every, record, thread,
                          group_threads);
       group_sync(kTokenBarrier0 + g, group_threads);  // the stage and dst[g] are reused next
       unsigned far_lanes = __ballot_sync(0xffffffffu, my_far >= 0);
@@ -600,14 +629,15 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
 
 // ----------------------------------------------------------------------------- dispatch receive
 
-// Largest number of tagged words a lane holds for one unit of the dispatch receive.
+// Largest number of blocks of lines a lane holds parts of for one unit of the dispatch receive.
 constexpr int kReceiveVecs = 4;
 
-// One unit of the dispatch receive, in registers: `vecs` blocks of 32 words of record (s, t)
-// (lane i: word i of each block) and the record's pair headers (lane k: pair k's).
+// One unit of the dispatch receive, in registers: `vecs` blocks of kBlockLines lines of
+// record (s, t) (lane i: part i % 8 of line i / 8 of each block) and the record's pair headers
+// (lane k: pair k's).
 struct ReceiveUnit {
   uint64_t header;
-  uint4 words[kReceiveVecs];
+  uint4 parts[kReceiveVecs];
 };
 
 // Sources in every expert's block in the order me, me + 1, ..., me - 1 (position q of source
@@ -619,31 +649,37 @@ __device__ __forceinline__ int position_of(int s, int me, int R) {
   return s >= me ? s - me : s - me + R;
 }
 
-// A block of 32 tagged words (lane i holds word i: payload bytes 12i..12i+11) as 24 16-byte
-// chunks of the payload: lane q < 24 gets bytes 16q..16q+15 (whole warp).
-__device__ __forceinline__ int4 words_to_chunk(const uint4& w, int lane) {
-  int v[4];
+// A block of lines (lane i holds part i % 8 of line i / 8) as the 16-byte chunks of its
+// kBlockPayload payload bytes: lane q < kBlockPayload / 16 gets bytes [16 q, 16 q + 16), whose
+// two 8-byte halves each lie in one part (a line's payload starts at a multiple of 8 bytes).
+// Whole warp.
+__device__ __forceinline__ int4 lines_to_chunk(const uint4& v, int lane) {
+  int out[4];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int m = 4 * lane + q, src = (m / 3) & 31, r = m % 3;
-    const int x = __shfl_sync(0xffffffffu, int(w.x), src);
-    const int y = __shfl_sync(0xffffffffu, int(w.y), src);
-    const int z = __shfl_sync(0xffffffffu, int(w.z), src);
-    v[q] = r == 0 ? x : r == 1 ? y : z;
+  for (int h = 0; h < 2; ++h) {
+    const int b = 16 * lane + 8 * h, line = b / int(kLLLinePayload), o = b % int(kLLLinePayload);
+    const int src = (line * kLineLanes + o / 16) & 31;
+    const int x = __shfl_sync(0xffffffffu, int(v.x), src);
+    const int y = __shfl_sync(0xffffffffu, int(v.y), src);
+    const int z = __shfl_sync(0xffffffffu, int(v.z), src);
+    const int w = __shfl_sync(0xffffffffu, int(v.w), src);
+    const bool upper = (o & 15) != 0;
+    out[2 * h] = upper ? z : x;
+    out[2 * h + 1] = upper ? w : y;
   }
-  return int4{v[0], v[1], v[2], v[3]};
+  return int4{out[0], out[1], out[2], out[3]};
 }
 
 // prefix: E + 1 ints of shared memory (over (local expert, source position), expert-major).
 //
 // Work is dealt by record piece, not by output row: a warp loads a piece of record (s, t)
-// (vecs blocks of 32 words per warp) and the record's K pair headers in one round, before the
-// counts' scan is done, then stores the piece into the row of every pair of the record kept
-// here. So the only loads after the scan are those of later units, and a record is read once
-// however many of its pairs this rank holds. Where the call's shape is its parity's last
-// (fresh), nothing waits for the sources' arrival: the counts, the headers and the record
-// words carry the call's number, and a word found with an older one is loaded again until its
-// store lands. Records (kRecords): the piece is stored once, into the record's own row
+// (vecs blocks of kBlockLines lines per warp) and the record's K pair headers in one round,
+// before the counts' scan is done, then stores the piece into the row of every pair of the
+// record kept here. So the only loads after the scan are those of later units, and a record is
+// read once however many of its pairs this rank holds. Where the call's shape is its parity's
+// last (fresh), nothing waits for the sources' arrival: the counts, the headers and the record
+// lines carry the call's number, and a line found with an older one is loaded again until its
+// stores land. Records (kRecords): the piece is stored once, into the record's own row
 // s * M + t, if any of its pairs was kept here; the handle's rows say which record each packed
 // row reads (a template parameter: the stores' loop of the other layouts stays as it was).
 // send: the send of the same kernel whose closing was deferred to this one (a fresh call),
@@ -670,14 +706,15 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   const uint32_t tag = uint32_t(n);
 
   // Units: (record, piece) of every record, by source position. A piece is `vecs` blocks of
-  // 32 words, as many as make one unit per warp of the grid (at most kReceiveVecs); rows
-  // whose payload does not split into 16-byte chunks: whole records, byte by byte.
+  // kBlockLines lines, as many as make one unit per warp of the grid (at most kReceiveVecs);
+  // rows whose payload does not split into 16-byte chunks: whole records, byte by byte.
   // (the FP8 scales need only 4-byte alignment: where their rows are not 16-byte multiples
   // they are stored 4 bytes at a time)
   const bool vec = ((a.row_bytes | reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0 &&
                    ((a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_scales)) & 3) == 0;
   const bool scales16 = ((a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
-  const int record_words = int(a.plan.record_words), blocks = (record_words + 31) / 32;
+  const int record_lines = int(a.plan.record_lines);
+  const int blocks = (record_lines + kBlockLines - 1) / kBlockLines;
   const int grid_warps = int(gridDim.x) * kWarps;
   const int records = R * T;
   const int vecs = vec ? min(kReceiveVecs, max(1, (records * blocks + grid_warps - 1) / grid_warps))
@@ -702,8 +739,10 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     const char* rec = record_of(w);
 #pragma unroll
     for (int j = 0; j < kReceiveVecs; ++j) {
-      const int i = (w.piece * vecs + j) * 32 + lane;
-      if (j < vecs && i < record_words) x.words[j] = load_word(rec + 16 * size_t(i));
+      const int line = (w.piece * vecs + j) * kBlockLines + lane / kLineLanes;
+      if (j < vecs && line < record_lines)
+        x.parts[j] =
+            load_line_part(rec + kLLLineBytes * size_t(line) + 16 * (lane % kLineLanes));
     }
   };
 
@@ -768,7 +807,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
     if (lane < K) a.pair_row[(size_t(s) * T + t) * K + lane] = row;
   };
-  // Unaligned rows: whole records, word by word, each payload byte to its row. A loop of its
+  // Unaligned rows: whole records, line by line, each payload byte to its row. A loop of its
   // own: slow, and rare (rows of a size or address not a multiple of 16 bytes).
   if (!vec) {
     for (; u < units; u += grid_warps) {
@@ -778,13 +817,17 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       const char* rec = record_of(w);
       for (unsigned left = __ballot_sync(0xffffffffu, row >= 0); left != 0; left &= left - 1) {
         const int dst = kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(left) - 1);
-        for (int i = lane; i < record_words; i += 32) {
-          const char* at_word = rec + 16 * size_t(i);
-          const uint4 word =
-              wait_word(ctx, at_word, load_word(at_word), tag, op, "rows sent", w.s);
-          const uint32_t payload[3] = {word.x, word.y, word.z};
-          for (int b = 0; b < int(kLLWordPayload); ++b) {
-            const size_t off = kLLWordPayload * size_t(i) + b;
+        for (int i0 = 0; i0 < record_lines * kLineLanes; i0 += 32) {  // warp-uniform
+          const int line = (i0 + lane) / kLineLanes, part = lane % kLineLanes;
+          const bool need = line < record_lines;
+          const char* at_part = rec + kLLLineBytes * size_t(line) + 16 * part;
+          uint4 v = need ? load_line_part(at_part) : uint4{};
+          wait_line(ctx, at_part, v, need, tag, op, "rows sent", w.s);
+          if (!need) continue;
+          const uint32_t payload[4] = {v.x, v.y, v.z, v.w};
+          const int bytes = part == kLineLanes - 1 ? 8 : 16;
+          for (int b = 0; b < bytes; ++b) {
+            const size_t off = kLLLinePayload * size_t(line) + 16 * part + b;
             const char byte = reinterpret_cast<const char*>(payload)[b];
             if (off < a.row_bytes)
               static_cast<char*>(a.out_x)[size_t(dst) * a.row_bytes + off] = byte;
@@ -804,24 +847,24 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
       if (w.piece == 0) mark_source(row, w.s, w.t);
       const unsigned pairs = __ballot_sync(0xffffffffu, row >= 0);
       if (pairs != 0) {
-        // the piece's words of this call (loaded again until they land), as 16-byte chunks
+        // the piece's lines of this call (loaded again until they land), as 16-byte chunks
         const char* rec = record_of(w);
         int4 chunk[kReceiveVecs];
 #pragma unroll
         for (int j = 0; j < kReceiveVecs; ++j) {
-          const int i = (w.piece * vecs + j) * 32 + lane;
-          if (j < vecs && i < record_words)
-            x.words[j] = wait_word(ctx, rec + 16 * size_t(i), x.words[j], tag, op, "rows sent",
-                                   w.s);
-          if (j < vecs) chunk[j] = words_to_chunk(x.words[j], lane);
+          if (j >= vecs) break;  // vecs: the same in every lane
+          const int line = (w.piece * vecs + j) * kBlockLines + lane / kLineLanes;
+          wait_line(ctx, rec + kLLLineBytes * size_t(line) + 16 * (lane % kLineLanes),
+                    x.parts[j], line < record_lines, tag, op, "rows sent", w.s);
+          chunk[j] = lines_to_chunk(x.parts[j], lane);
         }
         for (unsigned left = pairs; left != 0; left &= left - 1) {
           const int dst =
               kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(left) - 1);
 #pragma unroll
           for (int j = 0; j < kReceiveVecs; ++j) {
-            const size_t off = size_t((w.piece * vecs + j) * 32) * kLLWordPayload + 16 * lane;
-            if (j >= vecs || lane >= 24 || off >= a.plan.payload_bytes) continue;
+            const size_t off = size_t(w.piece * vecs + j) * kBlockPayload + 16 * lane;
+            if (j >= vecs || lane >= kBlockPayload / 16 || off >= a.plan.payload_bytes) continue;
             if (off < a.row_bytes) {
               *reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes +
                                        off) = chunk[j];
@@ -926,11 +969,10 @@ __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t 
                                      "low_latency_combine (send)", "gate words of the owner", s));
 }
 
-// A lane's share of a record line: lane j of each eight of a warp holds payload bytes
-// [16 j, 16 j + 16) of a line (the last lane 8 bytes, then the line's tag), so a warp's round
-// is four lines, and kLineRounds rounds are summed together (their loads in flight at once).
-constexpr int kLineLanes = 8, kLineRounds = 2;
-constexpr int kWarpLines = 32 / kLineLanes * kLineRounds;  // lines of a warp's round
+// The combine's send sums kLineRounds rounds of four lines a warp together (their loads in
+// flight at once).
+constexpr int kLineRounds = 2;
+constexpr int kWarpLines = kBlockLines * kLineRounds;  // lines of a warp's round
 
 // Whether rows of row_bytes bytes from base may be accessed 8 bytes at a time (a line's
 // payload starts at multiples of 120 bytes: 8-byte aligned, not 16).
@@ -1312,7 +1354,7 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, co
   const char* records = data + a.plan.records;
   const uint32_t* tags = reinterpret_cast<const uint32_t*>(words + a.plan.tags);
   const uint32_t now = uint32_t(n);
-  const int part = lane % kLineLanes, flag_src = lane - part + kLineLanes - 1;
+  const int part = lane % kLineLanes;
   const bool tag_lane = part == kLineLanes - 1;
   const size_t first = (size_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * kPerWarp;
   for (size_t u0 = first; u0 < units; u0 += warps * kPerWarp) {  // warp-uniform
@@ -1321,12 +1363,15 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, co
     const int token = active ? int(u / lines) : 0, line = int(u % lines);
     const uint32_t* tag_at = tags + size_t(token) * R;
     const size_t at = kLLLineBytes * size_t(line) + 16 * part;
+    auto line_at = [&](int r) {
+      return records + (size_t(token) * R + r) * a.plan.record_stride + at;
+    };
     float acc[kElems];
 #pragma unroll
     for (int j = 0; j < kElems; ++j) acc[j] = 0.f;
     for (int r0 = 0; r0 < R; r0 += kBatch) {
       bool use[kBatch];
-      uint64_t lo[kBatch], hi[kBatch];
+      uint4 v[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int r = r0 + b;
@@ -1335,36 +1380,17 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, co
         uint32_t tg = load_relaxed_u32(tag_at + r);
         if (tagged) tg = wait_combine_tag(a.ctx, tag_at + r, tg, now, r);
         use[b] = tg == now;
-        if (use[b])
-          load_line_part(records + (size_t(token) * R + r) * a.plan.record_stride + at, lo[b],
-                         hi[b]);
+        if (use[b]) v[b] = load_line_part(line_at(r));
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int r = r0 + b;
         if (r >= R) break;
-        if (tagged) {  // every line part again until the line's tag lane shows n
-          const uint64_t start = global_timer_ns();
-          while (true) {
-            const bool landed = !use[b] || uint32_t(hi[b]) == now;
-            const bool line_in = __shfl_sync(0xffffffffu, landed, flag_src);
-            if (__all_sync(0xffffffffu, line_in)) break;
-            if (!line_in) {
-              if (global_timer_ns() - start > a.ctx.timeout_ns) {
-                if (tag_lane)
-                  report_timeout(a.ctx, "low_latency_combine (receive)", "partial row lines", r,
-                                 now, uint32_t(hi[b]));
-                trap_after_report();
-              }
-              load_line_part(records + (size_t(token) * R + r) * a.plan.record_stride + at,
-                             lo[b], hi[b]);
-            }
-          }
-        }
+        if (tagged)
+          wait_line(a.ctx, line_at(r), v[b], use[b], now, "low_latency_combine (receive)",
+                    "partial rows", r);
         if (!use[b]) continue;
-        const uint32_t p[4] = {uint32_t(lo[b]), uint32_t(lo[b] >> 32), uint32_t(hi[b]),
-                               uint32_t(hi[b] >> 32)};
-        const T* e = reinterpret_cast<const T*>(p);
+        const T* e = reinterpret_cast<const T*>(&v[b]);
 #pragma unroll
         for (int j = 0; j < kElems; ++j)
           if (!tag_lane || j < kElems / 2) acc[j] = __fadd_rn(acc[j], to_float<T>(e[j]));

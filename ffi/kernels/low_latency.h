@@ -148,14 +148,14 @@ inline size_t ll_dispatch_send_smem(const LLDispatchSendArgs& a) {
 constexpr size_t kLLMaxSendSmem = 200 * 1024;  // what the launchers allow
 
 // The stages of a's records in the send's shared memory (after the ids): one record's payload
-// in whole words per group of token warps, as many groups as a block of num_blocks has tokens
+// in whole lines per group of token warps, as many groups as a block of num_blocks has tokens
 // and as fit (a power of two, at most 8); false where not even one fits.
 inline bool ll_plan_dispatch_stages(LLDispatchSendArgs* a) {
   const size_t ids = ll_dispatch_ids_smem(a->num_tokens, a->num_topk, a->num_experts, a->cached);
   const int blocks = a->num_blocks > 0 ? a->num_blocks : 1;
   const int per_block = (a->num_tokens + blocks - 1) / blocks;
   a->stage_offset = align_up(ids, 16);
-  a->stage_bytes = align_up(a->plan.record_words * kLLWordPayload, 16);
+  a->stage_bytes = align_up(a->plan.record_lines * kLLLinePayload, 16);
   a->stage_groups = 0;
   for (int g = 8; g >= 1; g /= 2)
     if ((g == 1 || g <= per_block) && a->stage_offset + a->stage_bytes * size_t(g) <= kLLMaxSendSmem) {

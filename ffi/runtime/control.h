@@ -151,12 +151,12 @@ struct LLControl {
   uint64_t gates[kMaxRanks];
   // combine_words[parity] = the shape of this PE's last combine call of that parity ({M << 32
   // | T, R << 32 | K, record stride}): a call of the same shape finds, at its gate words, tags
-  // and record words, only words of older calls. The same on every PE (every PE runs every
+  // and record lines, only tags of older calls. The same on every PE (every PE runs every
   // call, with the same shapes).
   uint64_t combine_words[2][3];
   // dispatch_words[parity] = the shape of this PE's last dispatch send of that parity ({M << 32
-  // | T, R << 32 | K, E << 32 | record stride}): a call of the same shape finds, at every word
-  // of its region a source may write, only words tagged with older calls of this shape (a call
+  // | T, R << 32 | K, E << 32 | record stride}): a call of the same shape finds, wherever a
+  // source may write in its region, only tags of older calls of this shape (a call
   // of another shape writes every record at every rank), and reads them as they land, without
   // the sources' arrival. The same on every PE (every PE runs every call, with the same
   // shapes).

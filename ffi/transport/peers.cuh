@@ -207,22 +207,6 @@ __device__ __forceinline__ uint32_t load_relaxed_u32(const uint32_t* p) {
   return v;
 }
 
-// A tagged 16-byte word: three 32-bit payload words and a tag (.w), stored and loaded as one
-// 128-bit access (single-copy atomic: a load returns the whole word of one store).
-__device__ __forceinline__ void store_word(void* p, uint32_t a, uint32_t b, uint32_t c,
-                                           uint32_t tag) {
-  const uint64_t lo = uint64_t(a) | uint64_t(b) << 32, hi = uint64_t(c) | uint64_t(tag) << 32;
-  asm volatile("{\n .reg .b128 w;\n mov.b128 w, {%1, %2};\n st.relaxed.sys.global.b128 [%0], w;\n}"
-               ::"l"(p), "l"(lo), "l"(hi) : "memory");
-}
-
-__device__ __forceinline__ uint4 load_word(const void* p) {
-  uint64_t lo, hi;
-  asm volatile("{\n .reg .b128 w;\n ld.relaxed.sys.global.b128 w, [%2];\n mov.b128 {%0, %1}, w;\n}"
-               : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
-  return make_uint4(uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32));
-}
-
 // 16 bytes of a line (kLLLineBytes): lane j of eight stores or loads bytes [16 j, 16 j + 16),
 // all eight in one instruction (the line travels whole).
 __device__ __forceinline__ void store_line_part(void* p, uint64_t lo, uint64_t hi) {
@@ -230,23 +214,11 @@ __device__ __forceinline__ void store_line_part(void* p, uint64_t lo, uint64_t h
                : "memory");
 }
 
-__device__ __forceinline__ void load_line_part(const void* p, uint64_t& lo, uint64_t& hi) {
+__device__ __forceinline__ uint4 load_line_part(const void* p) {
+  uint64_t lo, hi;
   asm volatile("ld.relaxed.sys.global.v2.b64 {%0, %1}, [%2];"
                : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
-}
-
-// The word at p once its tag is `tag` (w: a load of it already made); bounded as wait_flag.
-__device__ inline uint4 wait_word(const PeerContext& ctx, const void* p, uint4 w, uint32_t tag,
-                                  const char* op, const char* what, int peer) {
-  if (w.w == tag) return w;
-  const uint64_t start = global_timer_ns();
-  while ((w = load_word(p)).w != tag) {
-    if (global_timer_ns() - start > ctx.timeout_ns) {
-      report_timeout(ctx, op, what, peer, tag, w.w);
-      trap_after_report();
-    }
-  }
-  return w;
+  return make_uint4(uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32));
 }
 
 // Two 64-bit values (addresses) as four words tagged with `call`, their low halves first: a
