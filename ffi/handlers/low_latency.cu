@@ -99,6 +99,7 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
                     tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
                     next_profile_row(),  place.base,        place.stride,
                     t->num_ranks,        t->spans_nodes};
+  ctx->whole_lines = t->whole_lines;
   *begin = combine ? areas.combine_begin : areas.dispatch_begin;
   *end = combine ? areas.combine_end : areas.dispatch_end;
   return ffi::Error::Success();

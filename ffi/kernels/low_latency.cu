@@ -479,7 +479,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
   __shared__ uint64_t call_s;
-  __shared__ bool fresh_s;
+  __shared__ bool same_s, fresh_s;
   // per group of token warps (below): its token's destination records and far ranks
   __shared__ int num_dst[kTokenWarps], num_far[kTokenWarps];
   __shared__ char* dst[kTokenWarps][kLLMaxTopk];
@@ -505,7 +505,9 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
     const bool all_same = __all_sync(0xffffffffu, same);
     if (lane == 0) {
       call_s = n;
-      fresh_s = !kPuts && all_same;
+      same_s = all_same;
+      // lines read as they land only where they land whole (Transport::whole_lines)
+      fresh_s = !kPuts && all_same && ctx.whole_lines;
     }
   }
   __syncthreads();
@@ -532,7 +534,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
     char* const* my_dst = dst[g];
     char* stage = reinterpret_cast<char*>(smem) + a.stage_offset + size_t(g) * a.stage_bytes;
     // a call of another shape writes every record at every rank (none is on another node)
-    const bool every = !kPuts && !is_fresh;
+    const bool every = !kPuts && !same_s;
     for (int t = int(blockIdx.x) + g * int(gridDim.x); t < T; t += groups * int(gridDim.x)) {
       const size_t record =
           at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
@@ -1174,8 +1176,9 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
   }
   const uint64_t n = call_s;
   const bool fresh = fresh_s;
-  // the owners read the partials as they land (no arrival); on one node only
-  const bool tagged = fresh && !kPuts;
+  // the owners read the partials as they land (no arrival): on one node, where lines land
+  // whole (Transport::whole_lines)
+  const bool tagged = fresh && !kPuts && ctx.whole_lines;
   *tagged_out = tagged;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 

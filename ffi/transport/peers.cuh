@@ -35,6 +35,8 @@ struct PeerContext {
                            // calls: transport/puts.cuh); false in the normal mode
   // XLA's allocation of every PE of this node mapped here, indexed by PE (nullptr: none).
   const XlaWindow* xla = nullptr;
+  // Transport::whole_lines: the low-latency calls may read record lines as they land.
+  bool whole_lines = false;
 };
 
 // Peer PE's address a (in its own address space, inside its XLA allocation) as mapped here.
