@@ -82,6 +82,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep import _native  # noqa: E402
 
 from timing import (  # noqa: E402
     build_line,
@@ -380,6 +381,12 @@ def main():
         print(f"\n{R}×{jax.devices()[0].device_kind} backend={backend} T={T}/rank H={H} "
               f"top-{K} of {E}; per call, jitted loop of {args.calls}")
         print(build_line())
+        module = _native.load()[0] if backend == "cuda" else None
+        if module is not None and hasattr(module, "whole_lines"):
+            print("record lines read as they land: " +
+                  ("yes" if module.whole_lines() else
+                   "no (GPUs of this node not all joined by NVLink): the calls wait for the "
+                   "senders' arrival"))
         if args.node_size is not None:
             # records put to ranks of other nodes, per rank: one per (token, distinct rank);
             # the combine sends one partial row per (token, expert rank) back

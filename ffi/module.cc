@@ -214,6 +214,11 @@ NB_MODULE(_C, m) {
     const jax_ep::Transport* t = jax_ep::transport();
     return t ? t->num_ranks : 0;
   });
+  m.def("whole_lines", [] {
+    const jax_ep::Transport* t = jax_ep::transport();
+    return t ? t->whole_lines : false;
+  }, "Whether the low-latency calls read record lines as they land (every two GPUs of this "
+     "node joined by NVLink, or one GPU); else they wait for the senders' arrival");
   m.def("nvshmem_version", &jax_ep::nvshmem_version);
   m.def(
       "limits",

@@ -99,6 +99,7 @@ ffi::Error ll_context(const char* op, ffi::Buffer<ffi::S32> rank, int64_t num_ex
                     tuning.timeout_ns(), rank.typed_data(), device_fault_record(),
                     next_profile_row(),  place.base,        place.stride,
                     t->num_ranks,        t->spans_nodes};
+  ctx->whole_lines = t->whole_lines;
   *begin = combine ? areas.combine_begin : areas.dispatch_begin;
   *end = combine ? areas.combine_end : areas.dispatch_end;
   return ffi::Error::Success();
@@ -323,17 +324,16 @@ ffi::Error make_dispatch_send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
       err.failure())
     return err;
   const int E = static_cast<int>(num_experts);
-  const size_t smem = ll_dispatch_send_smem(T, K, E, a.cached);
-  if (smem > kLLMaxSendSmem)
-    return invalid(std::string(op) + ": " + std::to_string(T * K) +
-                   " (token, k) pairs need " + std::to_string(smem) +
-                   " bytes of shared memory, more than " + std::to_string(kLLMaxSendSmem));
   a.num_tokens = T;
   a.num_topk = K;
   a.num_experts = E;
   a.max_tokens = static_cast<int>(max_tokens);
-  a.hidden = D;
   a.num_blocks = blocks_or_default(tuning.num_blocks);
+  if (!ll_plan_dispatch_stages(&a))
+    return invalid(std::string(op) + ": " + std::to_string(T * K) + " (token, k) pairs and a " +
+                   std::to_string(a.plan.payload_bytes) + "-byte row need more than " +
+                   std::to_string(kLLMaxSendSmem) + " bytes of shared memory");
+  a.hidden = D;
   a.x = x.untyped_data();
   a.topk_idx = topk_idx.typed_data();
   a.slots_in = a.cached ? slots_in.typed_data() : nullptr;

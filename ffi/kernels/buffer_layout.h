@@ -301,23 +301,26 @@ inline size_t required_buffer_bytes(int num_ranks, int num_tokens, int hidden, i
 // (records); parity 0 puts its words first, parity 1 last, so that the words sections of calls
 // of the same R, E, M and K always coincide (see LLDispatchPlan).
 //
-// Dispatch region (at the receiver): counts [R][L] int32 (row s: source s's kept pairs per
-// local expert), the pair headers [R][M][K] uint64 (entry (s, token, k), written for every
+// Dispatch region (at the receiver): counts [R][L] uint64 (row s: source s's kept pairs per
+// local expert, tagged with the call), the pair headers [R][M][K] uint64 (entry (s, token, k), written for every
 // token of the call and k at every rank, wherever the pair went: the call number's low 32 bits
 // << 32 | expert * M + slot (the global expert: the receiver keeps only the entries naming its
 // own experts), or 0xffffffff for a pair with no expert or dropped at its source; so a receive
 // reads no entry of an earlier call); data: records [R][M]: record
-// (s, token) = the row (data) padded to 16 bytes, the FP8 scales padded to 16 bytes. A token
-// is stored once per destination rank.
+// (s, token) = the row (data), then the FP8 scales, as tagged 128-byte lines (LLDispatchPlan).
+// A token is stored once per destination rank (at every rank of its node where its call's
+// shape differs from its parity's last).
 // Combine region (at every PE): gate words [R][M][K] uint64 (entry (s, token, k), written by
 // owner s into every other rank's buffer: the call number's low 32 bits << 32 | the bits of
 // the pair's float32 weight; a word carries its own call number, so the expert rank reads it
 // with neither a flag nor a fence, except after a call of another shape: LLControl's
 // combine_words), tags [M][R] uint32 (tag (token, r) = the low 32 bits of the number of the
 // call whose partial row r wrote into record (token, r), or of the call before it where r had
-// no pair of the token and the call's shape differs from its parity's last: the owner sums
-// the records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
-// partial row expert rank r summed over its pairs of that token, padded to 16 bytes; for a
+// no pair of the token, written by every rank for every token every call: the owner sums the
+// records tagged with its call, in rank order); data: records [M][R]: record (token, r) = the
+// partial row expert rank r summed over its pairs of that token, as tagged 128-byte lines (a
+// call of another shape than its parity's last writes every record, zeros where r has no
+// pair, so that later calls of its shape find only older numbers there); for a
 // group across nodes also staging [R][M]: row (owner, token), this rank's partial for an owner
 // on another node, written here and put from here into the owner's record.
 
@@ -332,14 +335,23 @@ namespace jax_ep {
 // read there may be bytes of an older call's counts or records, so what a call reads by its
 // number alone must not be stale (the dispatch's headers are all rewritten every call; the
 // combine rewrites all its tags, and flags its gate words, when its shape changes).
+// A record (the dispatch's and the combine's) travels as 128-byte lines of kLLLinePayload
+// bytes and the call's number (low 32 bits) in the last 8 (NCCL's LL128 shape): eight lanes of
+// a warp store a line, 16 bytes each, in one instruction, and NVLink delivers such a line whole,
+// so a receiver whose eight lanes load the line in one instruction and find its tag holds the
+// line's bytes of that call, with no flag or fence between the stores and the loads
+// (ll_dispatch_fresh in low_latency.cu). A sixteenth of the bytes carries tags.
+constexpr size_t kLLLineBytes = 128, kLLLinePayload = 120;
+
 struct LLDispatchPlan {
-  size_t counts = 0;         // words section: [R][L] int32
+  size_t counts = 0;         // words section: [R][L] uint64: call << 32 | count
   size_t headers = 0;        // words section: [R][M][K] uint64: call << 32 | l * M + slot
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [R][M] records (source, token)
-  size_t record_stride = 0;
-  size_t data_offset = 0;    // inside a record
-  size_t scale_offset = 0;   // inside a record
+  size_t record_stride = 0;  // record_lines 128-byte lines
+  size_t record_lines = 0;   // lines of a record's payload: the row, then the FP8 scales
+  size_t payload_bytes = 0;  // the row's bytes and the scales'
+  size_t scale_offset = 0;   // the scales in the payload (after the row)
   size_t bytes = 0;          // region size
 };
 
@@ -348,13 +360,14 @@ JAX_EP_HOST_DEVICE inline LLDispatchPlan plan_ll_dispatch(int num_ranks, int num
                                                           size_t row_bytes, size_t scale_bytes) {
   LLDispatchPlan p;
   p.counts = 0;
-  p.headers = align_up(sizeof(int32_t) * size_t(num_experts), kRegionAlign);
+  p.headers = align_up(sizeof(uint64_t) * size_t(num_experts), kRegionAlign);
   p.words_bytes = align_up(
       p.headers + sizeof(uint64_t) * size_t(num_ranks) * max_tokens * num_topk, kRegionAlign);
   p.records = 0;
-  p.data_offset = 0;
-  p.scale_offset = row_stride(row_bytes);
-  p.record_stride = p.scale_offset + row_stride(scale_bytes);
+  p.scale_offset = row_bytes;
+  p.payload_bytes = row_bytes + scale_bytes;
+  p.record_lines = (p.payload_bytes + kLLLinePayload - 1) / kLLLinePayload;
+  p.record_stride = kLLLineBytes * p.record_lines;
   p.bytes = align_up(p.words_bytes + p.record_stride * size_t(num_ranks) * max_tokens,
                      kRegionAlign);
   return p;
@@ -365,6 +378,7 @@ struct LLCombinePlan {
   size_t tags = 0;           // words section: [M][R] uint32: call (low bits) of record (t, r)
   size_t words_bytes = 0;    // the words section
   size_t records = 0;        // data section: [M][R] partial rows (token, expert rank)
+  size_t record_lines = 0;   // tagged 128-byte lines of a partial row
   size_t record_stride = 0;
   size_t staging = 0;        // data section, staged only: [R][M] partial rows (owner, token)
   size_t bytes = 0;
@@ -381,7 +395,8 @@ JAX_EP_HOST_DEVICE inline LLCombinePlan plan_ll_combine(int num_ranks, int max_t
   p.words_bytes =
       p.tags + align_up(sizeof(uint32_t) * size_t(max_tokens) * num_ranks, kRegionAlign);
   p.records = 0;
-  p.record_stride = row_stride(row_bytes);
+  p.record_lines = (row_bytes + kLLLinePayload - 1) / kLLLinePayload;
+  p.record_stride = kLLLineBytes * p.record_lines;
   const size_t rows = p.record_stride * size_t(max_tokens) * num_ranks;
   p.staging = p.records + rows;
   p.bytes = align_up(p.words_bytes + rows * (staged ? 2 : 1), kRegionAlign);

@@ -31,9 +31,13 @@ static_assert(kTokenBarrier0 + kTokenWarps <= 16, "named barriers");
 __device__ __forceinline__ void group_sync(int barrier, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
 }
-// Bytes of a partial row one warp sums as one work unit: at most kPiece, a multiple of
-// kPieceQuantum (one 16-byte load per lane of a warp).
-constexpr size_t kPiece = 4096, kPieceQuantum = 512;
+// Lines of a partial row one warp sums as one work unit: at most kPieceLines (~4.3 KB of
+// payload), a multiple of kWarpLines (partial_lines' round).
+constexpr size_t kPieceLines = 32;
+// A record line's lanes: lane j of each eight of a warp holds bytes [16 j, 16 j + 16) of a line
+// (the last lane 8 payload bytes, then the line's tag), so a warp holds four lines at once.
+constexpr int kLineLanes = int(kLLLineBytes / 16), kBlockLines = 32 / kLineLanes;
+constexpr int kBlockPayload = kBlockLines * int(kLLLinePayload);  // payload bytes of a block
 constexpr int kOpDispatch = 0, kOpCombine = 1;
 // A pair header's position for a pair dropped at its source (slot >= M): names no row
 constexpr uint32_t kNoPosition = 0xffffffffu;
@@ -219,33 +223,15 @@ __device__ __forceinline__ void stage_ints(int* dst, const int32_t* src, int n,
   }
 }
 
-// Copies a record written by a peer (its data, then `scale_bytes` of FP8 scales or none) into
-// its output rows, one warp's lanes striding. Where the scales fit one 16-byte load per lane,
-// they are loaded before the data and stored after it: one memory latency per row, not two.
-__device__ __forceinline__ void copy_record(void* dst_data, void* dst_scales, const char* rec,
-                                            const LLDispatchPlan& plan, size_t data_bytes,
-                                            size_t scale_bytes, int lane) {
-  const char* src_scales = rec + plan.scale_offset;
-  const bool together = dst_scales != nullptr && scale_bytes <= 16 * 32 &&
-                        ((reinterpret_cast<uintptr_t>(dst_scales) |
-                          reinterpret_cast<uintptr_t>(src_scales) | scale_bytes) & 15) == 0;
-  const bool mine = together && size_t(lane) * 16 < scale_bytes;
-  int4 scales;
-  if (mine) scales = __ldcg(reinterpret_cast<const int4*>(src_scales) + lane);
-  copy_row<true>(dst_data, rec + plan.data_offset, data_bytes, lane, 32);
-  if (mine) reinterpret_cast<int4*>(dst_scales)[lane] = scales;
-  if (dst_scales != nullptr && !together)
-    copy_row<true>(dst_scales, src_scales, scale_bytes, lane, 32);
-}
-
 // ----------------------------------------------------------------------------- dispatch send
 
-// Quantises token t's row (8 threads per 128-channel block, 16 channels each) and stores the
-// e4m3 data and scales into every destination record; `thread` of `threads` (the token warps)
-// take part, with the loads of kRounds rounds in flight before any store (fp8.cuh).
+// Quantises token t's row (8 threads per 128-channel block, 16 channels each) into the
+// record's payload staged in shared memory (e4m3 data, then the scales); `thread` of `threads`
+// (the token warps of a group) take part, with the loads of kRounds rounds in flight before
+// any store (fp8.cuh).
 template <typename T>
-__device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                   int num_dst, int thread, int threads) {
+__device__ void quantize_to_stage(const LLDispatchSendArgs& a, int t, char* stage, int thread,
+                                  int threads) {
   constexpr int kRounds = sizeof(T) == 2 ? 2 : 1;  // float rows: one round (registers)
   const int H = a.hidden, chunks = H / 16;
   const T* row = static_cast<const T*>(a.x) + size_t(t) * H;
@@ -268,25 +254,20 @@ __device__ void quantize_and_store(const LLDispatchSendArgs& a, int t, char* con
       int4 packed;
       const float scale = quantize16(v, a.ue8m0, &packed);
       if (!active) continue;
-      const bool writes_scale = (c & 7) == 0;
-      for (int d = 0; d < num_dst; ++d) {
-        char* rec = dst[d];
-        if (rec == nullptr) continue;
-        reinterpret_cast<int4*>(rec + a.plan.data_offset)[c] = packed;
-        if (writes_scale) reinterpret_cast<float*>(rec + a.plan.scale_offset)[c / 8] = scale;
-      }
+      reinterpret_cast<int4*>(stage)[c] = packed;
+      if ((c & 7) == 0) reinterpret_cast<float*>(stage + a.plan.scale_offset)[c / 8] = scale;
     }
   }
 }
 
-// Stores token t's raw row (row_bytes) into every destination record: loaded once, kBatch
-// loads of each thread in flight before its stores; `thread` of `threads` take part.
-__device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const* dst,
-                                int num_dst, int thread, int threads) {
+// Stages token t's raw row (row_bytes) in shared memory; `thread` of `threads` take part.
+__device__ void copy_raw_to_stage(const LLDispatchSendArgs& a, int t, char* stage, int thread,
+                                  int threads) {
   const char* row = static_cast<const char*>(a.x) + size_t(t) * a.row_bytes;
   if (((reinterpret_cast<uintptr_t>(row) | a.row_bytes) & 15) == 0) {
     constexpr int kBatch = 4;
     const int4* src = reinterpret_cast<const int4*>(row);
+    int4* out = reinterpret_cast<int4*>(stage);
     const size_t n = a.row_bytes / 16;
     for (size_t i0 = thread; i0 < n; i0 += size_t(kBatch) * threads) {
       int4 v[kBatch];
@@ -295,20 +276,61 @@ __device__ void copy_raw_to_all(const LLDispatchSendArgs& a, int t, char* const*
         const size_t i = i0 + size_t(b) * threads;
         if (i < n) v[b] = __ldg(src + i);
       }
-      for (int d = 0; d < num_dst; ++d) {
-        if (dst[d] == nullptr) continue;
-        int4* out = reinterpret_cast<int4*>(dst[d] + a.plan.data_offset);
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const size_t i = i0 + size_t(b) * threads;
-          if (i < n) out[i] = v[b];
-        }
+      for (int b = 0; b < kBatch; ++b) {
+        const size_t i = i0 + size_t(b) * threads;
+        if (i < n) out[i] = v[b];
       }
     }
   } else {
-    for (int d = 0; d < num_dst; ++d)
-      if (dst[d] != nullptr)
-        copy_row(dst[d] + a.plan.data_offset, row, a.row_bytes, thread, threads);
+    for (size_t i = thread; i < a.row_bytes; i += threads) stage[i] = row[i];
+  }
+}
+
+// Every lane of the warp: waits until each line part this lane reads (need; v: a load of it
+// at p, bytes [16 j, 16 j + 16) of its line, j = lane % 8) belongs to a line whose tag (lane
+// 8k + 7's third word) shows `tag`; the eight lanes of a line not yet landed load their parts
+// again together (one instruction: the line is read whole). Bounded as wait_flag.
+__device__ inline void wait_line(const PeerContext& ctx, const void* p, uint4& v, bool need,
+                                 uint32_t tag, const char* op, const char* what, int peer) {
+  const int lane = threadIdx.x & 31, tag_lane = lane | (kLineLanes - 1);
+  uint64_t start = 0;
+  while (true) {
+    const bool line_in = __shfl_sync(0xffffffffu, !need || v.z == tag, tag_lane);
+    if (__all_sync(0xffffffffu, line_in)) return;
+    if (start == 0) start = global_timer_ns();
+    if (line_in) continue;
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      if (lane == tag_lane) report_timeout(ctx, op, what, peer, tag, v.z);
+      trap_after_report();
+    }
+    v = load_line_part(p);
+  }
+}
+
+// The staged payload of one record as tagged lines (kLLLinePayload bytes and the call's tag
+// each) into the record at each destination: `dst` (num_dst of them), or where `every` is
+// set, record `record` at every rank of the group (a call whose shape differs from its
+// parity's last, so that later calls of this shape find lines of this shape there). `thread`
+// of `threads` (whole warps): a line's eight parts go out from eight lanes of one warp in one
+// instruction.
+__device__ void store_staged_lines(const LLDispatchSendArgs& a, const char* stage, uint32_t tag,
+                                   char* const* dst, int num_dst, bool every, size_t record,
+                                   int thread, int threads) {
+  const int parts = int(a.plan.record_lines) * kLineLanes;
+  for (int i = thread; i < parts; i += threads) {
+    const int line = i / kLineLanes, part = i % kLineLanes;
+    const uint64_t* src =
+        reinterpret_cast<const uint64_t*>(stage + kLLLinePayload * size_t(line) + 16 * part);
+    const uint64_t lo = src[0], hi = part == kLineLanes - 1 ? uint64_t(tag) : src[1];
+    const size_t off = kLLLineBytes * size_t(line) + 16 * part;
+    if (every) {
+      for (int r = 0; r < a.ctx.num_ranks; ++r)
+        store_line_part(static_cast<char*>(a.ctx.peers[pe_of(a.ctx, r)]) + record + off, lo, hi);
+    } else {
+      for (int d = 0; d < num_dst; ++d)
+        if (dst[d] != nullptr) store_line_part(dst[d] + off, lo, hi);
+    }
   }
 }
 
@@ -333,15 +355,16 @@ __device__ void stage_pair_ids(const LLDispatchSendArgs& a, int* smem, int threa
 // barrier since). A pair's slot is its rank among its expert's pairs in pair order (cached:
 // the handle's slot). Every block counts all pairs per expert in shared memory (a few
 // shared atomics a thread), then writes the counts of its experts (e = block + j * grid) at
-// their ranks, adding the pairs past max_tokens to `dropped`, and numbers its own range of
-// pairs in order (one warp, 32 pairs a step, each expert's pairs before the range counted):
+// their ranks (block 0 also the pairs past max_tokens, the call's dropped count), and numbers
+// its own range of pairs in order (one warp, 32 pairs a step, each expert's pairs before the
+// range counted):
 // send_slot and the pair headers (me, token, k) -> (call n, local expert, slot). The work per
 // block shrinks with the grid on both sides, so few blocks number as fast as many (dealing
 // whole experts to blocks, 16 CTAs took 15 µs against 3 at one per SM). Pairs with an
 // out-of-range id are left to the token pass (send_slot -1).
 template <bool kPuts>
 __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size_t words,
-                                   int* smem, unsigned* dropped, int warp) {
+                                   int* smem, int warp) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, K = a.num_topk, M = a.max_tokens, n_pairs = a.num_tokens * K;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
@@ -371,10 +394,17 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
   for (int j = thread; j < block_experts(E); j += kSlotThreads) {
     const int e = int(blockIdx.x) + j * int(gridDim.x), r = e / L, l = e % L;
     const int seen = total[e];
-    const size_t count_at = words + a.plan.counts + sizeof(int32_t) * size_t(me * L + l);
-    if (off_node<kPuts>(ctx, r)) put_i32(ctx, pe_of(ctx, r), count_at, min(seen, M));
-    else *reinterpret_cast<int32_t*>(ll_base(ctx, r) + count_at) = min(seen, M);
-    if (!a.cached && seen > M) atomicAdd(dropped, unsigned(seen - M));
+    const size_t count_at = words + a.plan.counts + sizeof(uint64_t) * size_t(me * L + l);
+    const uint64_t count = uint64_t(uint32_t(n)) << 32 | uint32_t(min(seen, M));
+    if (off_node<kPuts>(ctx, r)) put_u64(ctx, pe_of(ctx, r), count_at, count);
+    else store_relaxed(reinterpret_cast<uint64_t*>(ll_base(ctx, r) + count_at), count);
+  }
+  // the pairs past max_tokens, from block 0's counts (every block has all of them)
+  if (blockIdx.x == 0 && warp == 0) {
+    int over = 0;
+    for (int e = lane; e < E && !a.cached; e += 32) over += max(0, total[e] - M);
+    for (int d = 16; d > 0; d >>= 1) over += __shfl_xor_sync(0xffffffffu, over, d);
+    if (lane == 0) *a.num_dropped = over;
   }
   if (warp != 0) return;
   const uint64_t tag = uint64_t(uint32_t(n)) << 32;
@@ -408,17 +438,48 @@ __device__ void block_expert_slots(const LLDispatchSendArgs& a, uint64_t n, size
   }
 }
 
+// Word j of the dispatch's shape ({M << 32 | T, R << 32 | K, E << 32 | record stride}): where
+// its words and records lie and which of them a call may write (LLControl::dispatch_words).
+__device__ __forceinline__ uint64_t dispatch_shape(int M, int T, int R, int K, int E,
+                                                   size_t stride, int j) {
+  return j == 0   ? uint64_t(uint32_t(M)) << 32 | uint32_t(T)
+         : j == 1 ? uint64_t(uint32_t(R)) << 32 | uint32_t(K)
+                  : uint64_t(uint32_t(E)) << 32 | uint32_t(stride);
+}
+
+// This PE's bookkeeping of call n, once every block of its send has read the call counter
+// (warp 0 of the last block): the call's shape and freshness for its parity's next send and
+// for a split receive, the call number.
+__device__ void finish_dispatch_send(const LLDispatchSendArgs& a, uint64_t n, bool fresh) {
+  LLControl* mine = ll_control(a.ctx, a.ctx.rank);
+  const int lane = threadIdx.x & 31;
+  if (lane < 3)  // read by this PE's next send of this parity
+    mine->dispatch_words[n & 1][lane] = dispatch_shape(
+        a.max_tokens, a.num_tokens, a.ctx.num_ranks, a.num_topk, a.num_experts,
+        a.plan.record_stride, lane);
+  if (lane == 0) {
+    mine->dispatch_fresh[n & 1] = fresh ? 1 : 0;
+    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
+  }
+}
+
 // The token warps: every block sends whole tokens, each row once per destination rank (not
-// once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes). The
-// slot warps meanwhile number this block's range of pairs
+// once per expert: with R ranks and top-K experts that is up to K/R times fewer bytes), as
+// tagged lines; the slot warps meanwhile number this block's range of pairs
 // (block_expert_slots): the two do not wait for each other, nor does any block for another.
-// Returns the call number (every thread). smem: ll_dispatch_send_smem() bytes.
+// Returns the call number (every thread) and, in *fresh, whether the receive may read the
+// call's lines as they land (a call of its parity's last shape, on one node): then no arrival
+// is raised. smem: ll_dispatch_send_smem() bytes, the records' stages from a.stage_offset.
+// defer: a fresh call leaves its closing to the receive of the same kernel (its last block
+// calls finish_dispatch_send), so that no block fences or counts between its two halves.
 template <bool kPuts>
-__device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
+__device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* fresh,
+                                  bool defer = false) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, T = a.num_tokens, K = a.num_topk, M = a.max_tokens;
   const int R = ctx.num_ranks, L = E / R, me = ctx.rank;
   __shared__ uint64_t call_s;
+  __shared__ bool same_s, fresh_s;
   // per group of token warps (below): its token's destination records and far ranks
   __shared__ int num_dst[kTokenWarps], num_far[kTokenWarps];
   __shared__ char* dst[kTokenWarps][kLLMaxTopk];
@@ -432,26 +493,51 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
     stage_pair_ids(a, smem, tid - kTokenThreads);
   } else if (warp == 0) {
+    // both parities' last shapes, loaded beside the wait (written by sends that have
+    // completed: every kernel of ours starts after the one before it)
+    const uint64_t last =
+        lane < 6 ? *(reinterpret_cast<const volatile uint64_t*>(mine->dispatch_words) + lane) : 0;
     // The region of this parity at every destination must have been read (call n - 2).
     const uint64_t n = warp_enter_send(ctx, kOpDispatch, "low_latency_dispatch (send)");
-    if (lane == 0) call_s = n;
+    const int j = lane - 3 * int(n & 1);
+    const bool same = j < 0 || j >= 3 ||
+                      last == dispatch_shape(M, T, R, K, E, a.plan.record_stride, j);
+    const bool all_same = __all_sync(0xffffffffu, same);
+    if (lane == 0) {
+      call_s = n;
+      same_s = all_same;
+      // lines read as they land only where they land whole (Transport::whole_lines)
+      fresh_s = !kPuts && all_same && ctx.whole_lines;
+    }
   }
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchSend, kWaited);  // the region is free at every destination
   const uint64_t n = call_s;
+  const bool is_fresh = fresh_s;
+  *fresh = is_fresh;
+  if (blockIdx.x == 0 && tid == 0) {
+    a.call_out[0] = int32_t(uint32_t(n));
+    a.call_out[1] = int32_t(uint32_t(n >> 32));
+  }
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   if (token_warp) {
     // The token warps split into `groups` groups that send one token each at a time, as many
-    // as the block has tokens (up to one warp a token): with few CTAs a block's tokens go
-    // side by side instead of one after another, each a chain of dependent loads and barriers.
+    // as the block has tokens (up to one warp a token) and shared memory stages: with few
+    // CTAs a block's tokens go side by side instead of one after another, each a chain of
+    // dependent loads and barriers.
     const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
     int groups = 1;
-    while (groups * 2 <= min(per_block, kTokenWarps)) groups *= 2;
+    while (groups * 2 <= min(min(per_block, kTokenWarps), a.stage_groups)) groups *= 2;
     const int group_warps = kTokenWarps / groups, g = warp / group_warps, gw = warp % group_warps;
     const int group_threads = group_warps * 32, thread = tid - g * group_threads;
     char* const* my_dst = dst[g];
+    char* stage = reinterpret_cast<char*>(smem) + a.stage_offset + size_t(g) * a.stage_bytes;
+    // a call of another shape writes every record at every rank (none is on another node)
+    const bool every = !kPuts && !same_s;
     for (int t = int(blockIdx.x) + g * int(gridDim.x); t < T; t += groups * int(gridDim.x)) {
+      const size_t record =
+          at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
       if (gw == 0) {  // the distinct destination ranks of token t
         int r = -1;
         if (lane < K) {
@@ -468,8 +554,6 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
         const unsigned stores = __ballot_sync(0xffffffffu, leader && !put);
         const unsigned puts = __ballot_sync(0xffffffffu, put);
         const bool own_stored = __ballot_sync(0xffffffffu, leader && r == me) != 0;
-        const size_t record =
-            at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
         const unsigned below = (1u << lane) - 1u;
         if (leader && !put) dst[g][__popc(stores & below)] = ll_base(ctx, r) + record;
         if (put) far[g][__popc(puts & below)] = r;
@@ -480,50 +564,52 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
           num_far[g] = __popc(puts);
         }
       }
-      group_sync(kTokenBarrier0 + g, group_threads);
+      // the payload's last line past the scales, zeroed (the staging writes never reach it)
+      for (size_t i = a.plan.payload_bytes + thread; i < a.plan.record_lines * kLLLinePayload;
+           i += group_threads)
+        stage[i] = 0;
+      if (a.use_fp8) {
+        switch (a.x_type) {
+          case LLElement::kBF16:
+            quantize_to_stage<__nv_bfloat16>(a, t, stage, thread, group_threads);
+            break;
+          case LLElement::kF16: quantize_to_stage<__half>(a, t, stage, thread, group_threads); break;
+          default: quantize_to_stage<float>(a, t, stage, thread, group_threads); break;
+        }
+      } else {
+        copy_raw_to_stage(a, t, stage, thread, group_threads);
+      }
+      group_sync(kTokenBarrier0 + g, group_threads);  // the stage and dst[g] are complete
       // this warp's puts of token t (lane j: far rank gw + j * group_warps), read before the
       // group's next token overwrites far[g]
       const int fi = gw + lane * group_warps;
       const int my_far = fi < num_far[g] ? far[g][fi] : -1;
-      if (a.use_fp8) {
-        switch (a.x_type) {
-          case LLElement::kBF16:
-            quantize_and_store<__nv_bfloat16>(a, t, my_dst, num_dst[g], thread, group_threads);
-            break;
-          case LLElement::kF16:
-            quantize_and_store<__half>(a, t, my_dst, num_dst[g], thread, group_threads);
-            break;
-          default:
-            quantize_and_store<float>(a, t, my_dst, num_dst[g], thread, group_threads);
-            break;
-        }
-      } else {
-        copy_raw_to_all(a, t, my_dst, num_dst[g], thread, group_threads);
-      }
-      group_sync(kTokenBarrier0 + g, group_threads);  // dst[g] is rewritten for the next token
+      store_staged_lines(a, stage, uint32_t(n), my_dst, num_dst[g], every, record, thread,
+                         group_threads);
+      group_sync(kTokenBarrier0 + g, group_threads);  // the stage and dst[g] are reused next
       unsigned far_lanes = __ballot_sync(0xffffffffu, my_far >= 0);
       if (far_lanes != 0) {  // the record is complete in this PE's own copy: put it
-        const size_t record =
-            at.data + a.plan.records + (size_t(me) * M + t) * a.plan.record_stride;
-        const size_t bytes = a.scale_bytes > 0 ? a.plan.scale_offset + a.scale_bytes : a.row_bytes;
         for (; far_lanes != 0; far_lanes &= far_lanes - 1)
           put_own_warp(ctx, __shfl_sync(0xffffffffu, my_far, __ffs(far_lanes) - 1), record,
-                       bytes);
+                       a.plan.record_stride);
       }
     }
   } else {
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kWaited);  // staged
-    block_expert_slots<kPuts>(a, n, at.words, smem, &mine->dropped_pairs, warp - kTokenWarps);
+    block_expert_slots<kPuts>(a, n, at.words, smem, warp - kTokenWarps);
     if (warp == kTokenWarps) {
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
     }
   }
 
-  // ---- the last block raises arrived[me] at every destination and reports the dropped pairs
-  // (the peers first: the dropped count's exchange is a round trip that only this PE's
-  // outputs wait for)
-  const bool last = ll_last_block(ctx, kCounterDispatchSend, true, kPuts);
+  // ---- the last block raises arrived[me] at every destination, where the receive waits for
+  // it (the blocks' fences: its release carries their stores), and this PE's bookkeeping
+  if (defer && is_fresh) {
+    profile_end(ctx, kProfLLDispatchSend);
+    return n;
+  }
+  const bool last = ll_last_block(ctx, kCounterDispatchSend, !is_fresh, kPuts);
   if (kPuts && last) {
     // this PE's pair headers, staged in its own block [me], to every rank on another node
     const size_t headers = at.words + a.plan.headers + sizeof(uint64_t) * size_t(me) * M * K;
@@ -535,13 +621,9 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
     __syncthreads();
   }
   if (last && warp == 0) {
-    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
-    if (lane == 0) {
-      *a.num_dropped = int32_t(atomicExch(&mine->dropped_pairs, 0u));
-      a.call_out[0] = int32_t(uint32_t(n));
-      a.call_out[1] = int32_t(uint32_t(n >> 32));
-      *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
-    }
+    if (!is_fresh)
+      warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
+    finish_dispatch_send(a, n, is_fresh);
   }
   profile_end(ctx, kProfLLDispatchSend);
   return n;
@@ -549,15 +631,15 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- dispatch receive
 
-// Largest number of 16-byte loads a lane holds for one unit of the dispatch receive.
+// Largest number of blocks of lines a lane holds parts of for one unit of the dispatch receive.
 constexpr int kReceiveVecs = 4;
 
-// One unit of the dispatch receive, in registers: a piece of record (s, t) and the record's
-// pair headers (lane k: pair k's).
+// One unit of the dispatch receive, in registers: `vecs` blocks of kBlockLines lines of
+// record (s, t) (lane i: part i % 8 of line i / 8 of each block) and the record's pair headers
+// (lane k: pair k's).
 struct ReceiveUnit {
   uint64_t header;
-  int4 data[kReceiveVecs];
-  int4 scales;
+  uint4 parts[kReceiveVecs];
 };
 
 // Sources in every expert's block in the order me, me + 1, ..., me - 1 (position q of source
@@ -569,52 +651,78 @@ __device__ __forceinline__ int position_of(int s, int me, int R) {
   return s >= me ? s - me : s - me + R;
 }
 
+// A block of lines (lane i holds part i % 8 of line i / 8) as the 16-byte chunks of its
+// kBlockPayload payload bytes: lane q < kBlockPayload / 16 gets bytes [16 q, 16 q + 16), whose
+// two 8-byte halves each lie in one part (a line's payload starts at a multiple of 8 bytes).
+// Whole warp.
+__device__ __forceinline__ int4 lines_to_chunk(const uint4& v, int lane) {
+  int out[4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int b = 16 * lane + 8 * h, line = b / int(kLLLinePayload), o = b % int(kLLLinePayload);
+    const int src = (line * kLineLanes + o / 16) & 31;
+    const int x = __shfl_sync(0xffffffffu, int(v.x), src);
+    const int y = __shfl_sync(0xffffffffu, int(v.y), src);
+    const int z = __shfl_sync(0xffffffffu, int(v.z), src);
+    const int w = __shfl_sync(0xffffffffu, int(v.w), src);
+    const bool upper = (o & 15) != 0;
+    out[2 * h] = upper ? z : x;
+    out[2 * h + 1] = upper ? w : y;
+  }
+  return int4{out[0], out[1], out[2], out[3]};
+}
+
 // prefix: E + 1 ints of shared memory (over (local expert, source position), expert-major).
 //
 // Work is dealt by record piece, not by output row: a warp loads a piece of record (s, t)
-// (vecs 16-byte loads per lane) and the record's K pair headers in one round, before the
-// counts' scan is done, then stores the piece into the row of every pair of the record kept
-// here. So the only loads after the scan are those of later units, and a record is read once
-// however many of its pairs this rank holds (rather than counts, scan, index entry, record:
-// three dependent rounds, and a record read once per pair). Records (kRecords): the piece is
-// stored once, into the record's own row s * M + t, if any of its pairs was kept here; the
-// handle's rows say which record each packed row reads (a template parameter: the stores'
-// loop of the other layouts stays as it was, 0.3 µs a call faster than with a flag there).
+// (vecs blocks of kBlockLines lines per warp) and the record's K pair headers in one round,
+// before the counts' scan is done, then stores the piece into the row of every pair of the
+// record kept here. So the only loads after the scan are those of later units, and a record is
+// read once however many of its pairs this rank holds. Where the call's shape is its parity's
+// last (fresh), nothing waits for the sources' arrival: the counts, the headers and the record
+// lines carry the call's number, and a line found with an older one is loaded again until its
+// stores land. Records (kRecords): the piece is stored once, into the record's own row
+// s * M + t, if any of its pairs was kept here; the handle's rows say which record each packed
+// row reads (a template parameter: the stores' loop of the other layouts stays as it was).
+// send: the send of the same kernel whose closing was deferred to this one (a fresh call),
+// else nullptr.
 template <bool kPuts, bool kRecords>
-__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n) {
+__device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n,
+                                 bool fresh, const LLDispatchSendArgs* send = nullptr) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
   LLControl* mine = ll_control(ctx, me);
+  const char* op = "low_latency_dispatch (receive)";
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
-  if (warp == 0)
-    warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, "low_latency_dispatch (receive)",
-                    "rows sent");
+  if (!fresh && warp == 0)
+    warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, op, "rows sent");
   __syncthreads();
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* words = ll_base(ctx, me) + at.words;
   const char* data = ll_base(ctx, me) + at.data;
-  const int32_t* counts = reinterpret_cast<const int32_t*>(words + a.plan.counts);
+  const uint64_t* counts = reinterpret_cast<const uint64_t*>(words + a.plan.counts);
   const uint64_t* headers = reinterpret_cast<const uint64_t*>(words + a.plan.headers);
+  const uint32_t tag = uint32_t(n);
 
-  // Units: (record, piece) of every record, by source position. A piece is
-  // `vecs` 16-byte loads per lane, as many as make one unit per warp of the grid (at most
-  // kReceiveVecs); unaligned rows: whole records, copied by copy_record.
-  const bool vec = ((a.row_bytes | a.plan.data_offset | a.plan.record_stride |
-                     reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0;
-  const int row_vecs = int(a.row_bytes / 16), chunks = (row_vecs + 31) / 32;
+  // Units: (record, piece) of every record, by source position. A piece is `vecs` blocks of
+  // kBlockLines lines, as many as make one unit per warp of the grid (at most kReceiveVecs);
+  // rows whose payload does not split into 16-byte chunks: whole records, byte by byte.
+  // (the FP8 scales need only 4-byte alignment: where their rows are not 16-byte multiples
+  // they are stored 4 bytes at a time)
+  const bool vec = ((a.row_bytes | reinterpret_cast<uintptr_t>(a.out_x)) & 15) == 0 &&
+                   ((a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_scales)) & 3) == 0;
+  const bool scales16 = ((a.scale_bytes | reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
+  const int record_lines = int(a.plan.record_lines);
+  const int blocks = (record_lines + kBlockLines - 1) / kBlockLines;
   const int grid_warps = int(gridDim.x) * kWarps;
   const int records = R * T;
-  const int vecs = vec ? min(kReceiveVecs, max(1, (records * chunks + grid_warps - 1) / grid_warps))
+  const int vecs = vec ? min(kReceiveVecs, max(1, (records * blocks + grid_warps - 1) / grid_warps))
                        : 0;
-  const int pieces = vec ? (chunks + vecs - 1) / vecs : 1;
+  const int pieces = vec ? (blocks + vecs - 1) / vecs : 1;
   const int units = records * pieces;
-  // FP8 scales in one 16-byte load per lane with piece 0 (else copied after the data)
-  const bool scales_together =
-      a.out_scales != nullptr && vec && a.scale_bytes <= 16 * 32 &&
-      ((a.scale_bytes | a.plan.scale_offset | reinterpret_cast<uintptr_t>(a.out_scales)) & 15) == 0;
 
   struct Unit {
     int s, t, piece;
@@ -623,20 +731,21 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     const int record = u / pieces;
     return Unit{source_at(record / T, me, R), record % T, u % pieces};
   };
+  auto record_of = [&](const Unit& w) {
+    return data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
+  };
   auto load_unit = [&](int u, ReceiveUnit& x) {
     const Unit w = unit_at(u);
-    const size_t r = size_t(w.s) * M + w.t;
-    x.header = lane < K ? __ldcg(headers + r * K + lane) : 0;
+    x.header = lane < K ? load_relaxed(headers + (size_t(w.s) * M + w.t) * K + lane) : 0;
     if (!vec) return;
-    const char* rec = data + a.plan.records + r * a.plan.record_stride;
-    const int4* src = reinterpret_cast<const int4*>(rec + a.plan.data_offset);
+    const char* rec = record_of(w);
 #pragma unroll
     for (int j = 0; j < kReceiveVecs; ++j) {
-      const int i = (w.piece * vecs + j) * 32 + lane;
-      if (j < vecs && i < row_vecs) x.data[j] = __ldcg(src + i);
+      const int line = (w.piece * vecs + j) * kBlockLines + lane / kLineLanes;
+      if (j < vecs && line < record_lines)
+        x.parts[j] =
+            load_line_part(rec + kLLLineBytes * size_t(line) + 16 * (lane % kLineLanes));
     }
-    if (w.piece == 0 && scales_together && lane * 16 < int(a.scale_bytes))
-      x.scales = __ldcg(reinterpret_cast<const int4*>(rec + a.plan.scale_offset) + lane);
   };
 
   // the first unit's loads go out before the counts' (a load's first use stalls the thread)
@@ -645,7 +754,8 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   if (u < units) load_unit(u, x);
   for (int i = tid; i < E; i += blockDim.x) {
     const int l = i / R, s = source_at(i % R, me, R);
-    prefix[i] = min(max(__ldcg(counts + s * L + l), 0), M);
+    const int c = int(wait_tagged(ctx, counts + s * L + l, tag, op, "pair counts", s));
+    prefix[i] = min(max(c, 0), M);
   }
   __syncthreads();
   block_exclusive_scan(prefix, E);
@@ -670,17 +780,20 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   }
 
   // lane k: the output row of pair k of record (s, .) if it was kept here in this call (a
-  // header from an earlier call, one naming another rank's expert (a source on another node
-  // puts all its headers), or one naming rows outside the source's count, is skipped)
-  const uint32_t tag = uint32_t(n);
-  auto pair_row = [&](uint64_t header, int s) {
-    if (lane >= K || uint32_t(header >> 32) != tag) return -1;
+  // header naming another rank's expert (a source on another node puts all its headers), or
+  // one naming rows outside the source's count, is skipped); a header still showing an older
+  // call is loaded again until this call's lands (every source writes every header)
+  auto pair_row = [&](uint64_t header, const Unit& w) {
+    if (lane >= K) return -1;
+    if (uint32_t(header >> 32) != tag)
+      header = wait_tagged(ctx, headers + (size_t(w.s) * M + w.t) * K + lane, tag, op,
+                           "pair headers", w.s);
     const uint32_t pos = uint32_t(header);
     if (pos == kNoPosition) return -1;
     const uint32_t l = pos / uint32_t(M) - uint32_t(me * L);  // expert - first one here
     const int slot = int(pos % uint32_t(M));
     if (l >= uint32_t(L)) return -1;
-    const int j = int(l) * R + position_of(s, me, R);
+    const int j = int(l) * R + position_of(w.s, me, R);
     if (slot >= prefix[j + 1] - prefix[j]) return -1;
     if (packed) return prefix[j] + slot < used ? prefix[j] + slot : -1;
     return int(l) * RM + (prefix[j] - prefix[l * R]) + slot;
@@ -696,23 +809,35 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
     if (lane < K) a.pair_row[(size_t(s) * T + t) * K + lane] = row;
   };
-  // Unaligned rows: whole records, one pair's row after another. A loop of its own: with
-  // copy_record inside the vector loop the unit's registers stayed live and spilled.
+  // Unaligned rows: whole records, line by line, each payload byte to its row. A loop of its
+  // own: slow, and rare (rows of a size or address not a multiple of 16 bytes).
   if (!vec) {
     for (; u < units; u += grid_warps) {
       const Unit w = unit_at(u);
-      const int row = pair_row(x.header, w.s);
+      const int row = pair_row(x.header, w);
       mark_source(row, w.s, w.t);
-      const char* rec = data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
-           pairs &= pairs - 1) {
-        const int dst =
-            kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
-        copy_record(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes,
-                    a.out_scales != nullptr
-                        ? reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes
-                        : nullptr,
-                    rec, a.plan, a.row_bytes, a.scale_bytes, lane);
+      const char* rec = record_of(w);
+      for (unsigned left = __ballot_sync(0xffffffffu, row >= 0); left != 0; left &= left - 1) {
+        const int dst = kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(left) - 1);
+        for (int i0 = 0; i0 < record_lines * kLineLanes; i0 += 32) {  // warp-uniform
+          const int line = (i0 + lane) / kLineLanes, part = lane % kLineLanes;
+          const bool need = line < record_lines;
+          const char* at_part = rec + kLLLineBytes * size_t(line) + 16 * part;
+          uint4 v = need ? load_line_part(at_part) : uint4{};
+          wait_line(ctx, at_part, v, need, tag, op, "rows sent", w.s);
+          if (!need) continue;
+          const uint32_t payload[4] = {v.x, v.y, v.z, v.w};
+          const int bytes = part == kLineLanes - 1 ? 8 : 16;
+          for (int b = 0; b < bytes; ++b) {
+            const size_t off = kLLLinePayload * size_t(line) + 16 * part + b;
+            const char byte = reinterpret_cast<const char*>(payload)[b];
+            if (off < a.row_bytes)
+              static_cast<char*>(a.out_x)[size_t(dst) * a.row_bytes + off] = byte;
+            else if (off < a.plan.payload_bytes)
+              reinterpret_cast<char*>(a.out_scales)[size_t(dst) * a.scale_bytes + off -
+                                                    a.row_bytes] = byte;
+          }
+        }
         if (kRecords) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
@@ -720,40 +845,58 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   } else {
     for (; u < units; u += grid_warps) {
       const Unit w = unit_at(u);
-      const int row = pair_row(x.header, w.s);
+      const int row = pair_row(x.header, w);
       if (w.piece == 0) mark_source(row, w.s, w.t);
-      for (unsigned pairs = __ballot_sync(0xffffffffu, row >= 0); pairs;
-           pairs &= pairs - 1) {
-        const int dst =
-            kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(pairs) - 1);
-        int4* out =
-            reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes);
+      const unsigned pairs = __ballot_sync(0xffffffffu, row >= 0);
+      if (pairs != 0) {
+        // the piece's lines of this call (loaded again until they land), as 16-byte chunks
+        const char* rec = record_of(w);
+        int4 chunk[kReceiveVecs];
 #pragma unroll
         for (int j = 0; j < kReceiveVecs; ++j) {
-          const int i = (w.piece * vecs + j) * 32 + lane;
-          if (j < vecs && i < row_vecs) out[i] = x.data[j];
+          if (j >= vecs) break;  // vecs: the same in every lane
+          const int line = (w.piece * vecs + j) * kBlockLines + lane / kLineLanes;
+          wait_line(ctx, rec + kLLLineBytes * size_t(line) + 16 * (lane % kLineLanes),
+                    x.parts[j], line < record_lines, tag, op, "rows sent", w.s);
+          chunk[j] = lines_to_chunk(x.parts[j], lane);
         }
-        if (w.piece == 0 && a.out_scales != nullptr) {
-          char* out_scales = reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes;
-          if (scales_together) {
-            if (lane * 16 < int(a.scale_bytes))
-              reinterpret_cast<int4*>(out_scales)[lane] = x.scales;
-          } else {
-            const char* rec =
-                data + a.plan.records + (size_t(w.s) * M + w.t) * a.plan.record_stride;
-            copy_row<true>(out_scales, rec + a.plan.scale_offset, a.scale_bytes, lane, 32);
+        for (unsigned left = pairs; left != 0; left &= left - 1) {
+          const int dst =
+              kRecords ? w.s * M + w.t : __shfl_sync(0xffffffffu, row, __ffs(left) - 1);
+#pragma unroll
+          for (int j = 0; j < kReceiveVecs; ++j) {
+            const size_t off = size_t(w.piece * vecs + j) * kBlockPayload + 16 * lane;
+            if (j >= vecs || lane >= kBlockPayload / 16 || off >= a.plan.payload_bytes) continue;
+            if (off < a.row_bytes) {
+              *reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + size_t(dst) * a.row_bytes +
+                                       off) = chunk[j];
+              continue;
+            }
+            const size_t at = off - a.row_bytes;
+            char* scales = reinterpret_cast<char*>(a.out_scales) + size_t(dst) * a.scale_bytes;
+            if (scales16) {
+              *reinterpret_cast<int4*>(scales + at) = chunk[j];
+            } else {
+              const int v[4] = {chunk[j].x, chunk[j].y, chunk[j].z, chunk[j].w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+                if (at + 4 * i < a.scale_bytes) reinterpret_cast<int*>(scales + at)[i] = v[i];
+            }
           }
+          if (kRecords) break;  // the record once, whatever its pairs here
         }
-        if (kRecords) break;  // the record once, whatever its pairs here
       }
       if (u + grid_warps < units) load_unit(u + grid_warps, x);
     }
   }
 
-  // every CTA has read what it needed: tell every source its region may be reused
-  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0)
+  // every CTA has read what it needed: tell every source its region may be reused (after a
+  // deferred send's bookkeeping)
+  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0) {
+    if (send != nullptr) finish_dispatch_send(*send, n, true);
     warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpDispatch][n & 1][pe_of(ctx, me)], n,
                       /*every_pe=*/true);
+  }
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
@@ -763,14 +906,19 @@ template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_send_kernel(LLDispatchSendArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_send<kPuts>(a, smem);
+  bool fresh;
+  dispatch_send<kPuts>(a, smem, &fresh);
 }
 
 template <bool kPuts, bool kRecords>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  dispatch_receive<kPuts, kRecords>(a, smem, read_call(a.call));
+  const uint64_t n = read_call(a.call);
+  // whether its send found its parity's last shape (that send has completed: kernel order)
+  const bool fresh = reinterpret_cast<const volatile uint64_t*>(
+                         ll_control(a.ctx, a.ctx.rank)->dispatch_fresh)[n & 1] != 0;
+  dispatch_receive<kPuts, kRecords>(a, smem, n, fresh);
 }
 
 // Send and receive in one launch of a resident grid (the receive half waits for this PE's own
@@ -780,9 +928,10 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
                                                                  LLDispatchReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  const uint64_t n = dispatch_send<kPuts>(send, smem);
+  bool fresh;
+  const uint64_t n = dispatch_send<kPuts>(send, smem, &fresh, /*defer=*/true);
   __syncthreads();  // shared memory is reused; this block's records are written
-  dispatch_receive<kPuts, kRecords>(receive, smem, n);
+  dispatch_receive<kPuts, kRecords>(receive, smem, n, fresh, fresh ? &send : nullptr);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -822,90 +971,148 @@ __device__ __forceinline__ float pair_weight(const LLCombineSendArgs& a, size_t 
                                      "low_latency_combine (send)", "gate words of the owner", s));
 }
 
-// The partial row of one (owner, token) for bytes [off, off + bytes) of the row: the sum over
-// this rank's pairs (ks: the set lanes of `mask`, ascending) of weight * y[row], float32
-// without FMA, rounded to T; every lane of the warp calls it.
-template <typename T>
-__device__ void partial_piece(const LLCombineSendArgs& a, unsigned mask, int my_row,
-                              float my_weight, char* dst, size_t off, size_t bytes, int lane) {
-  constexpr int kBatch = 8;  // rows loaded at once
-  const char* y = static_cast<const char*>(a.y);
-  const bool vec = ((a.row_bytes | off | bytes | reinterpret_cast<uintptr_t>(y) |
-                     reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
-  // the loops run warp-uniformly (the shuffles need every lane); `active` guards the accesses
-  if (vec) {
-    constexpr int kVec = 16 / sizeof(T);
-    // kChunks 16-byte columns per lane, each of every row of a batch loaded in one round: a
-    // piece of 1 KB is one round of loads (docs/design.md, section 6.2)
-    constexpr int kChunks = 2;
-    const size_t chunks = bytes / 16;
-    for (size_t c0 = 0; c0 < chunks; c0 += 32 * kChunks) {
-      float acc[kChunks][kVec];
+// The combine's send sums kLineRounds rounds of four lines a warp together (their loads in
+// flight at once).
+constexpr int kLineRounds = 2;
+constexpr int kWarpLines = kBlockLines * kLineRounds;  // lines of a warp's round
+
+// Whether rows of row_bytes bytes from base may be accessed 8 bytes at a time (a line's
+// payload starts at multiples of 120 bytes: 8-byte aligned, not 16).
+__device__ __forceinline__ bool rows_8_aligned(const void* base, size_t row_bytes) {
+  return ((row_bytes | reinterpret_cast<uintptr_t>(base)) & 7) == 0;
+}
+
+// Bytes [at, at + 4 * kValues) of a row of row_bytes bytes as 32-bit values, those past the
+// row zeros: 8-byte loads (kVec: at and row_bytes multiples of 8), else element by element.
+template <typename T, bool kVec, int kValues>
+__device__ __forceinline__ void load_row_bytes(const char* row, size_t at, size_t row_bytes,
+                                               uint32_t (&v)[kValues]) {
+  if constexpr (kVec) {
 #pragma unroll
-      for (int h = 0; h < kChunks; ++h)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[h][j] = 0.f;
-      for (unsigned m = mask; m != 0;) {
-        int4 raw[kBatch][kChunks];
-        float w[kBatch];
-        int n = 0;
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int k = m != 0 ? __ffs(m) - 1 : 0;  // m is the same in every lane
-          const int row = __shfl_sync(0xffffffffu, my_row, k);
-          w[b] = __shfl_sync(0xffffffffu, my_weight, k);
-          if (m != 0) {
-            const int4* src = reinterpret_cast<const int4*>(y + size_t(row) * a.row_bytes + off);
-#pragma unroll
-            for (int h = 0; h < kChunks; ++h) {
-              const size_t c = c0 + h * 32 + lane;
-              if (c < chunks) raw[b][h] = __ldg(src + c);
-            }
-            m &= m - 1;
-            ++n;
-          }
-        }
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (b >= n) break;
-#pragma unroll
-          for (int h = 0; h < kChunks; ++h) {
-            const T* v = reinterpret_cast<const T*>(&raw[b][h]);
-#pragma unroll
-            for (int j = 0; j < kVec; ++j)
-              acc[h][j] = __fadd_rn(acc[h][j], __fmul_rn(w[b], to_float<T>(v[j])));
-          }
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < kChunks; ++h) {
-        const size_t c = c0 + h * 32 + lane;
-        if (c >= chunks) break;
-        int4 packed;
-        T* o = reinterpret_cast<T*>(&packed);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[h][j]);
-        reinterpret_cast<int4*>(dst)[c] = packed;
-      }
+    for (int q = 0; q < kValues / 2; ++q) {
+      const size_t c = at + 8 * q;
+      const uint2 x = c < row_bytes ? __ldg(reinterpret_cast<const uint2*>(row + c)) : uint2{0, 0};
+      v[2 * q] = x.x, v[2 * q + 1] = x.y;
     }
   } else {
-    const size_t elements = bytes / sizeof(T);
-    for (size_t e0 = 0; e0 < elements; e0 += 32) {
-      const size_t e = e0 + lane;
-      const bool active = e < elements;
-      float acc = 0.f;
-      for (unsigned m = mask; m != 0; m &= m - 1) {
-        const int k = __ffs(m) - 1;
+    T* e = reinterpret_cast<T*>(v);
+    const T* src = reinterpret_cast<const T*>(row);
+    const size_t h0 = at / sizeof(T), H = row_bytes / sizeof(T);
+#pragma unroll
+    for (int j = 0; j < 4 * kValues / int(sizeof(T)); ++j)
+      e[j] = h0 + j < H ? src[h0 + j] : from_float<T>(0.f);
+  }
+}
+
+// The 32-bit values v as bytes [at, at + 4 * count) of a row of row_bytes bytes (count: 2 or 4),
+// those past the row left out (load_row_bytes' inverse).
+template <typename T, bool kVec>
+__device__ __forceinline__ void store_row_bytes(char* row, size_t at, size_t row_bytes,
+                                                const uint32_t (&v)[4], int count) {
+  if constexpr (kVec) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+      if (2 * q < count && at + 8 * q < row_bytes)
+        *reinterpret_cast<uint2*>(row + at + 8 * q) = uint2{v[2 * q], v[2 * q + 1]};
+  } else {
+    const T* e = reinterpret_cast<const T*>(v);
+    T* dst = reinterpret_cast<T*>(row);
+    const size_t h0 = at / sizeof(T), H = row_bytes / sizeof(T);
+#pragma unroll
+    for (int j = 0; j < 16 / int(sizeof(T)); ++j)
+      if (j < count * 4 / int(sizeof(T)) && h0 + j < H) dst[h0 + j] = e[j];
+  }
+}
+
+// The partial row of one (owner, token), lines [l0, l1) of its record: the sum over this
+// rank's pairs (ks: the set lanes of `mask`, ascending) of weight * y[row], float32 without
+// FMA, rounded to T, stored as lines tagged `tag` into the record at `dst` (its line 0); a
+// line's bytes past the row are zeros, and so is every line where mask is 0. Every lane of the
+// warp calls it (the lines' stores and the shuffles need all of them).
+template <typename T, bool kVec>
+__device__ void partial_lines(const LLCombineSendArgs& a, unsigned mask, int my_row,
+                              float my_weight, char* dst, int l0, int l1, uint32_t tag,
+                              int lane) {
+  constexpr int kBatch = 4;                     // rows loaded at once
+  constexpr int kElems = 16 / int(sizeof(T));  // elements of a lane's 16 bytes
+  const char* y = static_cast<const char*>(a.y);
+  const size_t row_bytes = a.row_bytes;
+  const int part = lane % kLineLanes;  // 16-byte part of the line
+  const bool tag_lane = part == kLineLanes - 1;
+  for (int lb = l0; lb < l1; lb += kWarpLines) {  // warp-uniform
+    int line[kLineRounds];
+    size_t at[kLineRounds];
+    bool active[kLineRounds];
+    float acc[kLineRounds][kElems];
+#pragma unroll
+    for (int i = 0; i < kLineRounds; ++i) {
+      line[i] = lb + i * (32 / kLineLanes) + lane / kLineLanes;
+      active[i] = line[i] < l1;
+      at[i] = kLLLinePayload * size_t(line[i]) + 16 * part;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) acc[i][j] = 0.f;
+    }
+    for (unsigned m = mask; m != 0;) {
+      uint32_t raw[kBatch][kLineRounds][4];
+      float wt[kBatch];
+      int got = 0;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int k = m != 0 ? __ffs(m) - 1 : 0;  // m is the same in every lane
         const int row = __shfl_sync(0xffffffffu, my_row, k);
-        const float w = __shfl_sync(0xffffffffu, my_weight, k);
-        if (active) {
-          const T v = reinterpret_cast<const T*>(y + size_t(row) * a.row_bytes + off)[e];
-          acc = __fadd_rn(acc, __fmul_rn(w, to_float<T>(v)));
+        wt[b] = __shfl_sync(0xffffffffu, my_weight, k);
+        if (m != 0) {
+#pragma unroll
+          for (int i = 0; i < kLineRounds; ++i) {
+            // the tag lane's last 8 bytes are the tag's: zeros loaded past the row stand there
+            if (active[i])
+              load_row_bytes<T, kVec, 4>(y + size_t(row) * row_bytes, at[i],
+                                         tag_lane ? min(row_bytes, at[i] + 8) : row_bytes,
+                                         raw[b][i]);
+          }
+          m &= m - 1;
+          ++got;
         }
       }
-      if (active) reinterpret_cast<T*>(dst)[e] = from_float<T>(acc);
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (b >= got) break;
+#pragma unroll
+        for (int i = 0; i < kLineRounds; ++i) {
+          const T* e = reinterpret_cast<const T*>(raw[b][i]);
+#pragma unroll
+          for (int j = 0; j < kElems; ++j)
+            acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(wt[b], to_float<T>(e[j])));
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kLineRounds; ++i) {
+      uint32_t out[4];
+      T* o = reinterpret_cast<T*>(out);
+      const size_t h0 = at[i] / sizeof(T);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j)
+        o[j] = h0 + j < size_t(a.hidden) ? from_float<T>(acc[i][j]) : from_float<T>(0.f);
+      if (tag_lane) out[2] = tag, out[3] = 0;
+      // every lane of a line stores in this one instruction (the line travels whole)
+      if (active[i])
+        store_line_part(dst + kLLLineBytes * size_t(line[i]) + 16 * part,
+                        uint64_t(out[0]) | uint64_t(out[1]) << 32,
+                        uint64_t(out[2]) | uint64_t(out[3]) << 32);
     }
   }
+}
+
+// partial_lines with 8-byte loads where the rows allow them.
+template <typename T>
+__device__ __forceinline__ void partial_row(const LLCombineSendArgs& a, unsigned mask, int my_row,
+                                            float my_weight, char* dst, int l0, int l1,
+                                            uint32_t tag, int lane) {
+  if (rows_8_aligned(a.y, a.row_bytes))
+    partial_lines<T, true>(a, mask, my_row, my_weight, dst, l0, l1, tag, lane);
+  else
+    partial_lines<T, false>(a, mask, my_row, my_weight, dst, l0, l1, tag, lane);
 }
 
 // The tag of this PE's record at owner s (byte offset tag_at of the buffer).
@@ -913,7 +1120,7 @@ template <bool kPuts>
 __device__ __forceinline__ void write_tag(const PeerContext& ctx, int s, size_t tag_at,
                                           uint32_t value) {
   if (off_node<kPuts>(ctx, s)) put_u32(ctx, pe_of(ctx, s), tag_at, value);
-  else *reinterpret_cast<uint32_t*>(ll_base(ctx, s) + tag_at) = value;
+  else store_relaxed_u32(reinterpret_cast<uint32_t*>(ll_base(ctx, s) + tag_at), value);
 }
 
 // Word i of the combine's words section's shape (LLControl::combine_words): where the last call
@@ -921,15 +1128,16 @@ __device__ __forceinline__ void write_tag(const PeerContext& ctx, int s, size_t 
 // below n), else possibly another shape's bytes. Recomputed where used (kernel arguments): kept
 // in registers across the send, it spilled.
 __device__ __forceinline__ uint64_t combine_words_shape(const LLCombineSendArgs& a, int i) {
-  return i == 0 ? uint64_t(uint32_t(a.max_tokens)) << 32 | uint32_t(a.num_tokens)
-                : uint64_t(uint32_t(a.ctx.num_ranks)) << 32 | uint32_t(a.num_topk);
+  return i == 0   ? uint64_t(uint32_t(a.max_tokens)) << 32 | uint32_t(a.num_tokens)
+         : i == 1 ? uint64_t(uint32_t(a.ctx.num_ranks)) << 32 | uint32_t(a.num_topk)
+                  : uint64_t(a.plan.record_stride);
 }
 
 // Returns the call number (every thread). smem: ll_combine_send_smem() bytes. Needs every
 // block resident (LLPlacement): a peer's blocks wait for the gate words that this
 // rank's first blocks write.
 template <bool kPuts>
-__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
+__device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* tagged_out) {
   const PeerContext& ctx = a.ctx;
   const int L = a.num_local_experts, RM = a.rows_per_expert, K = a.num_topk, T = a.num_tokens;
   const int R = ctx.num_ranks, me = ctx.rank;
@@ -942,14 +1150,15 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   if (warp == 0) {  // the region must be free at every destination
     // both parities' shapes, loaded beside the wait (written by sends that have completed, as
     // the call counter: every kernel starts after the one before it)
-    const volatile uint64_t* words = mine->combine_words[0];
-    uint64_t even0 = 0, even1 = 0, odd0 = 0, odd1 = 0;
-    if (lane == 0) even0 = words[0], even1 = words[1], odd0 = words[2], odd1 = words[3];
+    const uint64_t last =
+        lane < 6 ? *(reinterpret_cast<const volatile uint64_t*>(mine->combine_words) + lane) : 0;
     const uint64_t n = warp_enter_send(ctx, kOpCombine, "low_latency_combine (send)");
+    const int j = lane - 3 * int(n & 1);
+    const bool same = j < 0 || j >= 3 || last == combine_words_shape(a, j);
+    const bool all_same = __all_sync(0xffffffffu, same);
     if (lane == 0) {
       call_s = n;
-      fresh_s = (n & 1 ? odd0 : even0) == combine_words_shape(a, 0) &&
-                (n & 1 ? odd1 : even1) == combine_words_shape(a, 1);
+      fresh_s = all_same;
     }
   } else {
     for (int l = tid - 32; l < L; l += blockDim.x - 32)
@@ -967,6 +1176,10 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   }
   const uint64_t n = call_s;
   const bool fresh = fresh_s;
+  // the owners read the partials as they land (no arrival): on one node, where lines land
+  // whole (Transport::whole_lines)
+  const bool tagged = fresh && !kPuts && ctx.whole_lines;
+  *tagged_out = tagged;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   // This rank's weights, as tagged words, into every other rank's buffer (the first blocks'
@@ -1020,22 +1233,27 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
   }
   profile_mark(ctx, kProfLLCombineSend, kWaited);
 
-  // One unit: a piece of the partial row of one (owner, token), owners after this rank first
-  // (their rows cross NVLink: sent first, they overlap the local ones) and this rank last. Each
-  // warp takes a contiguous run of units (pieces of one token mostly: one lookup); pieces are
-  // rounded up so that each warp has at most one unit where kPiece allows (rounded down, 128
-  // tokens of 14 KB made 3584 units of 512 B for 2112 warps: two rounds one after the other).
+  // One unit: a piece (lines [l0, l1)) of the partial row of one (owner, token), owners after
+  // this rank first (their rows cross NVLink: sent first, they overlap the local ones) and this
+  // rank last. Each warp takes a contiguous run of units (pieces of one token mostly: one
+  // lookup); pieces are rounded up so that each warp has at most one unit where kPieceLines
+  // allows (rounded down, 128 tokens of 14 KB made 3584 units for 2112 warps: two rounds one
+  // after the other).
   const size_t warps = size_t(gridDim.x) * kWarps;
   const size_t rows = size_t(R) * T;
-  size_t piece = (a.row_bytes * rows + warps * kPieceQuantum - 1) / (warps * kPieceQuantum) *
-                 kPieceQuantum;
-  piece = piece < kPieceQuantum ? kPieceQuantum : piece > kPiece ? kPiece : piece;
-  const size_t pieces = (a.row_bytes + piece - 1) / piece;
+  const size_t lines = a.plan.record_lines;
+  constexpr size_t kRound = kWarpLines;
+  size_t piece = (lines * rows + warps * kRound - 1) / (warps * kRound) * kRound;
+  piece = piece < kRound ? kRound : piece > kPieceLines ? kPieceLines : piece;
+  const size_t pieces = (lines + piece - 1) / piece;
   const size_t units = rows * pieces, per_warp = (units + warps - 1) / warps;
   // runs dealt block by block (warp w of every block before warp w + 1 of any): every block
   // gets some of the owners' units that cross NVLink, not only the first blocks
   const size_t u_begin = (size_t(warp) * gridDim.x + blockIdx.x) * per_warp;
   const size_t u_end = min(units, u_begin + per_warp);
+  // after a call of another shape (one node): a record of zeros where no pair is here, so that
+  // every record line of this shape shows an older call's number to the next calls
+  const bool zeros = !fresh && !kPuts;
   size_t current = ~size_t(0);
   GateEntry g{-1, 0.f};
   unsigned mask = 0;
@@ -1050,42 +1268,49 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
       if (g.row >= 0) g.weight = pair_weight<kPuts>(a, at.words, n, s, t, lane);
       mask = __ballot_sync(0xffffffffu, g.row >= 0);
     }
-    // the owner sums the records tagged with this call. No pair of (s, t) here: the owner
-    // expects no partial from us; after a call of another shape the tag says so (n - 1), so
-    // that no stale word there shows n by chance.
+    // the owner sums the records tagged with this call: this rank's tag says whether it sent
+    // one (n) or holds no pair of (s, t) (n - 1), written every call where the owner reads the
+    // partials as they land or after a call of another shape (so that no stale word there
+    // shows n by chance), else only with a partial
     const size_t q = u % pieces;
-    if (q == 0 && lane == 0 && (mask != 0 || !fresh_s))
+    if (q == 0 && lane == 0 && (mask != 0 || !fresh || !kPuts))
       write_tag<kPuts>(ctx, s, at.words + a.plan.tags + sizeof(uint32_t) * (size_t(t) * R + me),
                        uint32_t(mask != 0 ? n : n - 1));
-    if (mask == 0) continue;
-    const size_t off = q * piece, bytes = min(piece, a.row_bytes - off);
+    if (mask == 0 && !zeros) continue;
+    const int l0 = int(q * piece), l1 = int(min(lines, q * piece + piece));
     // an owner on another node: the piece is summed into this PE's staging row (s, t), then put
     const bool far = off_node<kPuts>(ctx, s);
-    const size_t record =
-        at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride + off;
+    const size_t record = at.data + a.plan.records + (size_t(t) * R + me) * a.plan.record_stride;
     char* dst = far ? ll_base(ctx, me) + at.data + a.plan.staging +
-                          (size_t(s) * a.max_tokens + t) * a.plan.record_stride + off
+                          (size_t(s) * a.max_tokens + t) * a.plan.record_stride
                     : ll_base(ctx, s) + record;
+    const uint32_t line_tag = uint32_t(mask != 0 ? n : n - 1);
     switch (a.dtype) {
       case LLElement::kBF16:
-        partial_piece<__nv_bfloat16>(a, mask, g.row, g.weight, dst, off, bytes, lane);
+        partial_row<__nv_bfloat16>(a, mask, g.row, g.weight, dst, l0, l1, line_tag, lane);
         break;
-      case LLElement::kF16: partial_piece<__half>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
-      default: partial_piece<float>(a, mask, g.row, g.weight, dst, off, bytes, lane); break;
+      case LLElement::kF16:
+        partial_row<__half>(a, mask, g.row, g.weight, dst, l0, l1, line_tag, lane);
+        break;
+      default: partial_row<float>(a, mask, g.row, g.weight, dst, l0, l1, line_tag, lane); break;
     }
     if (far) {
       __syncwarp();
-      put_warp(ctx, s, record, dst, bytes);
+      put_warp(ctx, s, record + kLLLineBytes * size_t(l0), dst + kLLLineBytes * size_t(l0),
+               kLLLineBytes * size_t(l1 - l0));
     }
   }
 
-  if (ll_last_block(ctx, kCounterCombineSend, true, kPuts) && warp == 0) {
-    if (lane < 2) {  // read by this PE's next call of this parity, after its receive of this one
+  // the last block raises arrived[me] where the owners wait for it (the blocks' fences: its
+  // release carries their stores)
+  if (ll_last_block(ctx, kCounterCombineSend, !tagged, kPuts) && warp == 0) {
+    if (lane < 3) {  // read by this PE's next call of this parity, after its receive of this one
       volatile uint64_t* last = mine->combine_words[n & 1];
       last[lane] = combine_words_shape(a, lane);
     }
     __syncwarp();
-    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
+    if (!tagged)
+      warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
     if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   profile_end(ctx, kProfLLCombineSend);
@@ -1094,136 +1319,114 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem) {
 
 // ----------------------------------------------------------------------------- combine receive
 
-// out[t] = the partials tagged with call n (those of the ranks holding a kept pair of t), added
-// in rank order in float32, rounded. Up to kBatch ranks, every rank's tag and partial are loaded
-// in one round (an untagged record is stale data, read and ignored); with more ranks the tags
-// come first, then the tagged partials, kBatch at a time.
-template <typename T>
+// The tag (token, r) of call n or of the call before it (rank r holds no pair of the token),
+// loaded again until one of them lands; bounded as wait_flag.
+__device__ inline uint32_t wait_combine_tag(const PeerContext& ctx, const uint32_t* p,
+                                            uint32_t v, uint32_t now, int peer) {
+  if (v == now || v == now - 1) return v;
+  const uint64_t start = global_timer_ns();
+  while ((v = load_relaxed_u32(p)) != now && v != now - 1) {
+    if (global_timer_ns() - start > ctx.timeout_ns) {
+      report_timeout(ctx, "low_latency_combine (receive)", "partial row tags", peer, now, v);
+      trap_after_report();
+    }
+  }
+  return v;
+}
+
+// out[t] = the partials of call n added in rank order in float32, rounded: rank r's where its
+// tag (t, r) shows n. Each eight lanes of a warp take one line of the output (a line's payload
+// of one token: 16 bytes a lane, 8 the last) and load, kBatch ranks at a time, every rank's tag
+// and line part in one round. tagged: the owner did not wait for the ranks' arrival, and every
+// rank writes every tag (n - 1: it holds no pair of t), so a tag still showing an older call
+// is loaded again until this call's lands, and so is a line whose tag lane does not show n
+// (all eight lanes again: they load the line in one instruction); else every line of the call
+// has arrived, and a tag other than n is an older call's.
+template <typename T, bool kVec>
 __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, const char* data,
-                            uint64_t n) {
-  const int H = a.hidden;
-  const size_t threads = size_t(gridDim.x) * blockDim.x;
-  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int R = a.ctx.num_ranks;
-  constexpr int kVec = 16 / sizeof(T);
-  T* out = static_cast<T*>(a.out);
+                            uint64_t n, bool tagged) {
+  constexpr int kBatch = 2;  // ranks loaded at once
+  constexpr int kElems = 16 / int(sizeof(T));  // elements of a lane's 16 bytes
+  constexpr int kPerWarp = 32 / kLineLanes;    // lines a warp takes at once
+  const int R = a.ctx.num_ranks, lane = threadIdx.x & 31;
+  const int lines = int(a.plan.record_lines);
+  const size_t warps = size_t(gridDim.x) * (blockDim.x / 32);
+  const size_t units = size_t(a.num_tokens) * lines;
+  char* out = static_cast<char*>(a.out);
+  const size_t out_row = size_t(a.hidden) * sizeof(T);
   const char* records = data + a.plan.records;
   const uint32_t* tags = reinterpret_cast<const uint32_t*>(words + a.plan.tags);
-  const uint32_t tag_now = uint32_t(n);
-  auto partial = [&](int t, int r) { return records + (size_t(t) * R + r) * a.plan.record_stride; };
-  if (H % kVec == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
-    const int per_token = H / kVec;
-    const size_t units = size_t(a.num_tokens) * per_token;
-    // kUnits units per thread with their loads in flight together: with ~2 units a thread
-    // (T = 128, H = 7168 on 132 SMs) that is one round of load latency, not two
-    constexpr int kUnits = 2, kBatch = 4;  // partials of each unit loaded at once
-    const bool together = R <= kBatch;
-    for (size_t u0 = first; u0 < units; u0 += kUnits * threads) {
-      int token[kUnits], column[kUnits];
-      float acc[kUnits][kVec];
+  const uint32_t now = uint32_t(n);
+  const int part = lane % kLineLanes;
+  const bool tag_lane = part == kLineLanes - 1;
+  const size_t first = (size_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * kPerWarp;
+  for (size_t u0 = first; u0 < units; u0 += warps * kPerWarp) {  // warp-uniform
+    const size_t u = u0 + lane / kLineLanes;
+    const bool active = u < units;
+    const int token = active ? int(u / lines) : 0, line = int(u % lines);
+    const uint32_t* tag_at = tags + size_t(token) * R;
+    const size_t at = kLLLineBytes * size_t(line) + 16 * part;
+    auto line_at = [&](int r) {
+      return records + (size_t(token) * R + r) * a.plan.record_stride + at;
+    };
+    float acc[kElems];
 #pragma unroll
-      for (int v = 0; v < kUnits; ++v) {
-        const size_t u = u0 + v * threads;
-        token[v] = u < units ? int(u / per_token) : 0;
-        column[v] = int(u % per_token);
+    for (int j = 0; j < kElems; ++j) acc[j] = 0.f;
+    for (int r0 = 0; r0 < R; r0 += kBatch) {
+      bool use[kBatch];
+      uint4 v[kBatch];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[v][j] = 0.f;
-      }
-      if (together) {
-        uint32_t tag[kUnits][kBatch];
-        int4 raw[kUnits][kBatch];
-#pragma unroll
-        for (int v = 0; v < kUnits; ++v)
-#pragma unroll
-          for (int b = 0; b < kBatch; ++b)
-            if (b < R && u0 + v * threads < units) {
-              tag[v][b] = __ldcg(tags + size_t(token[v]) * R + b);
-              raw[v][b] = __ldcg(reinterpret_cast<const int4*>(partial(token[v], b)) + column[v]);
-            }
-#pragma unroll
-        for (int v = 0; v < kUnits; ++v)
-#pragma unroll
-          for (int b = 0; b < kBatch; ++b) {
-            if (b >= R || u0 + v * threads >= units) break;
-            if (tag[v][b] != tag_now) continue;
-            const T* e = reinterpret_cast<const T*>(&raw[v][b]);
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
-          }
-      } else {
-        for (int r0 = 0; r0 < R; r0 += 32) {  // ranks r0 + bit of `left`, 32 at a time
-          unsigned left[kUnits];
-#pragma unroll
-          for (int v = 0; v < kUnits; ++v) {
-            left[v] = 0;
-            if (u0 + v * threads < units)
-              for (int r = r0; r < R && r < r0 + 32; ++r)
-                left[v] |= unsigned(__ldcg(tags + size_t(token[v]) * R + r) == tag_now) << (r - r0);
-          }
-          while (true) {
-            int4 raw[kUnits][kBatch];
-            int got[kUnits];
-            bool any = false;
-#pragma unroll
-            for (int v = 0; v < kUnits; ++v) {
-              got[v] = 0;
-#pragma unroll
-              for (int b = 0; b < kBatch; ++b) {
-                if (left[v] == 0) break;
-                const int r = r0 + __ffs(left[v]) - 1;
-                left[v] &= left[v] - 1;
-                raw[v][b] =
-                    __ldcg(reinterpret_cast<const int4*>(partial(token[v], r)) + column[v]);
-                got[v] = b + 1;
-              }
-              any = any || got[v] > 0;
-            }
-            if (!any) break;
-#pragma unroll
-            for (int v = 0; v < kUnits; ++v)
-#pragma unroll
-              for (int b = 0; b < kBatch; ++b) {
-                if (b >= got[v]) break;
-                const T* e = reinterpret_cast<const T*>(&raw[v][b]);
-#pragma unroll
-                for (int j = 0; j < kVec; ++j)
-                  acc[v][j] = __fadd_rn(acc[v][j], to_float<T>(e[j]));
-              }
-          }
-        }
+      for (int b = 0; b < kBatch; ++b) {
+        const int r = r0 + b;
+        use[b] = false;
+        if (r >= R || !active) continue;
+        uint32_t tg = load_relaxed_u32(tag_at + r);
+        if (tagged) tg = wait_combine_tag(a.ctx, tag_at + r, tg, now, r);
+        use[b] = tg == now;
+        if (use[b]) v[b] = load_line_part(line_at(r));
       }
 #pragma unroll
-      for (int v = 0; v < kUnits; ++v) {
-        if (u0 + v * threads >= units) break;
-        int4 packed;
-        T* o = reinterpret_cast<T*>(&packed);
+      for (int b = 0; b < kBatch; ++b) {
+        const int r = r0 + b;
+        if (r >= R) break;
+        if (tagged)
+          wait_line(a.ctx, line_at(r), v[b], use[b], now, "low_latency_combine (receive)",
+                    "partial rows", r);
+        if (!use[b]) continue;
+        const T* e = reinterpret_cast<const T*>(&v[b]);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) o[j] = from_float<T>(acc[v][j]);
-        reinterpret_cast<int4*>(out + size_t(token[v]) * H)[column[v]] = packed;
+        for (int j = 0; j < kElems; ++j)
+          if (!tag_lane || j < kElems / 2) acc[j] = __fadd_rn(acc[j], to_float<T>(e[j]));
       }
     }
-  } else {
-    const size_t units = size_t(a.num_tokens) * H;
-    for (size_t u = first; u < units; u += threads) {
-      const int t = int(u / H), h = int(u % H);
-      float acc = 0.f;
-      for (int r = 0; r < R; ++r) {
-        if (__ldcg(tags + size_t(t) * R + r) != tag_now) continue;
-        const T v = __ldcg(reinterpret_cast<const T*>(partial(t, r)) + h);
-        acc = __fadd_rn(acc, to_float<T>(v));
-      }
-      out[u] = from_float<T>(acc);
-    }
+    if (!active) continue;
+    uint32_t packed[4];
+    T* o = reinterpret_cast<T*>(packed);
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) o[j] = from_float<T>(acc[j]);
+    store_row_bytes<T, kVec>(out + size_t(token) * out_row,
+                             kLLLinePayload * size_t(line) + 16 * part, out_row, packed,
+                             tag_lane ? 2 : 4);
   }
 }
 
+// combine_sum with 8-byte stores where the output rows allow them.
+template <typename T>
+__device__ __forceinline__ void combine_out(const LLCombineReceiveArgs& a, const char* words,
+                                            const char* data, uint64_t n, bool tagged) {
+  if (rows_8_aligned(a.out, size_t(a.hidden) * sizeof(T)))
+    combine_sum<T, true>(a, words, data, n, tagged);
+  else
+    combine_sum<T, false>(a, words, data, n, tagged);
+}
+
 template <bool kPuts>
-__device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
+__device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n, bool tagged) {
   const PeerContext& ctx = a.ctx;
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
   LLControl* mine = ll_control(ctx, ctx.rank);
   profile_mark(ctx, kProfLLCombineReceive, kEnter);
-  if (threadIdx.x < 32)
+  if (!tagged && threadIdx.x < 32)
     warp_wait_peers(ctx, mine->arrived[kOpCombine][n & 1], n, "low_latency_combine (receive)",
                     "partial rows sent back");
   __syncthreads();
@@ -1231,9 +1434,9 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n) {
   const char* words = ll_base(ctx, ctx.rank) + at.words;
   const char* data = ll_base(ctx, ctx.rank) + at.data;
   switch (a.dtype) {
-    case LLElement::kBF16: combine_sum<__nv_bfloat16>(a, words, data, n); break;
-    case LLElement::kF16: combine_sum<__half>(a, words, data, n); break;
-    default: combine_sum<float>(a, words, data, n); break;
+    case LLElement::kBF16: combine_out<__nv_bfloat16>(a, words, data, n, tagged); break;
+    case LLElement::kF16: combine_out<__half>(a, words, data, n, tagged); break;
+    default: combine_out<float>(a, words, data, n, tagged); break;
   }
   if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
     warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpCombine][n & 1][pe_of(ctx, ctx.rank)], n,
@@ -1247,7 +1450,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
                                                                 LLCombineReceiveArgs receive) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  combine_receive<kPuts>(receive, combine_send<kPuts>(send, smem));
+  bool tagged;
+  const uint64_t n = combine_send<kPuts>(send, smem, &tagged);
+  combine_receive<kPuts>(receive, n, tagged);
 }
 
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
@@ -1316,7 +1521,7 @@ cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& a, cudaStream_t st
                          ? a.num_tokens
                          : (a.num_experts + kSlotWarps - 1) / kSlotWarps;
   const int grid = wanted < a.num_blocks ? wanted : a.num_blocks;
-  const size_t smem = ll_dispatch_send_smem(a.num_tokens, a.num_topk, a.num_experts, a.cached);
+  const size_t smem = ll_dispatch_send_smem(a);
   auto kernel =
       a.ctx.spans_nodes ? ll_dispatch_send_kernel<true> : ll_dispatch_send_kernel<false>;
   const cudaError_t status = allow_shared_memory(reinterpret_cast<const void*>(kernel), smem);
@@ -1337,8 +1542,7 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream,
                                LLPlacement placement) {
-  const size_t send_smem = ll_dispatch_send_smem(send.num_tokens, send.num_topk, send.num_experts,
-                                                 send.cached);
+  const size_t send_smem = ll_dispatch_send_smem(send);
   const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
   const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
   const void* kernel = reinterpret_cast<const void*>(

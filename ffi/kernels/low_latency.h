@@ -68,6 +68,9 @@ struct LLDispatchSendArgs {
   size_t row_bytes;           // bytes of a sent row (FP8: hidden)
   size_t scale_bytes;         // FP8: hidden / 128 floats, else 0
   int num_blocks;
+  // shared memory: a record's payload staged per group of token warps (ll_plan_dispatch_stages)
+  size_t stage_offset, stage_bytes;
+  int stage_groups;
   const void* x;
   const int32_t* topk_idx;
   const int32_t* slots_in;    // cached: the handle's send_slot
@@ -133,13 +136,34 @@ inline size_t ll_combine_send_smem(int num_local_experts) {
 }
 
 // Dynamic shared memory of the dispatch send: the pairs' expert ids (and, cached, the
-// handle's slots), staged for the slot scans.
-// The pairs' ids (and, cached, the handle's slots), then two counts per expert.
-inline size_t ll_dispatch_send_smem(int num_tokens, int num_topk, int num_experts, bool cached) {
+// handle's slots), then two counts per expert (for the slot scans), then the token groups'
+// record stages (ll_plan_dispatch_stages).
+inline size_t ll_dispatch_ids_smem(int num_tokens, int num_topk, int num_experts, bool cached) {
   return sizeof(int32_t) * (size_t(num_tokens) * num_topk * (cached ? 2 : 1) +
                             2 * size_t(num_experts));
 }
+inline size_t ll_dispatch_send_smem(const LLDispatchSendArgs& a) {
+  return a.stage_offset + a.stage_bytes * size_t(a.stage_groups);
+}
 constexpr size_t kLLMaxSendSmem = 200 * 1024;  // what the launchers allow
+
+// The stages of a's records in the send's shared memory (after the ids): one record's payload
+// in whole lines per group of token warps, as many groups as a block of num_blocks has tokens
+// and as fit (a power of two, at most 8); false where not even one fits.
+inline bool ll_plan_dispatch_stages(LLDispatchSendArgs* a) {
+  const size_t ids = ll_dispatch_ids_smem(a->num_tokens, a->num_topk, a->num_experts, a->cached);
+  const int blocks = a->num_blocks > 0 ? a->num_blocks : 1;
+  const int per_block = (a->num_tokens + blocks - 1) / blocks;
+  a->stage_offset = align_up(ids, 16);
+  a->stage_bytes = align_up(a->plan.record_lines * kLLLinePayload, 16);
+  a->stage_groups = 0;
+  for (int g = 8; g >= 1; g /= 2)
+    if ((g == 1 || g <= per_block) && a->stage_offset + a->stage_bytes * size_t(g) <= kLLMaxSendSmem) {
+      a->stage_groups = g;
+      break;
+    }
+  return a->stage_groups > 0;
+}
 
 cudaError_t launch_ll_dispatch_send(const LLDispatchSendArgs& args, cudaStream_t stream);
 cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& args, cudaStream_t stream);

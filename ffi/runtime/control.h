@@ -140,7 +140,6 @@ constexpr int kLLOps = 2;  // 0: dispatch (and cached dispatch), 1: combine
 struct LLControl {
   uint64_t calls[kLLOps];          // calls of each op started by this PE's send kernels
   uint32_t block_counter[8];       // "last block" arrival counters, one per kernel
-  uint32_t dropped_pairs;          // the running dispatch send's pairs past max_tokens
   // arrived[op][parity][s] = n: PE s has written all its data of call n into this buffer
   uint64_t arrived[kLLOps][2][kMaxRanks];
   // consumed[op][parity][d] = n: PE d has finished the receive of its call n (raised at every
@@ -151,9 +150,20 @@ struct LLControl {
   // another shape's bytes (combine_words below), else they are tagged words, which need no flag
   uint64_t gates[kMaxRanks];
   // combine_words[parity] = the shape of this PE's last combine call of that parity ({M << 32
-  // | T, R << 32 | K}): a call of the same shape finds, at its gate words and tags, only words
-  // of older calls. The same on every PE (every PE runs every call, with the same shapes).
-  uint64_t combine_words[2][2];
+  // | T, R << 32 | K, record stride}): a call of the same shape finds, at its gate words, tags
+  // and record lines, only tags of older calls. The same on every PE (every PE runs every
+  // call, with the same shapes).
+  uint64_t combine_words[2][3];
+  // dispatch_words[parity] = the shape of this PE's last dispatch send of that parity ({M << 32
+  // | T, R << 32 | K, E << 32 | record stride}): a call of the same shape finds, wherever a
+  // source may write in its region, only tags of older calls of this shape (a call
+  // of another shape writes every record at every rank), and reads them as they land, without
+  // the sources' arrival. The same on every PE (every PE runs every call, with the same
+  // shapes).
+  uint64_t dispatch_words[2][3];
+  // dispatch_fresh[parity] = 1 where this PE's last dispatch send of that parity found the
+  // shape of the one before it (so its receive reads the words as they land), else 0
+  uint64_t dispatch_fresh[2];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {

@@ -9,6 +9,8 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -201,6 +203,73 @@ void** map_peers(void* local, int me, int n, const std::vector<int>& node_of,
   return peers_device;
 }
 
+// Whether the GPUs with PCI bus ids a and b are joined by NVLink, by NVML (loaded at run time:
+// the driver ships it; false where it is missing or does not know).
+bool nvlink_between(const std::string& a, const std::string& b) {
+  using Init = int (*)();
+  using Shutdown = int (*)();
+  using ByBusId = int (*)(const char*, void**);
+  using P2PStatus = int (*)(void*, void*, int, int*);
+  constexpr int kCapsNvlink = 2, kStatusOk = 0;  // NVML_P2P_CAPS_INDEX_NVLINK, _STATUS_OK
+  static void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) return false;
+  auto init = reinterpret_cast<Init>(dlsym(lib, "nvmlInit_v2"));
+  auto shutdown = reinterpret_cast<Shutdown>(dlsym(lib, "nvmlShutdown"));
+  auto by_bus_id = reinterpret_cast<ByBusId>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+  auto p2p_status = reinterpret_cast<P2PStatus>(dlsym(lib, "nvmlDeviceGetP2PStatus"));
+  if (init == nullptr || shutdown == nullptr || by_bus_id == nullptr || p2p_status == nullptr ||
+      init() != 0)
+    return false;
+  void* da = nullptr;
+  void* db = nullptr;
+  int status = -1;
+  const bool joined = by_bus_id(a.c_str(), &da) == 0 && by_bus_id(b.c_str(), &db) == 0 &&
+                      p2p_status(da, db, kCapsNvlink, &status) == 0 && status == kStatusOk;
+  shutdown();
+  return joined;
+}
+
+// Whether a 128-byte line that one warp instruction stores reaches every PE of this node whole,
+// which the low-latency calls' reads of lines as they land lean on (docs/design.md, section
+// 6.2): as NCCL's LL128 protocol, only over NVLink (or within one GPU); over PCIe a line may
+// land in pieces. Collective over every PE: each publishes its GPU's PCI bus id, then its
+// verdict on its node's pairs, in a small symmetric allocation, and every PE of a node takes
+// the same AND (a sender that raises no arrival beside a receiver that waits for one would
+// hang). A CUDA call that fails here makes the verdict false, never skips a barrier.
+bool lines_land_whole(int me, int n, int device, const std::vector<int>& node_of) {
+  constexpr size_t kId = 32;  // bytes of a PCI bus id ("0000:3b:00.0" and its terminator)
+  char* scratch = static_cast<char*>(nvshmem_malloc(kId + 8));
+  if (scratch == nullptr) fail("could not allocate the runtime's topology exchange");
+  auto peer = [&](int pe) { return static_cast<char*>(nvshmem_ptr(scratch, pe)); };
+  char mine[kId] = {};
+  bool whole = cudaMemset(scratch, 0, kId + 8) == cudaSuccess &&  // a verdict not set reads 0
+               cudaDeviceGetPCIBusId(mine, int(kId), device) == cudaSuccess &&
+               cudaMemcpy(scratch, mine, kId, cudaMemcpyHostToDevice) == cudaSuccess;
+  nvshmem_barrier_all();
+  for (int pe = 0; pe < n && whole; ++pe) {
+    if (pe == me || node_of[pe] != node_of[me]) continue;
+    char theirs[kId] = {};
+    whole = peer(pe) != nullptr &&
+            cudaMemcpy(theirs, peer(pe), kId, cudaMemcpyDeviceToHost) == cudaSuccess;
+    theirs[kId - 1] = 0;
+    whole = whole && (std::strcmp(mine, theirs) == 0 || nvlink_between(mine, theirs));
+  }
+  const char verdict = whole ? 1 : 0;
+  if (cudaMemcpy(scratch + kId, &verdict, 1, cudaMemcpyHostToDevice) != cudaSuccess)
+    whole = false;  // the peers read the 0 set above
+  nvshmem_barrier_all();
+  for (int pe = 0; pe < n; ++pe) {
+    if (pe == me || node_of[pe] != node_of[me]) continue;
+    char theirs = 0;
+    whole = whole && peer(pe) != nullptr &&
+            cudaMemcpy(&theirs, peer(pe) + kId, 1, cudaMemcpyDeviceToHost) == cudaSuccess &&
+            theirs != 0;
+  }
+  nvshmem_barrier_all();  // every PE has read before any frees
+  nvshmem_free(scratch);
+  return whole;
+}
+
 // The stream and events of the copy-engine paths (non-blocking: it orders only by events).
 void create_copy_engine_stream() {
   check_cuda(cudaStreamCreateWithFlags(&g_copy_stream, cudaStreamNonBlocking),
@@ -306,6 +375,7 @@ void initialize(const InitOptions& options) {
     }
   }
   nvshmem_barrier_all();
+  const bool whole_lines = lines_land_whole(me, n, options.local_device, g_node_of);
 
   g_device = options.local_device;
   g_peers_device = peers_device;
@@ -322,6 +392,7 @@ void initialize(const InitOptions& options) {
   g_transport.node_of = g_node_of.data();
   g_transport.spans_nodes = false;
   for (int pe = 0; pe < n; ++pe) g_transport.spans_nodes |= g_node_of[pe] != g_node_of[me];
+  g_transport.whole_lines = whole_lines;
   g_transport.copy_stream = g_copy_stream;
   g_transport.copy_fork = g_copy_fork;
   g_transport.copy_join = g_copy_join;

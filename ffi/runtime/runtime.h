@@ -35,6 +35,10 @@ struct Transport {
   void* const* host_peers = nullptr;
   const int* node_of = nullptr;  // host array [num_ranks]: the node of every PE
   bool spans_nodes = false;      // some PE is on another node than this one
+  // A 128-byte line one warp instruction stores reaches every PE of this node whole: every two
+  // GPUs of the node joined by NVLink, or one GPU (the same on every PE of the node). Where
+  // not, the low-latency calls never read lines as they land (lines_land_whole, runtime.cc).
+  bool whole_lines = false;
   // Copy-engine paths: the stream their cached graphs launch on, the event that lets it start
   // after the caller's stream, and the event the caller's stream waits on at the end.
   CUstream_st* copy_stream = nullptr;

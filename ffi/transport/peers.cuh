@@ -35,6 +35,8 @@ struct PeerContext {
                            // calls: transport/puts.cuh); false in the normal mode
   // XLA's allocation of every PE of this node mapped here, indexed by PE (nullptr: none).
   const XlaWindow* xla = nullptr;
+  // Transport::whole_lines: the low-latency calls may read record lines as they land.
+  bool whole_lines = false;
 };
 
 // Peer PE's address a (in its own address space, inside its XLA allocation) as mapped here.
@@ -195,6 +197,30 @@ __device__ inline uint32_t wait_tagged(const PeerContext& ctx, const uint64_t* p
     }
   }
   return uint32_t(v);
+}
+
+__device__ __forceinline__ void store_relaxed_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_relaxed_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// 16 bytes of a line (kLLLineBytes): lane j of eight stores or loads bytes [16 j, 16 j + 16),
+// all eight in one instruction (the line travels whole).
+__device__ __forceinline__ void store_line_part(void* p, uint64_t lo, uint64_t hi) {
+  asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 load_line_part(const void* p) {
+  uint64_t lo, hi;
+  asm volatile("ld.relaxed.sys.global.v2.b64 {%0, %1}, [%2];"
+               : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+  return make_uint4(uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32));
 }
 
 // Two 64-bit values (addresses) as four words tagged with `call`, their low halves first: a
