@@ -5,28 +5,33 @@
 //   dispatch send     every block numbers the pairs of its experts (several warps per
 //                     expert, ids staged in shared memory): each pair's per-(source, expert)
 //                     slot, its header (me, token, k) -> (call, local expert, slot) and the
-//                     expert's count, written into its rank; meanwhile every block takes whole
-//                     tokens, reads a row once (quantising it
-//                     to FP8 in registers) and stores it with 16-byte stores into record
-//                     (me, token) of each distinct destination rank (once per rank, not per
-//                     expert); the last block raises arrived[me].
-//   dispatch receive  waits for every source; each warp loads a piece of a record with its
-//                     pair headers while the counts are scanned, then stores the piece into
-//                     the row of each of the record's pairs ([L, R*M] blocks, or the
-//                     expert_major layout's packed groups, by source from this rank on, then
-//                     (token, k)), and records each pair's row in the
-//                     handle's pair_row [R][T][K]; then raises consumed[me] at every source.
+//                     expert's count (a tagged word), written into its rank; meanwhile every
+//                     block takes whole tokens, reads a row once (quantising it to FP8 in
+//                     registers), stages the record in shared memory and stores it as tagged
+//                     128-byte lines into record (me, token) of each distinct destination
+//                     rank (once per rank, not per expert). Where the call's shape is not its
+//                     parity's last, or the lines may not land whole (not NVLink), or across
+//                     nodes, the last block also raises arrived[me].
+//   dispatch receive  waits for every source's arrival where the send raised it, else for
+//                     each count, header and line to show this call's number; each warp loads
+//                     a piece of a record with its pair headers while the counts are scanned,
+//                     then stores the piece into the row of each of the record's pairs ([L,
+//                     R*M] blocks, the expert_major layout's packed groups, by source from this
+//                     rank on, then (token, k), or the record's own row), and records each
+//                     pair's row in the handle's pair_row [R][T][K]; then raises consumed[me]
+//                     at every source.
 //   combine send      the blocks write this rank's weights as tagged gate words into every
 //                     other rank's buffer; each warp takes (owner, token) pieces (other
 //                     owners first), finds the rows of the pair in the handle's pair_row
 //                     (local), issues their loads, takes the weights (its own, or the
 //                     owner's words once they carry this call's number), sums its experts'
 //                     rows of that token in k order, weighted (float32, no FMA), and stores
-//                     the partial, rounded to y's dtype, into the owner's record [token][me]:
-//                     one row per (token, rank), not per k.
+//                     the partial, rounded to y's dtype, into the owner's record [token][me]
+//                     as tagged lines: one row per (token, rank), not per k; it writes its tag
+//                     of every (owner, token), n or n - 1 where it holds no pair.
 //   combine receive   adds a token's partials in rank order (float32) and rounds: the
-//                     partials tagged with this call (each expert rank tags the records it
-//                     writes), so it needs no list of ranks built from the gates.
+//                     partials tagged with this call, each line loaded until it lands where
+//                     the dispatch's conditions for skipping the arrival hold, else after it.
 //
 // Across nodes (a job that spans nodes: the kernels' kPuts instantiation): a rank of another
 // node is reached by NVSHMEM puts (transport/puts.cuh), the ranks of this node by stores as

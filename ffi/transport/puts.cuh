@@ -68,11 +68,6 @@ __device__ __forceinline__ void put_u32(const PeerContext& ctx, int pe, size_t o
   nvshmem_uint32_p(reinterpret_cast<uint32_t*>(own_at(ctx, offset)), value, pe);
 }
 
-__device__ __forceinline__ void put_i32(const PeerContext& ctx, int pe, size_t offset,
-                                        int32_t value) {
-  nvshmem_int_p(reinterpret_cast<int*>(own_at(ctx, offset)), value, pe);
-}
-
 // One thread: PE pe's copy of `flag` (a uint64 of this PE's buffer) = value.
 __device__ __forceinline__ void signal_pe(int pe, uint64_t* flag, uint64_t value) {
   nvshmemx_signal_op(flag, value, NVSHMEM_SIGNAL_SET, pe);
