@@ -88,6 +88,7 @@ from timing import (  # noqa: E402
     print_call_profiles,
     print_phases,
     profile_body,
+    progress,
     put,
     seconds_per_call,
     steady_seconds_per_call,
@@ -172,6 +173,7 @@ def main():
             rows.append((name, t * 1e6, nbytes / t / 1e9 if nbytes else float("nan"),
                          steady * 1e6, nbytes / steady / 1e9 if nbytes else float("nan"),
                          gpu["cycle"] if gpu else float("nan"), host))
+            progress(name, t * 1e6, steady * 1e6)
         except Exception as e:  # a failing row must not hide the others
             rows.append((name,) + (float("nan"),) * 6)
             if jax.process_index() == 0:

@@ -98,6 +98,7 @@ from timing import (  # noqa: E402
     print_call_profiles,
     print_phases,
     profile_body,
+    progress,
     put,
     random_routing,
     seconds_per_call,
@@ -361,6 +362,7 @@ def main():
                 gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
                 call_profiles.append((name, gpu))
             rows.append((name, t * 1e6, steady, gpu["cycle"] if gpu else float("nan"), host))
+            progress(name, t * 1e6, steady)
             if kernels and jax.default_backend() == "gpu":
                 details.append((name, kernel_details(looped_f, *a)))
         except Exception as e:  # a failing row must not hide the others

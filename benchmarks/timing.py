@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import time
 from functools import partial
 
@@ -84,6 +85,14 @@ def steady_seconds_per_call(wrap, body, *a, calls, chained, rounds, repeats):
         return float("nan")
     f = wrap(looped(body, calls, chained=chained, rounds=rounds))
     return seconds_per_call(f, *a, calls=calls * rounds, repeats=repeats)
+
+
+def progress(name, us, steady_us):
+    """One line on stderr (process 0) as each row is measured: a run cut short by its time
+    limit still shows the rows it measured (the table comes at the end)."""
+    if jax.process_index() == 0:
+        print(f"measured {name}: {us:.1f} µs per call, {steady_us:.1f} steady", file=sys.stderr,
+              flush=True)
 
 
 def seconds_per_call(f, *a, calls, repeats):
