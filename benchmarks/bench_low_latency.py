@@ -57,8 +57,9 @@ def parse_args():
     p.add_argument("--rows", default="",
                    help="time only the rows whose names contain one of these comma-separated "
                         "pieces (e.g. 'matmul,16 CTAs'), or '|'-separated ones where a piece "
-                        "holds a comma ('matmul alone, on a second stream|send then'); empty: "
-                        "every row")
+                        "holds a comma ('matmul alone, on a second stream|send then'); a "
+                        "piece ending in '$' ends the name ('send FP8 -> matmul -> receive$' "
+                        "leaves out that row's variants); empty: every row")
     p.add_argument("--ffn", type=int, default=0,
                    help="the expert MLP rows (GPU; e.g. 2048, DeepSeek-V3's): the dispatch's "
                         "rows through w_in [H, ffn] and w_out [ffn, H] per local expert, in both "
@@ -343,7 +344,8 @@ def main():
         GPU time of the kernels `marker` picks (None: none); `kernels`: on a GPU also every
         kernel's launch details (how many SMs a GEMM leaves beside it). Rows --rows leaves
         out: skipped."""
-        if wanted and not any(piece in name for piece in wanted):
+        if wanted and not any(name.endswith(piece[:-1]) if piece.endswith("$") else piece in name
+                              for piece in wanted):
             return
         try:
             looped_f = jax.jit(smap(looped(f, args.calls, chained=chained),
