@@ -156,12 +156,18 @@ __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t*
   }
 }
 
-// Exclusive prefix sum of data[0, n) in place, data[n] = total; all threads of the block call
-// it; data is shared memory with n + 1 entries.
-__device__ inline void block_exclusive_scan(int* data, int n) {
+// Exclusive prefix sum of data[0, n) in place, data[n] = total; data is shared memory with
+// n + 1 entries. Thread `tid` of `threads` (whole warps, meeting at named barrier `barrier`;
+// by default the whole block) call it.
+__device__ inline void block_exclusive_scan(int* data, int n, int tid = -1, int threads = 0,
+                                            int barrier = 0) {
   __shared__ int warp_sums[kWarps];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int per = (n + blockDim.x - 1) / blockDim.x;
+  if (tid < 0) {
+    tid = threadIdx.x;
+    threads = blockDim.x;
+  }
+  const int lane = tid & 31, warp = tid >> 5, warps = threads / 32;
+  const int per = (n + threads - 1) / threads;
   const int begin = min(n, tid * per), end = min(n, begin + per);
   int sum = 0;
   for (int i = begin; i < end; ++i) sum += data[i];
@@ -172,25 +178,25 @@ __device__ inline void block_exclusive_scan(int* data, int n) {
     if (lane >= d) incl += v;
   }
   if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
+  group_sync(barrier, threads);
   if (warp == 0) {
-    int w = lane < kWarps ? warp_sums[lane] : 0;
+    int w = lane < warps ? warp_sums[lane] : 0;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
       const int v = __shfl_up_sync(0xffffffffu, w, d);
       if (lane >= d) w += v;
     }
-    if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
+    if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
   }
-  __syncthreads();
+  group_sync(barrier, threads);
   int run = incl - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
   for (int i = begin; i < end; ++i) {
     const int v = data[i];
     data[i] = run;
     run += v;
   }
-  if (tid == blockDim.x - 1) data[n] = run;
-  __syncthreads();
+  if (tid == threads - 1) data[n] = run;
+  group_sync(barrier, threads);
 }
 
 // dst[0, n) = src[0, n) and, if src2 is given, dst2[0, n) = src2[0, n) (shared memory <-
@@ -672,6 +678,26 @@ __device__ __forceinline__ int4 lines_to_chunk(const uint4& v, int lane) {
   return int4{out[0], out[1], out[2], out[3]};
 }
 
+// The pairs' counts of call n, every source's for every local expert (tagged words, loaded
+// again until they show the call), scanned into prefix (E + 1 ints of shared memory, over
+// (local expert, source position), expert-major). Thread `thread` of `threads` (whole warps,
+// meeting at named barrier `barrier`).
+__device__ void receive_counts(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n,
+                               const LLSections& at, int thread, int threads, int barrier) {
+  const PeerContext& ctx = a.ctx;
+  const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, me = ctx.rank;
+  const uint64_t* counts =
+      reinterpret_cast<const uint64_t*>(ll_base(ctx, me) + at.words + a.plan.counts);
+  for (int i = thread; i < E; i += threads) {
+    const int l = i / R, s = source_at(i % R, me, R);
+    const int c = int(wait_tagged(ctx, counts + s * L + l, uint32_t(n),
+                                  "low_latency_dispatch (receive)", "pair counts", s));
+    prefix[i] = min(max(c, 0), M);
+  }
+  group_sync(barrier, threads);
+  block_exclusive_scan(prefix, E, thread, threads, barrier);
+}
+
 // prefix: E + 1 ints of shared memory (over (local expert, source position), expert-major).
 //
 // Work is dealt by record piece, not by output row: a warp loads a piece of record (s, t)
@@ -686,9 +712,12 @@ __device__ __forceinline__ int4 lines_to_chunk(const uint4& v, int lane) {
 // row reads (a template parameter: the stores' loop of the other layouts stays as it was).
 // send: the send of the same kernel whose closing was deferred to this one (a fresh call),
 // else nullptr.
+// counted: prefix already holds the counts' scan (receive_counts, by the fused kernel's slot
+// warps while its token warps send).
 template <bool kPuts, bool kRecords>
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n,
-                                 bool fresh, const LLDispatchSendArgs* send = nullptr) {
+                                 bool fresh, const LLDispatchSendArgs* send = nullptr,
+                                 bool counted = false) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
@@ -699,11 +728,10 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   profile_mark(ctx, kProfLLDispatchReceive, kEnter);
   if (!fresh && warp == 0)
     warp_wait_peers(ctx, mine->arrived[kOpDispatch][n & 1], n, op, "rows sent");
-  __syncthreads();
+  if (!counted) __syncthreads();  // (else the caller's barrier stands here)
   profile_mark(ctx, kProfLLDispatchReceive, kWaited);
   const char* words = ll_base(ctx, me) + at.words;
   const char* data = ll_base(ctx, me) + at.data;
-  const uint64_t* counts = reinterpret_cast<const uint64_t*>(words + a.plan.counts);
   const uint64_t* headers = reinterpret_cast<const uint64_t*>(words + a.plan.headers);
   const uint32_t tag = uint32_t(n);
 
@@ -752,13 +780,7 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
   int u = warp * int(gridDim.x) + int(blockIdx.x);  // units dealt block by block
   ReceiveUnit x;
   if (u < units) load_unit(u, x);
-  for (int i = tid; i < E; i += blockDim.x) {
-    const int l = i / R, s = source_at(i % R, me, R);
-    const int c = int(wait_tagged(ctx, counts + s * L + l, tag, op, "pair counts", s));
-    prefix[i] = min(max(c, 0), M);
-  }
-  __syncthreads();
-  block_exclusive_scan(prefix, E);
+  if (!counted) receive_counts(a, prefix, n, at, tid, blockDim.x, 0);
 
   // expert_major: the groups packed one after another (group l's rows start at prefix[l * R]),
   // bounded by the output's rows; else block l of R*M rows holds group l
@@ -921,6 +943,13 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
   dispatch_receive<kPuts, kRecords>(a, smem, n, fresh);
 }
 
+// Where the fused dispatch's receive keeps its counts' scan: past the send's shared memory
+// (ll_dispatch_send_smem), which the send's token warps may still use while its slot warps
+// scan.
+__host__ __device__ inline size_t ll_fused_prefix_offset(const LLDispatchSendArgs& a) {
+  return (a.stage_offset + a.stage_bytes * size_t(a.stage_groups) + 15) / 16 * 16;
+}
+
 // Send and receive in one launch of a resident grid (the receive half waits for this PE's own
 // arrival, raised by the last block of the send half; LLPlacement). One launch gap less.
 template <bool kPuts, bool kRecords>
@@ -930,8 +959,16 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
   wait_previous_kernel();
   bool fresh;
   const uint64_t n = dispatch_send<kPuts>(send, smem, &fresh, /*defer=*/true);
-  __syncthreads();  // shared memory is reused; this block's records are written
-  dispatch_receive<kPuts, kRecords>(receive, smem, n, fresh, fresh ? &send : nullptr);
+  // the receive's scan past the send's shared memory (ll_fused_prefix_offset): in a fresh
+  // call the slot warps, done numbering, wait for the counts and scan them there while the
+  // token warps still send
+  int* prefix = smem + ll_fused_prefix_offset(send) / sizeof(int);
+  if (fresh && int(threadIdx.x) >= kTokenThreads)
+    receive_counts(receive, prefix, n,
+                   sections_of(n, receive.area_begin, receive.area_end, receive.plan),
+                   int(threadIdx.x) - kTokenThreads, kSlotThreads, kSlotBarrier);
+  __syncthreads();  // this block's records are written, the counts scanned
+  dispatch_receive<kPuts, kRecords>(receive, prefix, n, fresh, fresh ? &send : nullptr, fresh);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -1542,9 +1579,9 @@ cudaError_t launch_ll_dispatch_receive(const LLDispatchReceiveArgs& a, cudaStrea
 cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                const LLDispatchReceiveArgs& receive, cudaStream_t stream,
                                LLPlacement placement) {
-  const size_t send_smem = ll_dispatch_send_smem(send);
-  const size_t receive_smem = sizeof(int) * (size_t(receive.num_experts) + 1);  // its prefix
-  const size_t smem = send_smem > receive_smem ? send_smem : receive_smem;
+  // the send's, then the receive's prefix (ll_dispatch_kernel)
+  const size_t smem =
+      ll_fused_prefix_offset(send) + sizeof(int) * (size_t(receive.num_experts) + 1);
   const void* kernel = reinterpret_cast<const void*>(
       send.ctx.spans_nodes ? (receive.records ? ll_dispatch_kernel<true, true>
                                               : ll_dispatch_kernel<true, false>)
