@@ -14,8 +14,9 @@
 //                     nodes, the last block also raises arrived[me].
 //   dispatch receive  waits for every source's arrival where the send raised it, else for
 //                     each count, header and line to show this call's number; each warp loads
-//                     a piece of a record with its pair headers while the counts are scanned,
-//                     then stores the piece into the row of each of the record's pairs ([L,
+//                     a piece of a record with its pair headers while the counts are scanned
+//                     (in a fused call of its parity's last shape the slot warps scan them
+//                     once they have numbered, while the token warps send), then stores the piece into the row of each of the record's pairs ([L,
 //                     R*M] blocks, the expert_major layout's packed groups, by source from this
 //                     rank on, then (token, k), or the record's own row), and records each
 //                     pair's row in the handle's pair_row [R][T][K]; then raises consumed[me]
