@@ -42,8 +42,9 @@ constexpr int kOpDispatch = 0, kOpCombine = 1;
 // A pair header's position for a pair dropped at its source (slot >= M): names no row
 constexpr uint32_t kNoPosition = 0xffffffffu;
 // block_counter slots of LLControl
-constexpr int kCounterDispatchSend = 0, kCounterDispatchReceive = 1, kCounterCombineSend = 2,
-              kCounterCombineReceive = 3;
+// (the sends' "last to start" counters: whose block may overwrite what every block reads first)
+constexpr int kCounterDispatchSend = 0, kCounterCombineSend = 2, kCounterDispatchStart = 4,
+              kCounterCombineStart = 5;
 
 // Base and control block of rank r of the group in the low-latency buffer.
 __device__ __forceinline__ char* ll_base(const PeerContext& ctx, int r) {
@@ -65,23 +66,20 @@ __device__ __forceinline__ uint64_t read_call(const int32_t* call) {
   return uint64_t(uint32_t(call[0])) | (uint64_t(uint32_t(call[1])) << 32);
 }
 
-// last_block_on the low-latency counter `slot`; fence_writes: false for the receives, whose
-// signal (consumed) only says that the region has been read (else the sends' GPU-scope
-// arrival, their last block's release stores carrying every block's NVLink stores: the last
-// block acquires the others' arrivals first, since lanes other than the one that counted
-// raise peers' flags). puts: the block's puts are completed first (so the last block's
-// signals follow every put of the call).
-__device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool fence_writes = true,
-                                     bool puts = false) {
+// last_block_on the low-latency counter `slot`, for a send's arrival: each block fences its
+// writes, the last block's release stores carry every block's NVLink stores (it acquires the
+// others' arrivals first, since lanes other than the one that counted raise peers' flags).
+// puts: the block's puts are completed first (so the last block's signals follow every put
+// of the call).
+__device__ inline bool ll_last_block(const PeerContext& ctx, int slot, bool puts) {
   if (puts) {
     __syncthreads();
     if (threadIdx.x == 0) quiet_puts();
   }
   return last_block_on(&ll_control(ctx, ctx.rank)->block_counter[slot],
-                       !fence_writes ? BlockFence::kNone
-                       : puts        ? BlockFence::kSystem  // a proxy may read what they staged
-                                     : BlockFence::kGpu,
-                       /*reads_blocks=*/fence_writes);
+                       puts ? BlockFence::kSystem  // a proxy may read what they staged
+                            : BlockFence::kGpu,
+                       /*reads_blocks=*/true);
 }
 
 // Flags of every peer in one round of loads: each lane of the calling warp loads its own
@@ -154,6 +152,43 @@ __device__ inline void warp_signal_peers(const PeerContext& ctx, const uint64_t*
     else if (kPuts)
       signal_pe(pe, const_cast<uint64_t*>(flag), n);
   }
+}
+
+// The whole warp (one warp of block 0 of every low-latency kernel, any time): raises, at every
+// PE, consumed[op] for the receive that a kernel before this one ran (consumed_pending):
+// complete now, as every kernel before this one. A receive so ends with no count of its
+// blocks and no fence; a sender waits for the flag only two calls later.
+template <bool kPuts>
+__device__ inline void warp_raise_consumed(const PeerContext& ctx) {
+  LLControl* mine = ll_control(ctx, ctx.rank);
+  volatile uint64_t* pending = mine->consumed_pending;
+  const uint64_t done[kLLOps] = {pending[kOpDispatch], pending[kOpCombine]};
+  __syncwarp();  // every lane has loaded them before lane 0 clears them
+  for (int op = 0; op < kLLOps; ++op) {
+    if (done[op] == 0) continue;
+    warp_signal_peers<kPuts>(ctx, &mine->consumed[op][done[op] & 1][pe_of(ctx, ctx.rank)],
+                             done[op], /*every_pe=*/true);
+    if ((threadIdx.x & 31) == 0) pending[op] = 0;
+  }
+}
+
+// This kernel's receive of call n of `op`, for the next kernel to raise (the thread that ran
+// warp_raise_consumed in this kernel: program order keeps its clearing before this).
+__device__ __forceinline__ void leave_consumed(const PeerContext& ctx, int op, uint64_t n) {
+  reinterpret_cast<volatile uint64_t*>(ll_control(ctx, ctx.rank)->consumed_pending)[op] = n;
+}
+
+// One thread of each block of a send, once the block has read the call counter and the last
+// calls' shapes (past a barrier after warp 0's loads): counts the block in and returns
+// whether it was the last; that block may then overwrite them with the call's bookkeeping
+// (every block has read them), and resets the counter (the next kernel counts once this one
+// is complete). Called where the thread's warp has time to wait for the count: no block
+// counts or waits at its end.
+__device__ __forceinline__ bool counted_last(const PeerContext& ctx, int slot) {
+  unsigned* counter = &ll_control(ctx, ctx.rank)->block_counter[slot];
+  if (atomicAdd(counter, 1u) != gridDim.x - 1) return false;
+  *counter = 0;
+  return true;
 }
 
 // Exclusive prefix sum of data[0, n) in place, data[n] = total; data is shared memory with
@@ -454,19 +489,16 @@ __device__ __forceinline__ uint64_t dispatch_shape(int M, int T, int R, int K, i
 }
 
 // This PE's bookkeeping of call n, once every block of its send has read the call counter
-// (warp 0 of the last block): the call's shape and freshness for its parity's next send and
-// for a split receive, the call number.
+// (one thread of the block that started last): the call's shape and freshness for its
+// parity's next send and for a split receive, the call number.
 __device__ void finish_dispatch_send(const LLDispatchSendArgs& a, uint64_t n, bool fresh) {
   LLControl* mine = ll_control(a.ctx, a.ctx.rank);
-  const int lane = threadIdx.x & 31;
-  if (lane < 3)  // read by this PE's next send of this parity
-    mine->dispatch_words[n & 1][lane] = dispatch_shape(
-        a.max_tokens, a.num_tokens, a.ctx.num_ranks, a.num_topk, a.num_experts,
-        a.plan.record_stride, lane);
-  if (lane == 0) {
-    mine->dispatch_fresh[n & 1] = fresh ? 1 : 0;
-    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
-  }
+  for (int j = 0; j < 3; ++j)  // read by this PE's next send of this parity
+    mine->dispatch_words[n & 1][j] = dispatch_shape(a.max_tokens, a.num_tokens, a.ctx.num_ranks,
+                                                    a.num_topk, a.num_experts,
+                                                    a.plan.record_stride, j);
+  mine->dispatch_fresh[n & 1] = fresh ? 1 : 0;
+  *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpDispatch]) = n;
 }
 
 // The token warps: every block sends whole tokens, each row once per destination rank (not
@@ -497,6 +529,7 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
 
   if (!token_warp) {  // ids into shared memory while warp 0 checks the region
     if (warp == kTokenWarps) profile_mark_lane0(ctx, kProfLLDispatchSlots, kEnter);
+    if (blockIdx.x == 0 && warp == kWarps - 1) warp_raise_consumed<kPuts>(ctx);
     stage_pair_ids(a, smem, tid - kTokenThreads);
   } else if (warp == 0) {
     // both parities' last shapes, loaded beside the wait (written by sends that have
@@ -607,15 +640,20 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kFirstEnd);
       profile_mark_lane0(ctx, kProfLLDispatchSlots, kLastEnd);
     }
+    // this PE's bookkeeping (the slot warps finish before the token warps)
+    if (tid == kLLThreads - 32 && counted_last(ctx, kCounterDispatchStart))
+      finish_dispatch_send(a, n, is_fresh);
   }
 
   // ---- the last block raises arrived[me] at every destination, where the receive waits for
-  // it (the blocks' fences: its release carries their stores), and this PE's bookkeeping
-  if (defer && is_fresh) {
+  // it (the blocks' fences: its release carries their stores), unless the receive reads the
+  // lines as they land (fresh)
+  if (is_fresh) {
+    if (!defer) allow_next_kernel();
     profile_end(ctx, kProfLLDispatchSend);
     return n;
   }
-  const bool last = ll_last_block(ctx, kCounterDispatchSend, !is_fresh, kPuts);
+  const bool last = ll_last_block(ctx, kCounterDispatchSend, kPuts);
   if (kPuts && last) {
     // this PE's pair headers, staged in its own block [me], to every rank on another node
     const size_t headers = at.words + a.plan.headers + sizeof(uint64_t) * size_t(me) * M * K;
@@ -626,11 +664,8 @@ __device__ uint64_t dispatch_send(const LLDispatchSendArgs& a, int* smem, bool* 
     if (tid == 0) quiet_puts();
     __syncthreads();
   }
-  if (last && warp == 0) {
-    if (!is_fresh)
-      warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
-    finish_dispatch_send(a, n, is_fresh);
-  }
+  if (last && warp == 0)
+    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpDispatch][n & 1][pe_of(ctx, me)], n);
   profile_end(ctx, kProfLLDispatchSend);
   return n;
 }
@@ -710,14 +745,11 @@ __device__ void receive_counts(const LLDispatchReceiveArgs& a, int* prefix, uint
 // stores land. Records (kRecords): the piece is stored once, into the record's own row
 // s * M + t, if any of its pairs was kept here; the handle's rows say which record each packed
 // row reads (a template parameter: the stores' loop of the other layouts stays as it was).
-// send: the send of the same kernel whose closing was deferred to this one (a fresh call),
-// else nullptr.
 // counted: prefix already holds the counts' scan (receive_counts, by the fused kernel's slot
 // warps while its token warps send).
 template <bool kPuts, bool kRecords>
 __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, uint64_t n,
-                                 bool fresh, const LLDispatchSendArgs* send = nullptr,
-                                 bool counted = false) {
+                                 bool fresh, bool counted = false) {
   const PeerContext& ctx = a.ctx;
   const int E = a.num_experts, R = ctx.num_ranks, L = E / R, M = a.max_tokens, RM = R * M;
   const int T = a.num_tokens, K = a.num_topk, me = ctx.rank;
@@ -912,13 +944,9 @@ __device__ void dispatch_receive(const LLDispatchReceiveArgs& a, int* prefix, ui
     }
   }
 
-  // every CTA has read what it needed: tell every source its region may be reused (after a
-  // deferred send's bookkeeping)
-  if (ll_last_block(ctx, kCounterDispatchReceive, /*fence_writes=*/false) && warp == 0) {
-    if (send != nullptr) finish_dispatch_send(*send, n, true);
-    warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpDispatch][n & 1][pe_of(ctx, me)], n,
-                      /*every_pe=*/true);
-  }
+  // the sources learn that the region may be reused from the next kernel of ours
+  // (warp_raise_consumed)
+  allow_next_kernel();
   profile_end(ctx, kProfLLDispatchReceive);
 }
 
@@ -940,6 +968,10 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispa
   // whether its send found its parity's last shape (that send has completed: kernel order)
   const bool fresh = reinterpret_cast<const volatile uint64_t*>(
                          ll_control(a.ctx, a.ctx.rank)->dispatch_fresh)[n & 1] != 0;
+  if (blockIdx.x == 0 && threadIdx.x >= kLLThreads - 32) {
+    warp_raise_consumed<kPuts>(a.ctx);
+    if (threadIdx.x == kLLThreads - 32) leave_consumed(a.ctx, kOpDispatch, n);
+  }
   dispatch_receive<kPuts, kRecords>(a, smem, n, fresh);
 }
 
@@ -959,6 +991,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
   wait_previous_kernel();
   bool fresh;
   const uint64_t n = dispatch_send<kPuts>(send, smem, &fresh, /*defer=*/true);
+  // (the thread that raised the consumed flags left pending in dispatch_send)
+  if (blockIdx.x == 0 && threadIdx.x == kLLThreads - 32) leave_consumed(send.ctx, kOpDispatch, n);
   // the receive's scan past the send's shared memory (ll_fused_prefix_offset): in a fresh
   // call the slot warps, done numbering, wait for the counts and scan them there while the
   // token warps still send
@@ -968,7 +1002,7 @@ __global__ void __launch_bounds__(kLLThreads) ll_dispatch_kernel(LLDispatchSendA
                    sections_of(n, receive.area_begin, receive.area_end, receive.plan),
                    int(threadIdx.x) - kTokenThreads, kSlotThreads, kSlotBarrier);
   __syncthreads();  // this block's records are written, the counts scanned
-  dispatch_receive<kPuts, kRecords>(receive, prefix, n, fresh, fresh ? &send : nullptr, fresh);
+  dispatch_receive<kPuts, kRecords>(receive, prefix, n, fresh, fresh);
 }
 
 // ----------------------------------------------------------------------------- combine send
@@ -1198,6 +1232,8 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
       fresh_s = all_same;
     }
   } else {
+    // (block 0's last warp: what the kernels before left pending, beside the counts' loads)
+    if (blockIdx.x == 0 && warp == kWarps - 1) warp_raise_consumed<kPuts>(ctx);
     for (int l = tid - 32; l < L; l += blockDim.x - 32)
       count[l] = min(max(__ldg(a.recv_count + l), 0), RM);
   }
@@ -1217,6 +1253,13 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
   // whole (Transport::whole_lines)
   const bool tagged = fresh && !kPuts && ctx.whole_lines;
   *tagged_out = tagged;
+  // this PE's bookkeeping, by the block counted last
+  if (tid == kLLThreads - 32 && counted_last(ctx, kCounterCombineStart)) {
+    volatile uint64_t* last = mine->combine_words[n & 1];
+    for (int j = 0; j < 3; ++j)  // read by this PE's next call of this parity
+      last[j] = combine_words_shape(a, j);
+    *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
+  }
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
 
   // This rank's weights, as tagged words, into every other rank's buffer (the first blocks'
@@ -1338,18 +1381,10 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
     }
   }
 
-  // the last block raises arrived[me] where the owners wait for it (the blocks' fences: its
-  // release carries their stores)
-  if (ll_last_block(ctx, kCounterCombineSend, !tagged, kPuts) && warp == 0) {
-    if (lane < 3) {  // read by this PE's next call of this parity, after its receive of this one
-      volatile uint64_t* last = mine->combine_words[n & 1];
-      last[lane] = combine_words_shape(a, lane);
-    }
-    __syncwarp();
-    if (!tagged)
-      warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
-    if (lane == 0) *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
-  }
+  // unless the owners read the lines as they land (tagged), the last block raises arrived[me]
+  // where they wait for it (the blocks' fences: its release carries their stores)
+  if (!tagged && ll_last_block(ctx, kCounterCombineSend, kPuts) && warp == 0)
+    warp_signal_peers<kPuts>(ctx, &mine->arrived[kOpCombine][n & 1][pe_of(ctx, me)], n);
   profile_end(ctx, kProfLLCombineSend);
   return n;
 }
@@ -1475,9 +1510,9 @@ __device__ void combine_receive(const LLCombineReceiveArgs& a, uint64_t n, bool 
     case LLElement::kF16: combine_out<__half>(a, words, data, n, tagged); break;
     default: combine_out<float>(a, words, data, n, tagged); break;
   }
-  if (ll_last_block(ctx, kCounterCombineReceive, /*fence_writes=*/false) && threadIdx.x < 32)
-    warp_signal_peers<kPuts>(ctx, &mine->consumed[kOpCombine][n & 1][pe_of(ctx, ctx.rank)], n,
-                      /*every_pe=*/true);
+  // the owners learn that the region may be reused from the next kernel of ours
+  // (warp_raise_consumed)
+  allow_next_kernel();
   profile_end(ctx, kProfLLCombineReceive);
 }
 
@@ -1489,6 +1524,8 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
   wait_previous_kernel();
   bool tagged;
   const uint64_t n = combine_send<kPuts>(send, smem, &tagged);
+  // (the thread that raised the consumed flags left pending in combine_send)
+  if (blockIdx.x == 0 && threadIdx.x == kLLThreads - 32) leave_consumed(send.ctx, kOpCombine, n);
   combine_receive<kPuts>(receive, n, tagged);
 }
 

@@ -139,12 +139,17 @@ constexpr int kLLOps = 2;  // 0: dispatch (and cached dispatch), 1: combine
 
 struct LLControl {
   uint64_t calls[kLLOps];          // calls of each op started by this PE's send kernels
-  uint32_t block_counter[8];       // "last block" arrival counters, one per kernel
+  uint32_t block_counter[8];       // "last block" and "last to start" counters, one per use
   // arrived[op][parity][s] = n: PE s has written all its data of call n into this buffer
   uint64_t arrived[kLLOps][2][kMaxRanks];
   // consumed[op][parity][d] = n: PE d has finished the receive of its call n (raised at every
   // PE of the job, as done[] above). Both indexed by PE.
   uint64_t consumed[kLLOps][2][kMaxRanks];
+  // consumed_pending[op] = n (0: none): the last kernel of ours that received op ran the
+  // receive of this PE's call n and has not raised consumed[op] for it: the next kernel of
+  // ours does (every kernel of ours starts once the ones before it are complete), so that no
+  // block of a receive counts blocks or fences at its end.
+  uint64_t consumed_pending[kLLOps];
   // gates[s] = n: PE s has written its gate words of combine call n here: put by a PE on
   // another node; stored by a peer of this node only where the call's words section may hold
   // another shape's bytes (combine_words below), else they are tagged words, which need no flag
