@@ -19,8 +19,8 @@
 //                     once they have numbered, while the token warps send), then stores the piece into the row of each of the record's pairs ([L,
 //                     R*M] blocks, the expert_major layout's packed groups, by source from this
 //                     rank on, then (token, k), or the record's own row), and records each
-//                     pair's row in the handle's pair_row [R][T][K]; then raises consumed[me]
-//                     at every source.
+//                     pair's row in the handle's pair_row [R][T][K]; the next kernel of ours
+//                     raises consumed[me] at every source (LLControl::consumed_pending).
 //   combine send      the blocks write this rank's weights as tagged gate words into every
 //                     other rank's buffer; each warp takes (owner, token) pieces (other
 //                     owners first), finds the rows of the pair in the handle's pair_row
@@ -42,8 +42,8 @@
 // experts); counts go as single puts. The combine send puts its gate words whole with a signal
 // (gates[me] at the owner) instead of tagged stores, and sums a partial for such an owner into
 // a staging row of its own region before putting it; tags go as single puts. Every block
-// completes its puts (quiet) before the last-block count, so arrivals and consumed flags,
-// NVSHMEM signals for those PEs, follow every put of the call.
+// completes its puts (quiet) before the last-block count, so arrivals, NVSHMEM signals for
+// those PEs, follow every put of the call (as the consumed flags do, raised by a later kernel).
 //
 // Call numbers come from device-side counters in LLControl advanced by the send kernels; the
 // send returns its number and the receive takes it, so the two calls of one operation may be
