@@ -1408,18 +1408,21 @@ __device__ inline uint32_t wait_combine_tag(const PeerContext& ctx, const uint32
 
 // out[t] = the partials of call n added in rank order in float32, rounded: rank r's where its
 // tag (t, r) shows n. Each eight lanes of a warp take one line of the output (a line's payload
-// of one token: 16 bytes a lane, 8 the last) and load, kBatch ranks at a time, every rank's tag
-// and line part in one round. tagged: the owner did not wait for the ranks' arrival, and every
-// rank writes every tag (n - 1: it holds no pair of t), so a tag still showing an older call
-// is loaded again until this call's lands, and so is a line whose tag lane does not show n
-// (all eight lanes again: they load the line in one instruction); else every line of the call
-// has arrived, and a tag other than n is an older call's.
+// of one token: 16 bytes a lane, 8 the last) in each of kRounds groups and load, kBatch ranks at
+// a time, every group's tags and line parts in one round, the line before its tag is known
+// (with few CTAs, beside a GEMM, the receive is bound by the loads a warp has in flight).
+// tagged: the owner did not wait for the ranks' arrival, and every rank writes every tag
+// (n - 1: it holds no pair of t), so a tag still showing an older call is loaded again until
+// this call's lands, and so is a line whose tag lane does not show n (all eight lanes again:
+// they load the line in one instruction); else every line of the call has arrived, and a tag
+// other than n is an older call's.
 template <typename T, bool kVec>
 __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, const char* data,
                             uint64_t n, bool tagged) {
-  constexpr int kBatch = 2;  // ranks loaded at once
+  constexpr int kBatch = 2;   // ranks loaded at once
+  constexpr int kRounds = 2;  // groups of kPerWarp lines a warp takes at once
   constexpr int kElems = 16 / int(sizeof(T));  // elements of a lane's 16 bytes
-  constexpr int kPerWarp = 32 / kLineLanes;    // lines a warp takes at once
+  constexpr int kPerWarp = 32 / kLineLanes;    // lines a warp takes in a group
   const int R = a.ctx.num_ranks, lane = threadIdx.x & 31;
   const int lines = int(a.plan.record_lines);
   const size_t warps = size_t(gridDim.x) * (blockDim.x / 32);
@@ -1432,53 +1435,72 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, co
   const int part = lane % kLineLanes;
   const bool tag_lane = part == kLineLanes - 1;
   const size_t first = (size_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * kPerWarp;
-  for (size_t u0 = first; u0 < units; u0 += warps * kPerWarp) {  // warp-uniform
-    const size_t u = u0 + lane / kLineLanes;
-    const bool active = u < units;
-    const int token = active ? int(u / lines) : 0, line = int(u % lines);
-    const uint32_t* tag_at = tags + size_t(token) * R;
-    const size_t at = kLLLineBytes * size_t(line) + 16 * part;
-    auto line_at = [&](int r) {
-      return records + (size_t(token) * R + r) * a.plan.record_stride + at;
-    };
-    float acc[kElems];
+  const size_t stride = warps * kPerWarp;  // between a warp's groups
+  for (size_t u0 = first; u0 < units; u0 += kRounds * stride) {  // warp-uniform
+    bool active[kRounds];
+    int token[kRounds], line[kRounds];
+    float acc[kRounds][kElems];
 #pragma unroll
-    for (int j = 0; j < kElems; ++j) acc[j] = 0.f;
-    for (int r0 = 0; r0 < R; r0 += kBatch) {
-      bool use[kBatch];
-      uint4 v[kBatch];
+    for (int i = 0; i < kRounds; ++i) {
+      const size_t u = u0 + i * stride + lane / kLineLanes;
+      active[i] = u < units;
+      token[i] = active[i] ? int(u / lines) : 0;
+      line[i] = int(u % lines);
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int r = r0 + b;
-        use[b] = false;
-        if (r >= R || !active) continue;
-        uint32_t tg = load_relaxed_u32(tag_at + r);
-        if (tagged) tg = wait_combine_tag(a.ctx, tag_at + r, tg, now, r);
-        use[b] = tg == now;
-        if (use[b]) v[b] = load_line_part(line_at(r));
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int r = r0 + b;
-        if (r >= R) break;
-        if (tagged)
-          wait_line(a.ctx, line_at(r), v[b], use[b], now, "low_latency_combine (receive)",
-                    "partial rows", r);
-        if (!use[b]) continue;
-        const T* e = reinterpret_cast<const T*>(&v[b]);
-#pragma unroll
-        for (int j = 0; j < kElems; ++j)
-          if (!tag_lane || j < kElems / 2) acc[j] = __fadd_rn(acc[j], to_float<T>(e[j]));
-      }
+      for (int j = 0; j < kElems; ++j) acc[i][j] = 0.f;
     }
-    if (!active) continue;
-    uint32_t packed[4];
-    T* o = reinterpret_cast<T*>(packed);
+    auto line_at = [&](int i, int r) {
+      return records + (size_t(token[i]) * R + r) * a.plan.record_stride +
+             kLLLineBytes * size_t(line[i]) + 16 * part;
+    };
+    for (int r0 = 0; r0 < R; r0 += kBatch) {
+      // every tag and every line part of the groups' ranks in one round (a line whose tag
+      // says "no partial" is not used; one not yet landed is loaded again below)
+      uint32_t tg[kRounds][kBatch];
+      uint4 v[kRounds][kBatch];
 #pragma unroll
-    for (int j = 0; j < kElems; ++j) o[j] = from_float<T>(acc[j]);
-    store_row_bytes<T, kVec>(out + size_t(token) * out_row,
-                             kLLLinePayload * size_t(line) + 16 * part, out_row, packed,
-                             tag_lane ? 2 : 4);
+      for (int i = 0; i < kRounds; ++i)
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          tg[i][b] = 0;
+          if (r0 + b < R && active[i]) {
+            tg[i][b] = load_relaxed_u32(tags + size_t(token[i]) * R + r0 + b);
+            v[i][b] = load_line_part(line_at(i, r0 + b));
+          }
+        }
+#pragma unroll
+      for (int i = 0; i < kRounds; ++i)
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int r = r0 + b;
+          if (r >= R) break;
+          bool use = false;
+          if (active[i]) {
+            if (tagged)
+              tg[i][b] = wait_combine_tag(a.ctx, tags + size_t(token[i]) * R + r, tg[i][b], now, r);
+            use = tg[i][b] == now;
+          }
+          if (tagged)
+            wait_line(a.ctx, line_at(i, r), v[i][b], use, now, "low_latency_combine (receive)",
+                      "partial rows", r);
+          if (!use) continue;
+          const T* e = reinterpret_cast<const T*>(&v[i][b]);
+#pragma unroll
+          for (int j = 0; j < kElems; ++j)
+            if (!tag_lane || j < kElems / 2) acc[i][j] = __fadd_rn(acc[i][j], to_float<T>(e[j]));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+      if (!active[i]) continue;
+      uint32_t packed[4];
+      T* o = reinterpret_cast<T*>(packed);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) o[j] = from_float<T>(acc[i][j]);
+      store_row_bytes<T, kVec>(out + size_t(token[i]) * out_row,
+                               kLLLinePayload * size_t(line[i]) + 16 * part, out_row, packed,
+                               tag_lane ? 2 : 4);
+    }
   }
 }
 
