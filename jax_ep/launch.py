@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -61,8 +62,48 @@ def _local_gpu_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' local ports from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    # jax.distributed's coordinator listens on every address, IPv4 and IPv6
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            s = socket.socket(family)
+        except OSError:  # no IPv6 here
+            continue
+        with s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A port for the coordinator, free now and outside the ephemeral range: a port the kernel
+    gave to bind(0) is one it may hand to any outgoing connection (the ranks' own, another
+    job's) before rank 0's coordinator binds it, and that rank then fails to start."""
+    low, high = _ephemeral_ports()
+    rng = random.Random()
+    if low > 10_000:  # registered ports below the range
+        for _ in range(200):
+            port = rng.randrange(10_000, low)
+            if _bindable(port):
+                return port
+    elif high < 65_000:  # the range set low: above it
+        for _ in range(200):
+            port = rng.randrange(high + 1, 65_536)
+            if _bindable(port):
+                return port
+    with socket.socket() as s:  # no room outside the range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -72,6 +72,29 @@ def test_an_aborted_rank_is_named_with_its_signal(tmp_path):
     assert "rank 1 exited with -6 (SIGABRT" in out.stderr and "--capture=sys" in out.stderr
 
 
+def test_the_coordinator_port_is_free_and_outside_the_ephemeral_range(monkeypatch):
+    """A port from bind(0) may go to any outgoing connection before rank 0's coordinator binds
+    it; the launcher's own choice is a free one outside the kernel's ephemeral range."""
+    import socket
+
+    from jax_ep import launch
+
+    low, high = launch._ephemeral_ports()
+    for _ in range(20):
+        port = launch._free_port()
+        assert not low <= port <= high and 1024 <= port < 65536
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+    # a range set low: the port comes from above it
+    monkeypatch.setattr(launch, "_ephemeral_ports", lambda: (1024, 40000))
+    assert 40000 < launch._free_port() < 65536
+    # a port taken is not chosen
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        taken = s.getsockname()[1]
+        assert not launch._bindable(taken)
+
+
 def test_not_launched_is_a_no_op():
     from jax_ep import launch
 
