@@ -205,17 +205,22 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
     try:
         arrays = jax.jit(smap(handle_arrays, in_specs=(P(AXIS),) * 2))(x, idx_d)
 
-        def combine_alone(y, w, *h):
-            handle = LowLatencyHandle(*h, config=config)
+        def tuned(blocks):
+            return config if blocks is None else dataclasses.replace(
+                config, tuning=jax_ep.Config(num_blocks=blocks))
+
+        def combine_alone(y, w, *h, blocks=None):
+            handle = LowLatencyHandle(*h, config=tuned(blocks))
             return jax_ep.low_latency_combine(y, w, handle)
 
         record("jax_ep low_latency_combine BF16 (alone)", combine_alone, arrays[0], w,
                *arrays[1:], chained=1)  # returns a row of the gates: y is L*R*M rows
+        if jax.default_backend() == "gpu":  # the one-call combine on the CTAs a split call takes
+            record("jax_ep low_latency_combine BF16 (alone), 16 CTAs",
+                   partial(combine_alone, blocks=16), arrays[0], w, *arrays[1:], chained=1)
 
         def combine_overlapped(x, y, w, weight, *h, blocks=None):
-            handle = LowLatencyHandle(*h, config=config if blocks is None else
-                                      dataclasses.replace(
-                                          config, tuning=jax_ep.Config(num_blocks=blocks)))
+            handle = LowLatencyHandle(*h, config=tuned(blocks))
             pending = jax_ep.low_latency_combine_send(y, w, handle)
             x_after, pending = jax.lax.optimization_barrier((x, pending))
             s = matmul(x_after, None, weight)
