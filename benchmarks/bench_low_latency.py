@@ -227,7 +227,7 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             s, pending = jax.lax.optimization_barrier((s, pending))
             return jax_ep.low_latency_combine_receive(pending, handle), s
 
-        for blocks in ((None, 40, 32, 24, 16) if jax.default_backend() == "gpu" else ()):
+        for blocks in ((None, 40, 32, 24, 16, 8) if jax.default_backend() == "gpu" else ()):
             record("combine send -> matmul -> receive" + (f", {blocks} CTAs" if blocks else ""),
                    partial(combine_overlapped, blocks=blocks), x, arrays[0], w, weight,
                    *arrays[1:], chained=0)
