@@ -149,9 +149,8 @@ class SplitCalls {
     return *one;
   }
 
-  // What a receive launches on the program's stream once it has joined its send's kernel
-  // (discard: the send was never received; nothing may be written to its rows).
-  using Finish = std::function<cudaError_t(cudaStream_t program, bool discard)>;
+  // What a receive launches on the program's stream once it has joined its send's kernel.
+  using Finish = std::function<cudaError_t(cudaStream_t program)>;
 
   // Launches a split send's kernel: launch(stream) with its arguments; `out` (its first result
   // row) names it for its receive, which then runs `finish` (if any) on the program's stream.
@@ -163,7 +162,7 @@ class SplitCalls {
       return err;
     const bool captured = capture != cudaStreamCaptureStatusNone;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (auto err = cuda_error(forget(program, captured, out), op); err.failure()) return err;
+    if (auto err = forget(program, captured, out, op); err.failure()) return err;
     if (captured) {
       if (auto err = cuda_error(launch(program), op); err.failure()) return err;
       pending_.push_back(Pending{out, nullptr, std::move(finish)});
@@ -200,7 +199,7 @@ class SplitCalls {
         events_.push_back(done);
         if (status == cudaSuccess && !in_flight()) KernelStreams::get().joined(program, stream_);
       }
-      if (status == cudaSuccess && finish) status = finish(program, false);
+      if (status == cudaSuccess && finish) status = finish(program);
       return cuda_error(status, op);
     }
     return invalid(std::string(op) + ": its rows are not those of a send in flight: pass the "
@@ -218,22 +217,27 @@ class SplitCalls {
   // A send whose rows XLA placed where an earlier pending call's were: that one was never
   // received (XLA reused its buffer), so it can no longer be. The program's stream waits for
   // its kernel all the same, so that every split kernel off the pending list is behind it
-  // (unless captured: a captured stream cannot wait for work outside its graph), and runs its
-  // finish writing nothing (a combine's sum: the protocol's flags, not its rows).
-  cudaError_t forget(cudaStream_t program, bool captured, const void* out) {
+  // (unless captured: a captured stream cannot wait for work outside its graph). A send whose
+  // receive has work of its own (a combine's sum, which raises the protocol's flags) cannot
+  // be left: an error, as no later call of its op could proceed.
+  ffi::Error forget(cudaStream_t program, bool captured, const void* out, const char* op) {
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (pending_[i].out != out) continue;
       const cudaEvent_t done = pending_[i].done;
-      const Finish finish = std::move(pending_[i].finish);
+      const bool finish = static_cast<bool>(pending_[i].finish);
       pending_.erase(pending_.begin() + static_cast<long>(i));
       cudaError_t status = cudaSuccess;
       if (done != nullptr) {
         events_.push_back(done);
         if (!captured) status = cudaStreamWaitEvent(program, done, 0);
       }
-      return status == cudaSuccess && finish ? finish(program, true) : status;
+      if (finish)
+        return invalid(std::string(op) + ": an earlier split call whose rows were here was "
+                       "never received (its receive sums the partial rows and frees the "
+                       "buffer for the next calls): pass each send's result to one receive");
+      return cuda_error(status, op);
     }
-    return cudaSuccess;
+    return ffi::Error::Success();
   }
 
   bool in_flight() const {
@@ -642,11 +646,7 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
         [&](cudaStream_t on) {
           return launch_ll_combine_send(send, receive.num_blocks, on, LLPlacement::kBesideWork);
         },
-        [sum](cudaStream_t program, bool discard) {
-          LLCombineReceiveArgs a = sum;
-          if (discard) a.out = nullptr;
-          return launch_ll_combine_receive(a, program);
-        });
+        [sum](cudaStream_t program) { return launch_ll_combine_receive(sum, program); });
   }
   LLPlacement placement = LLPlacement::kAlone;
   if (auto err = fused_placement(stream, placement); err.failure()) return err;

@@ -1493,7 +1493,7 @@ __device__ void combine_sum(const LLCombineReceiveArgs& a, const char* words, co
     }
 #pragma unroll
     for (int i = 0; i < kRounds; ++i) {
-      if (!active[i] || out == nullptr) continue;
+      if (!active[i]) continue;
       uint32_t packed[4];
       T* o = reinterpret_cast<T*>(packed);
 #pragma unroll
