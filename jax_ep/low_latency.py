@@ -21,11 +21,12 @@ rows of a token in k order.
 ``*_send`` / ``*_receive`` split each operation in two calls linked by a data dependency, so
 that XLA can schedule independent work (another micro-batch's attention) between them; the
 fused ``low_latency_dispatch`` / ``low_latency_combine`` are differentiable. On CUDA a send
-runs the whole operation on a stream of the extension's own, beside the work that follows it
-on the program's stream (the dispatch 16 CTAs on an H200 and 8 elsewhere, the combine 16,
-unless ``Config(num_blocks=)`` says otherwise: the SMs it holds meanwhile; a send followed at
-once by its receive is faster fused), and its receive only waits for it: pass a pending call
-to one receive, unchanged.
+runs on a stream of the extension's own, beside the work that follows it on the program's
+stream (the dispatch 16 CTAs on an H200 and 8 elsewhere, the combine 16, unless
+``Config(num_blocks=)`` says otherwise: the SMs it holds meanwhile; a send followed at once by
+its receive is faster fused): the dispatch's whole operation, the combine's send, whose
+receive then sums the partial rows on every SM; a receive waits for its send: pass a pending
+call to one receive, unchanged.
 
 On CUDA each operation (dispatch, combine) has two buffer halves used by alternate calls, so
 at most two calls of an op may be in flight: between a ``*_send`` and its ``*_receive`` at most

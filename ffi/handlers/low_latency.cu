@@ -4,6 +4,7 @@
 // device.
 
 #include <algorithm>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -148,22 +149,23 @@ class SplitCalls {
     return *one;
   }
 
-  // Launches a split send's fused kernel: launch(stream) with its arguments; `out` (its first
-  // result row) names it for its receive.
+  // What a receive launches on the program's stream once it has joined its send's kernel.
+  using Finish = std::function<cudaError_t(cudaStream_t program)>;
+
+  // Launches a split send's kernel: launch(stream) with its arguments; `out` (its first result
+  // row) names it for its receive, which then runs `finish` (if any) on the program's stream.
   template <typename Launch>
-  ffi::Error launch(cudaStream_t program, const void* out, const char* op, Launch launch) {
+  ffi::Error launch(cudaStream_t program, const void* out, const char* op, Launch launch,
+                    Finish finish = nullptr) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (auto err = cuda_error(cudaStreamIsCapturing(program, &capture), op); err.failure())
       return err;
+    const bool captured = capture != cudaStreamCaptureStatusNone;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (auto err = cuda_error(forget(capture == cudaStreamCaptureStatusNone ? program : nullptr,
-                                     out),
-                              op);
-        err.failure())
-      return err;
-    if (capture != cudaStreamCaptureStatusNone) {
+    if (auto err = forget(program, captured, out, op); err.failure()) return err;
+    if (captured) {
       if (auto err = cuda_error(launch(program), op); err.failure()) return err;
-      pending_.push_back(Pending{out, nullptr});
+      pending_.push_back(Pending{out, nullptr, std::move(finish)});
       return ffi::Error::Success();
     }
     if (auto err = cuda_error(ready(), op); err.failure()) return err;
@@ -179,7 +181,7 @@ class SplitCalls {
       events_.push_back(done);
       return cuda_error(status, op);
     }
-    pending_.push_back(Pending{out, done});
+    pending_.push_back(Pending{out, done, std::move(finish)});
     return ffi::Error::Success();
   }
 
@@ -189,11 +191,15 @@ class SplitCalls {
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (pending_[i].out != out) continue;
       const cudaEvent_t done = pending_[i].done;
+      const Finish finish = std::move(pending_[i].finish);
       pending_.erase(pending_.begin() + static_cast<long>(i));
-      if (done == nullptr) return ffi::Error::Success();  // ran on the program's stream
-      const cudaError_t status = cudaStreamWaitEvent(program, done, 0);
-      events_.push_back(done);
-      if (status == cudaSuccess && !in_flight()) KernelStreams::get().joined(program, stream_);
+      cudaError_t status = cudaSuccess;
+      if (done != nullptr) {  // (else it ran on the program's stream)
+        status = cudaStreamWaitEvent(program, done, 0);
+        events_.push_back(done);
+        if (status == cudaSuccess && !in_flight()) KernelStreams::get().joined(program, stream_);
+      }
+      if (status == cudaSuccess && finish) status = finish(program);
       return cuda_error(status, op);
     }
     return invalid(std::string(op) + ": its rows are not those of a send in flight: pass the "
@@ -205,22 +211,33 @@ class SplitCalls {
   struct Pending {
     const void* out;
     cudaEvent_t done;  // nullptr: the kernel ran on the program's stream
+    Finish finish;
   };
 
-  // A send whose rows XLA placed where an earlier pending dispatch's were: that one was never
+  // A send whose rows XLA placed where an earlier pending call's were: that one was never
   // received (XLA reused its buffer), so it can no longer be. The program's stream waits for
   // its kernel all the same, so that every split kernel off the pending list is behind it
-  // (`program` null: a captured stream, which cannot wait for work outside its graph).
-  cudaError_t forget(cudaStream_t program, const void* out) {
+  // (unless captured: a captured stream cannot wait for work outside its graph). A send whose
+  // receive has work of its own (a combine's sum, which raises the protocol's flags) cannot
+  // be left: an error, as no later call of its op could proceed.
+  ffi::Error forget(cudaStream_t program, bool captured, const void* out, const char* op) {
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (pending_[i].out != out) continue;
       const cudaEvent_t done = pending_[i].done;
+      const bool finish = static_cast<bool>(pending_[i].finish);
       pending_.erase(pending_.begin() + static_cast<long>(i));
-      if (done == nullptr) return cudaSuccess;
-      events_.push_back(done);
-      return program != nullptr ? cudaStreamWaitEvent(program, done, 0) : cudaSuccess;
+      cudaError_t status = cudaSuccess;
+      if (done != nullptr) {
+        events_.push_back(done);
+        if (!captured) status = cudaStreamWaitEvent(program, done, 0);
+      }
+      if (finish)
+        return invalid(std::string(op) + ": an earlier split call whose rows were here was "
+                       "never received (its receive sums the partial rows and frees the "
+                       "buffer for the next calls): pass each send's result to one receive");
+      return cuda_error(status, op);
     }
-    return cudaSuccess;
+    return ffi::Error::Success();
   }
 
   bool in_flight() const {
@@ -594,8 +611,9 @@ ffi::Error make_combine_receive(const int32_t* call, ffi::Buffer<ffi::S32> topk_
   return ffi::Error::Success();
 }
 
-// Send and receive in one kernel (the fused combine), or, kSplit, a split send's on the
-// extension's stream (SplitCalls), whose receive returns these results.
+// Send and receive in one kernel (the fused combine), or, kSplit, a split send's kernel on the
+// extension's stream (SplitCalls) and its sum on every SM on the program's stream at the
+// receive, which returns these results.
 template <bool kSplit>
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
                         ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> pair_row,
@@ -620,12 +638,16 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer y,
   if (receive.plan.bytes != send.plan.bytes || receive.hidden != send.hidden)
     return invalid("low_latency_combine: the result does not match y");
   receive.ctx.profile = send.ctx.profile;  // one call, one profile row
-  if (kSplit)
-    return SplitCalls::get().launch(stream, receive.out, "low_latency_combine (send)",
-                                    [&](cudaStream_t on) {
-                                      return launch_ll_combine(send, receive, on,
-                                                               LLPlacement::kBesideWork);
-                                    });
+  if (kSplit) {
+    LLCombineReceiveArgs sum = receive;
+    sum.num_blocks = sm_count();  // after the work: every SM
+    return SplitCalls::get().launch(
+        stream, receive.out, "low_latency_combine (send)",
+        [&](cudaStream_t on) {
+          return launch_ll_combine_send(send, receive.num_blocks, on, LLPlacement::kBesideWork);
+        },
+        [sum](cudaStream_t program) { return launch_ll_combine_receive(sum, program); });
+  }
   LLPlacement placement = LLPlacement::kAlone;
   if (auto err = fused_placement(stream, placement); err.failure()) return err;
   return cuda_error(launch_ll_combine(send, receive, stream, placement), "low_latency_combine");

@@ -1258,6 +1258,7 @@ __device__ uint64_t combine_send(const LLCombineSendArgs& a, int* smem, bool* ta
     volatile uint64_t* last = mine->combine_words[n & 1];
     for (int j = 0; j < 3; ++j)  // read by this PE's next call of this parity
       last[j] = combine_words_shape(a, j);
+    reinterpret_cast<volatile uint64_t*>(mine->combine_fresh)[n & 1] = fresh ? 1 : 0;
     *reinterpret_cast<volatile uint64_t*>(&mine->calls[kOpCombine]) = n;
   }
   const LLSections at = sections_of(n, a.area_begin, a.area_end, a.plan);
@@ -1551,6 +1552,32 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_kernel(LLCombineSendArg
   combine_receive<kPuts>(receive, n, tagged);
 }
 
+// A split combine's halves as kernels of their own: the send on the few CTAs it takes beside
+// the program's work, the sum on every SM on the program's stream once that work is done (on
+// few CTAs a warp's dependent rounds of loads bound the sum: ~20 µs of 16 CTAs beside a GEMM).
+template <bool kPuts>
+__global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSendArgs send) {
+  extern __shared__ int smem[];
+  wait_previous_kernel();
+  bool tagged;
+  combine_send<kPuts>(send, smem, &tagged);
+  allow_next_kernel();
+}
+
+template <bool kPuts>
+__global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
+  wait_previous_kernel();
+  const uint64_t n = read_call(a.call);
+  // as its send decided (that send has completed: kernel order)
+  const bool fresh = reinterpret_cast<const volatile uint64_t*>(
+                         ll_control(a.ctx, a.ctx.rank)->combine_fresh)[n & 1] != 0;
+  if (blockIdx.x == 0 && threadIdx.x >= kLLThreads - 32) {
+    warp_raise_consumed<kPuts>(a.ctx);
+    if (threadIdx.x == kLLThreads - 32) leave_consumed(a.ctx, kOpCombine, n);
+  }
+  combine_receive<kPuts>(a, n, fresh && !kPuts && a.ctx.whole_lines);
+}
+
 // Host-side launch facts, looked up once per kernel (and shared-memory size) rather than on
 // every call: in a decode loop the handler's host time is on the critical path whenever the
 // GPU would otherwise run ahead. Handlers may run on several threads, hence the lock.
@@ -1687,6 +1714,21 @@ cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineRece
       send.ctx.spans_nodes ? ll_combine_kernel<true> : ll_combine_kernel<false>);
   return launch_resident(kernel, receive.num_blocks, combine_send_smem(send), args, stream,
                          placement);
+}
+
+cudaError_t launch_ll_combine_send(const LLCombineSendArgs& send, int blocks, cudaStream_t stream,
+                                   LLPlacement placement) {
+  LLCombineSendArgs s = send;
+  void* args[] = {&s};
+  const void* kernel = reinterpret_cast<const void*>(
+      send.ctx.spans_nodes ? ll_combine_send_kernel<true> : ll_combine_send_kernel<false>);
+  return launch_resident(kernel, blocks, combine_send_smem(send), args, stream, placement);
+}
+
+cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& receive, cudaStream_t stream) {
+  auto kernel =
+      receive.ctx.spans_nodes ? ll_combine_receive_kernel<true> : ll_combine_receive_kernel<false>;
+  return launch_after_previous(kernel, receive.num_blocks, kLLThreads, 0, stream, receive);
 }
 
 }  // namespace jax_ep

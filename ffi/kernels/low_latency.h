@@ -193,5 +193,10 @@ cudaError_t launch_ll_dispatch(const LLDispatchSendArgs& send,
                                LLPlacement placement);
 cudaError_t launch_ll_combine(const LLCombineSendArgs& send, const LLCombineReceiveArgs& receive,
                               cudaStream_t stream, LLPlacement placement);
+// A split combine's halves: ll_combine_send_kernel on `blocks` CTAs beside the work, then
+// ll_combine_receive_kernel on receive.num_blocks on the program's stream.
+cudaError_t launch_ll_combine_send(const LLCombineSendArgs& send, int blocks, cudaStream_t stream,
+                                   LLPlacement placement);
+cudaError_t launch_ll_combine_receive(const LLCombineReceiveArgs& receive, cudaStream_t stream);
 
 }  // namespace jax_ep

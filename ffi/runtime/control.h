@@ -169,6 +169,9 @@ struct LLControl {
   // dispatch_fresh[parity] = 1 where this PE's last dispatch send of that parity found the
   // shape of the one before it (so its receive reads the words as they land), else 0
   uint64_t dispatch_fresh[2];
+  // combine_fresh[parity] = 1 where this PE's last combine send of that parity found the
+  // shape of the one before it (so a split receive reads the lines as they land), else 0
+  uint64_t combine_fresh[2];
 };
 
 JAX_EP_HOST_DEVICE inline size_t ll_control_bytes() {
