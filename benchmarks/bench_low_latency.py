@@ -423,8 +423,8 @@ def main():
                 print(f"{name}: {kernel[:48]} {text}")
     if profiles:  # every rank: one rank's receive waits on the others' sends
         print_phases(profiles)
-        if jax.process_index() == 0:
-            print_call_profiles(call_profiles)
+    if jax.process_index() == 0:  # rows of several ops (a split call beside a GEMM) too
+        print_call_profiles(call_profiles)
 
 
 if __name__ == "__main__":

@@ -356,7 +356,7 @@ def call_profile(events, calls, marker=is_ours):
         return None
     starts = ours[::len(ours) // calls] + [len(events)]
     lo, hi = calls // 10, max(calls // 10 + 1, calls - calls // 10 - 1)
-    cycle, mine, other, names = [], [], [], {}
+    cycle, mine, other, names, spans = [], [], [], {}, {}
     for c in range(lo, hi):
         window = events[starts[c]:starts[c + 1]]
         if starts[c + 1] == len(events):
@@ -364,15 +364,21 @@ def call_profile(events, calls, marker=is_ours):
         cycle.append(events[starts[c + 1]][0] - events[starts[c]][0])
         mine.append(sum(d for _, d, n, *_ in window if marker(n)))
         other.append(sum(d for _, d, n, *_ in window if not marker(n)))
-        for _, d, n, *_ in window:
+        for t0, d, n, *_ in window:
             names[kernel_name(n)] = names.get(kernel_name(n), 0) + d
+            at = spans.setdefault(kernel_name(n), ([], []))  # its first start, last end
+            if len(at[0]) < len(cycle):
+                at[0].append(t0 - events[starts[c]][0])
+                at[1].append(0)
+            at[1][-1] = max(at[1][-1], t0 + d - events[starts[c]][0])
     if not cycle:
         return None
     k = len(cycle)
     med = lambda v: float(np.median(v)) / 1e3  # noqa: E731
     return {"calls": k, "cycle": med(cycle), "kernels": med(mine), "other": med(other),
             "idle": med(np.subtract(cycle, np.add(mine, other))),
-            "per_name": {n: v / k / 1e3 for n, v in names.items()}}
+            "per_name": {n: v / k / 1e3 for n, v in names.items()},
+            "spans": {n: (med(a), med(b)) for n, (a, b) in spans.items()}}
 
 
 def print_call_profiles(profiles):
@@ -390,6 +396,9 @@ def print_call_profiles(profiles):
         print(f"{name}: cycle {p['cycle']:.1f} = kernels {p['kernels']:.1f} + other "
               f"{p['other']:.1f} + idle {p['idle']:.1f}")
         print("    " + ", ".join(f"{n} {v:.1f}" for n, v in p["per_name"].items()))
+        print("    from the call's first kernel, median first start-last end: " + ", ".join(
+            f"{n} {a:.1f}-{b:.1f}" for n, (a, b) in sorted(p["spans"].items(),
+                                                           key=lambda kv: kv[1][0])))
 
 
 def print_phases(profiles):
