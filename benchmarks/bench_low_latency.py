@@ -364,7 +364,7 @@ def main():
                 repeats=args.repeats) * 1e6
             gpu = None
             if args.profile and jax.default_backend() == "gpu" and marker is not None:
-                if name.startswith("jax_ep") and backend == "cuda":  # one op: its phases
+                if marker is is_ours and backend == "cuda":  # its kernels' phases
                     profiles.append((name, profile_body(f, chained, AXIS, smap, a)))
                 gpu = call_profile(gpu_events(looped_f, *a), args.calls, marker)
                 call_profiles.append((name, gpu))
