@@ -219,8 +219,8 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             record("jax_ep low_latency_combine BF16 (alone), 16 CTAs",
                    partial(combine_alone, blocks=16), arrays[0], w, *arrays[1:], chained=1)
 
-        def combine_overlapped(x, y, w, weight, *h, blocks=None):
-            handle = LowLatencyHandle(*h, config=tuned(blocks))
+        def combine_overlapped(x, y, w, weight, *h, blocks=None, config=None):
+            handle = LowLatencyHandle(*h, config=config or tuned(blocks))
             pending = jax_ep.low_latency_combine_send(y, w, handle)
             x_after, pending = jax.lax.optimization_barrier((x, pending))
             s = matmul(x_after, None, weight)
@@ -231,6 +231,52 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             record("combine send -> matmul -> receive" + (f", {blocks} CTAs" if blocks else ""),
                    partial(combine_overlapped, blocks=blocks), x, arrays[0], w, weight,
                    *arrays[1:], chained=0)
+
+        # y written in every call before the combine, as a layer's expert GEMM writes it (the
+        # rows above read the same y every call: from HBM, the matmul having evicted it from
+        # L2); packed rows (expert_major), so that writing y costs ~30 MB, not the blocks' 470
+        packed_config = dataclasses.replace(config, layout="expert_major")
+
+        def packed_arrays(x, idx):
+            o = jax_ep.low_latency_dispatch(x, idx, use_fp8=False, layout="expert_major", **ll)
+            h = o.handle
+            return (jnp.where((h.src_rank >= 0)[..., None], o.x, 0), h.topk_idx, h.send_slot,
+                    h.src_rank, h.src_token, h.src_k, h.recv_count, h.pair_row)
+
+        packed = jax.jit(smap(packed_arrays, in_specs=(P(AXIS),) * 2))(x, idx_d)
+
+        def written(x, y):  # a new y of the same values (no kernel fuses into a custom call)
+            return y * (1 + 0 * x[0, 0]).astype(y.dtype)
+
+        def written_matmul(x, y, weight):
+            x_after, y = jax.lax.optimization_barrier((x, written(x, y)))
+            return matmul(x_after, None, weight), y[0, :1]
+
+        def written_combine_matmul(x, y, w, weight, *h):
+            out = jax_ep.low_latency_combine(written(x, y), w,
+                                             LowLatencyHandle(*h, config=packed_config))
+            x_after, out = jax.lax.optimization_barrier((x, out))
+            return out, matmul(x_after, None, weight)
+
+        def written_combine_overlapped(x, y, w, weight, *h):
+            handle = LowLatencyHandle(*h, config=packed_config)
+            pending = jax_ep.low_latency_combine_send(written(x, y), w, handle)
+            x_after, pending = jax.lax.optimization_barrier((x, pending))
+            s = matmul(x_after, None, weight)
+            s, pending = jax.lax.optimization_barrier((s, pending))
+            return jax_ep.low_latency_combine_receive(pending, handle), s
+
+        def packed_overlapped(x, y, w, weight, *h):
+            return combine_overlapped(x, y, w, weight, *h, config=packed_config)
+
+        record("combine send -> matmul -> receive, expert_major", packed_overlapped, x,
+               packed[0], w, weight, *packed[1:], chained=0)
+        record("y written -> matmul", written_matmul, x, packed[0], weight, chained=0,
+               marker=None)
+        record("y written -> combine -> matmul", written_combine_matmul, x, packed[0], w,
+               weight, *packed[1:], chained=0)
+        record("y written -> combine send -> matmul -> receive", written_combine_overlapped, x,
+               packed[0], w, weight, *packed[1:], chained=0)
     except Exception as e:
         rows.append(("jax_ep low_latency_combine BF16 (alone)",) + (float("nan"),) * 3)
         if jax.process_index() == 0:
