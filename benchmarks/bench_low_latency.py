@@ -16,12 +16,15 @@ out of the loop); on a GPU a second row runs the send on a second XLA stream
 (``compute_on("gpu_stream:1")``) beside the matmul, and more rows put the matmul there
 (``jax_ep.on_stream``; alone, as the stream call's own cost) with the send and receive, or the
 whole dispatch, beside it on the program's stream, at the default CTAs and fewer. The
-combine-alone row reuses one dispatch's handle for every call. The ``expert_major`` rows
-dispatch (and combine) the packed layout, the ``records`` rows each token once; the expert
-MLP rows (GPU, ``--ffn F``) take one dispatch's FP8 rows through a SiLU MLP per local expert:
-on the blocks, dequantized whole and through batched GEMMs over all L*R*M rows, on the packed
-rows through grouped GEMMs (``experts.grouped_matmul``: the Mosaic GPU kernels, and jax_ep's
-``impl="cuda"``), and on the records through ``impl="cuda"`` reading them by index.
+combine-alone row reuses one dispatch's handle for every call; the combine's split rows run
+combine-send, the matmul, combine-receive, and the ``y written`` rows write y in every call
+first (packed rows), as a layer's expert GEMM leaves it in L2 for the send. The
+``expert_major`` rows dispatch (and combine) the packed layout, the ``records`` rows each token
+once; the expert MLP rows (GPU, ``--ffn F``) take one dispatch's FP8 rows through a SiLU MLP
+per local expert: on the blocks, dequantized whole and through batched GEMMs over all L*R*M
+rows, on the packed rows through grouped GEMMs (``experts.grouped_matmul``: the Mosaic GPU
+kernels, and jax_ep's ``impl="cuda"``), and on the records through ``impl="cuda"`` reading them
+by index.
 A send cannot be timed alone: a third send waits for the receive of the first.
 """
 
