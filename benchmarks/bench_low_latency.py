@@ -470,10 +470,11 @@ def main():
         for name, found in details:  # CUPTI's launch details of the row's kernels
             for kernel, text in sorted(found.items()):
                 print(f"{name}: {kernel[:48]} {text}")
-    if profiles:  # every rank: one rank's receive waits on the others' sends
+    # every rank (a split combine's sum on one waits for the other's send); rows of several
+    # ops (a split call beside a GEMM) too
+    if profiles:
         print_phases(profiles)
-    if jax.process_index() == 0:  # rows of several ops (a split call beside a GEMM) too
-        print_call_profiles(call_profiles)
+    print_call_profiles(call_profiles)
 
 
 if __name__ == "__main__":

@@ -385,10 +385,10 @@ def print_call_profiles(profiles):
     """Prints call_profile results: [(operation, profile)]."""
     if not profiles:
         return
-    print("\nGPU time per call from a profiler (CUPTI) trace of the same chained program, rank "
-          "0, medians over the middle calls (µs): cycle = the operation's kernels + other GPU "
-          "work (the chain's own ops) + idle (kernels of one call may overlap: programmatic "
-          "launch)")
+    print("\nGPU time per call from a profiler (CUPTI) trace of the same chained program on "
+          "this rank, medians over the middle calls (µs): cycle = the operation's kernels + "
+          "other GPU work (the chain's own ops) + idle (kernels of one call may overlap: "
+          "programmatic launch)")
     for name, p in profiles:
         if p is None:
             print(f"{name}: the operation's kernels not found in the trace")
@@ -403,7 +403,7 @@ def print_call_profiles(profiles):
 
 def print_phases(profiles):
     """Prints kernel_phases results: [(operation, phases)]."""
-    print("\nKernel phases of one call on rank 0, µs from the first kernel's start: entered "
+    print("\nKernel phases of one call on this rank, µs from the first kernel's start: entered "
           "(first block) / done waiting for peers (last block) / finished (first block, last "
           "block) / retired (last block past its closing fences and flags)")
     for name, phases in profiles:
