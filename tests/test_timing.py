@@ -70,6 +70,23 @@ def test_call_profile_splits_each_call():
                              "loop_add_fusion_1": pytest.approx(2.0)}
 
 
+def test_call_profile_spans_kernels_beside_each_other():
+    """A split call: its send beside a GEMM, its sum after it; each kernel's first start and
+    last end from the call's first kernel of ours (medians)."""
+    events, t = [], 5000
+    for _ in range(20):
+        events += [(t, 70000, _SEND), (t + 3000, 72000, "sm90_xmma_gemm"),
+                   (t + 78000, 10000, _SEND.replace("18ll_dispatch_kernel", "13ll_sum_kernel")),
+                   (t + 78500, 1000, "sm90_xmma_gemm")]  # a second launch: the last end
+        t += 100000
+    p = timing.call_profile(events, 20)
+    assert p["cycle"] == pytest.approx(100.0)
+    assert p["spans"]["ll_dispatch_kernel"] == (pytest.approx(0.0), pytest.approx(70.0))
+    assert p["spans"]["sm90_xmma_gemm"] == (pytest.approx(3.0), pytest.approx(79.5))
+    assert p["spans"]["ll_sum_kernel"] == (pytest.approx(78.0), pytest.approx(88.0))
+    assert p["per_name"]["sm90_xmma_gemm"] == pytest.approx(73.0)
+
+
 def test_call_profile_needs_the_calls():
     assert timing.call_profile([(0, 1000, "loop_add_fusion_1")], 10) is None
     assert timing.call_profile(_chain(7), 10) is None  # not a multiple of the calls
