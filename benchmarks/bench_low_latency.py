@@ -230,6 +230,14 @@ def jax_ep_rows(record, rows, backend, x, idx_d, w, rng, shard, smap, ll, R, T, 
             s, pending = jax.lax.optimization_barrier((s, pending))
             return jax_ep.low_latency_combine_receive(pending, handle), s
 
+        def combine_split(y, w, *h):  # the halves with no work between: the sum's own cost
+            handle = LowLatencyHandle(*h, config=config)
+            return jax_ep.low_latency_combine_receive(
+                jax_ep.low_latency_combine_send(y, w, handle), handle)
+
+        if jax.default_backend() == "gpu":
+            record("combine send then receive", combine_split, arrays[0], w, *arrays[1:],
+                   chained=1)
         for blocks in ((None, 40, 32, 24, 16, 8) if jax.default_backend() == "gpu" else ()):
             record("combine send -> matmul -> receive" + (f", {blocks} CTAs" if blocks else ""),
                    partial(combine_overlapped, blocks=blocks), x, arrays[0], w, weight,

@@ -277,9 +277,14 @@ def _profiled(f, *a):
         return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
 
 
-def _gpu_planes(data):
-    return sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
-                  key=lambda p: p.name)
+def _own_gpu_plane(data):
+    """The trace's plane of this process's GPU, None if it has none. CUPTI may give a plane to
+    every GPU the process sees (its peers' too, named by CUDA ordinal); this process's is the
+    one holding its activity."""
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    # (a plane's events are iterable, not sized)
+    return max(planes, key=lambda p: sum(1 for line in p.lines for _ in line.events),
+               default=None)
 
 
 def kernel_details(f, *a):
@@ -287,9 +292,9 @@ def kernel_details(f, *a):
     GPU: grid, block, registers a thread and shared memory a block, i.e. whether a kernel's
     blocks leave room beside another's on an SM (XLA's persistent GEMMs hold every SM)."""
     data = _profiled(f, *a)
-    planes = [] if data is None else _gpu_planes(data)
+    plane = None if data is None else _own_gpu_plane(data)
     found = {}
-    for line in planes[0].lines if planes else ():
+    for line in plane.lines if plane is not None else ():
         for e in line.events:
             details = dict(e.stats).get("kernel_details")
             if details:
@@ -299,7 +304,7 @@ def kernel_details(f, *a):
 
 def gpu_events(f, *a, streams=False, host=None):
     """Runs f once (after a warm-up) under the JAX profiler and returns the GPU activity of
-    this process's first GPU as sorted (start ns, duration ns, name): every kernel, copy and
+    this process's GPU as sorted (start ns, duration ns, name): every kernel, copy and
     memset, as CUPTI records it; `streams`: (start, duration, name, the trace's line, i.e.
     the stream it ran on). `host`: a regular expression; then also the host's events whose
     names match it (XLA's thunks, CUDA API calls), as (start, duration, name, "host " + the
@@ -308,10 +313,10 @@ def gpu_events(f, *a, streams=False, host=None):
     data = _profiled(f, *a)
     if data is None:
         return []
-    planes = _gpu_planes(data)
-    gpu = [] if not planes else sorted(
+    plane = _own_gpu_plane(data)
+    gpu = [] if plane is None else sorted(
         (e.start_ns, e.duration_ns, e.name) + ((line.name,) if streams else ())
-        for line in planes[0].lines for e in line.events)
+        for line in plane.lines for e in line.events)
     if host is None:
         return gpu
     wanted = re.compile(host)

@@ -218,3 +218,29 @@ def test_kernel_details_reads_cuptis_launch_details(monkeypatch):
     assert timing.kernel_details(None) == {"sm90_gemm": "regs:168 grid:132,1,1 block:384,1,1"}
     monkeypatch.setattr(timing, "_profiled", lambda f, *a: None)
     assert timing.kernel_details(None) == {}
+
+
+class _Events:
+    """Iterable but not sized, as the profiler's events of a line are."""
+
+    def __init__(self, events):
+        self._events = events
+
+    def __iter__(self):
+        return iter(self._events)
+
+
+def test_own_gpu_plane_is_the_one_with_activity():
+    # a process sees its peer's GPU too: CUPTI gives that one a plane of its own, empty, and
+    # it may sort first (rank 1 runs on /device:GPU:1)
+    from types import SimpleNamespace as NS
+
+    def plane(name, n):
+        line = NS(name="stream 7", events=_Events([NS(start_ns=i, duration_ns=1, name="k")
+                                                    for i in range(n)]))
+        return NS(name=name, lines=[line])
+
+    data = NS(planes=[plane("/host:CPU", 9), plane("/device:GPU:0", 0),
+                      plane("/device:GPU:1", 3)])
+    assert timing._own_gpu_plane(data).name == "/device:GPU:1"
+    assert timing._own_gpu_plane(NS(planes=[plane("/host:CPU", 2)])) is None
