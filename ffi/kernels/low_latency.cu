@@ -178,6 +178,25 @@ __device__ __forceinline__ void leave_consumed(const PeerContext& ctx, int op, u
   reinterpret_cast<volatile uint64_t*>(ll_control(ctx, ctx.rank)->consumed_pending)[op] = n;
 }
 
+// The entry of a split call's receive kernel (its send's kernel has completed: kernel order):
+// returns the call number of `op` and sets *fresh to whether its send found its parity's last
+// shape (`fresh_words`: LLControl's dispatch_fresh or combine_fresh); block 0's last warp
+// raises what the kernels before left pending and leaves this receive's consumed flags for
+// the next kernel.
+template <bool kPuts>
+__device__ __forceinline__ uint64_t enter_split_receive(const PeerContext& ctx,
+                                                        const int32_t* call,
+                                                        const uint64_t* fresh_words, int op,
+                                                        bool* fresh) {
+  const uint64_t n = read_call(call);
+  *fresh = reinterpret_cast<const volatile uint64_t*>(fresh_words)[n & 1] != 0;
+  if (blockIdx.x == 0 && threadIdx.x >= kLLThreads - 32) {
+    warp_raise_consumed<kPuts>(ctx);
+    if (threadIdx.x == kLLThreads - 32) leave_consumed(ctx, op, n);
+  }
+  return n;
+}
+
 // One thread of each block of a send, once the block has read the call counter and the last
 // calls' shapes (past a barrier after warp 0's loads): counts the block in and returns
 // whether it was the last; that block may then overwrite them with the call's bookkeeping
@@ -964,14 +983,9 @@ template <bool kPuts, bool kRecords>
 __global__ void __launch_bounds__(kLLThreads) ll_dispatch_receive_kernel(LLDispatchReceiveArgs a) {
   extern __shared__ int smem[];
   wait_previous_kernel();
-  const uint64_t n = read_call(a.call);
-  // whether its send found its parity's last shape (that send has completed: kernel order)
-  const bool fresh = reinterpret_cast<const volatile uint64_t*>(
-                         ll_control(a.ctx, a.ctx.rank)->dispatch_fresh)[n & 1] != 0;
-  if (blockIdx.x == 0 && threadIdx.x >= kLLThreads - 32) {
-    warp_raise_consumed<kPuts>(a.ctx);
-    if (threadIdx.x == kLLThreads - 32) leave_consumed(a.ctx, kOpDispatch, n);
-  }
+  bool fresh;
+  const uint64_t n = enter_split_receive<kPuts>(
+      a.ctx, a.call, ll_control(a.ctx, a.ctx.rank)->dispatch_fresh, kOpDispatch, &fresh);
   dispatch_receive<kPuts, kRecords>(a, smem, n, fresh);
 }
 
@@ -1567,14 +1581,9 @@ __global__ void __launch_bounds__(kLLThreads) ll_combine_send_kernel(LLCombineSe
 template <bool kPuts>
 __global__ void __launch_bounds__(kLLThreads) ll_combine_receive_kernel(LLCombineReceiveArgs a) {
   wait_previous_kernel();
-  const uint64_t n = read_call(a.call);
-  // as its send decided (that send has completed: kernel order)
-  const bool fresh = reinterpret_cast<const volatile uint64_t*>(
-                         ll_control(a.ctx, a.ctx.rank)->combine_fresh)[n & 1] != 0;
-  if (blockIdx.x == 0 && threadIdx.x >= kLLThreads - 32) {
-    warp_raise_consumed<kPuts>(a.ctx);
-    if (threadIdx.x == kLLThreads - 32) leave_consumed(a.ctx, kOpCombine, n);
-  }
+  bool fresh;
+  const uint64_t n = enter_split_receive<kPuts>(
+      a.ctx, a.call, ll_control(a.ctx, a.ctx.rank)->combine_fresh, kOpCombine, &fresh);
   combine_receive<kPuts>(a, n, fresh && !kPuts && a.ctx.whole_lines);
 }
 
