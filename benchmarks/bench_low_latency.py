@@ -17,7 +17,8 @@ out of the loop); on a GPU a second row runs the send on a second XLA stream
 (``jax_ep.on_stream``; alone, as the stream call's own cost) with the send and receive, or the
 whole dispatch, beside it on the program's stream, at the default CTAs and fewer. The
 combine-alone row reuses one dispatch's handle for every call; the combine's split rows run
-combine-send, the matmul, combine-receive, and the ``y written`` rows write y in every call
+combine-send, the matmul, combine-receive ("combine send then receive": no work between, the
+receive's own cost), and the ``y written`` rows write y in every call
 first (packed rows), as a layer's expert GEMM leaves it in L2 for the send. The
 ``expert_major`` rows dispatch (and combine) the packed layout, the ``records`` rows each token
 once; the expert MLP rows (GPU, ``--ffn F``) take one dispatch's FP8 rows through a SiLU MLP
